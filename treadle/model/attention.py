@@ -1,0 +1,106 @@
+"""Paged attention over block tables, for decode tokens and prefill chunks in one flattened batch.
+
+The KV cache of a layer is two tensors [num_blocks, block_size, num_kv_heads, head_dim]; token
+slot s lives at block s // block_size, offset s % block_size. Each step writes the new keys and
+values into their slots, then every query attends over its own sequence's blocks.
+
+Decode tokens (one query each) are attended in one batched call over block tables padded to the
+longest context; prefill chunks go one sequence at a time (few per step, many tokens each), causal
+inside the chunk and full over the context computed before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """Tokens [start, end) of the flattened batch: one sequence's chunk."""
+
+    start: int
+    end: int
+    context_len: int  # cached tokens before the chunk + the chunk's own
+    block_table: torch.Tensor  # [blocks covering context_len]
+    mask: torch.Tensor | None  # [chunk, context_len] bool; None when the chunk starts at 0
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the runner and shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] long: cache slot of each new token
+    decode_indices: torch.Tensor | None  # [num_decodes] positions in the batch; None: all tokens
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillChunk]
+
+
+class KVCache:
+    """Preallocated key and value blocks for every layer."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype) -> None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] for the batch's new tokens; returns [T, H, D]."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+
+    if meta.decode_indices is None and not meta.prefills:
+        return decode_attention(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
+    if meta.decode_indices is not None:
+        out[meta.decode_indices] = decode_attention(
+            q[meta.decode_indices], k_cache, v_cache, meta, scale)
+    for chunk in meta.prefills:
+        out[chunk.start:chunk.end] = prefill_attention(
+            q[chunk.start:chunk.end], k[chunk.start:chunk.end], v[chunk.start:chunk.end],
+            k_cache, v_cache, chunk, scale)
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One query per sequence. The query heads sharing a KV head are laid along SDPA's query
+    axis, so grouped-query attention needs no copy of the keys per query head."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    tables = meta.decode_block_tables
+    keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
+    values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    query = q.view(num_seqs, num_kv_heads, group, head_dim)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask,
+                                         scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+    """One sequence's chunk: causal inside it, full over the context before it."""
+    if chunk.mask is None:  # the whole context is this chunk: no need to read the cache
+        keys, values = k, v
+    else:
+        keys = k_cache[chunk.block_table].flatten(0, 1)[:chunk.context_len]
+        values = v_cache[chunk.block_table].flatten(0, 1)[:chunk.context_len]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+        attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)

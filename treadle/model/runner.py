@@ -1,0 +1,139 @@
+"""ModelRunner: turns a step's batch description into tensors, runs the model, returns logits.
+
+It knows sequences only as token ids, a count of tokens already cached and a block table; it knows
+nothing of requests, sampling or where a request came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from treadle.config import CacheConfig, ModelConfig
+from treadle.model.attention import AttentionMetadata, KVCache, PrefillChunk
+from treadle.model.llama import LlamaModel
+from treadle.model.loader import LoadedModel, load_model
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's share of a step."""
+
+    token_ids: list[int]  # the tokens to compute this step (a prefill chunk, or one decode token)
+    num_computed_tokens: int  # tokens of this sequence already in the KV cache
+    block_table: list[int]  # blocks covering num_computed_tokens + len(token_ids) slots
+    all_logits: bool = False  # logits at every position (prompt logprobs), not only the last
+
+
+@dataclass
+class ModelInput:
+    sequences: list[ScheduledSequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, model_config: ModelConfig,
+                 cache_config: CacheConfig) -> None:
+        spec = loaded.spec
+        self.spec = spec
+        self.dtype = torch_dtype(model_config.dtype)
+        limit = spec.max_position_embeddings
+        if spec.sliding_window:  # no sliding-window attention: stay inside the window
+            limit = min(limit, spec.sliding_window)
+        self.max_model_len = min(model_config.max_model_len or limit, limit)
+        self.block_size = cache_config.block_size
+        num_blocks = cache_config.num_blocks or max(1, cache_config.kv_cache_memory_bytes
+                                                    // KVCache.bytes_per_block(
+                                                        spec.num_layers, self.block_size,
+                                                        spec.num_kv_heads, spec.head_dim,
+                                                        self.dtype))
+        self.model = LlamaModel(spec, loaded.weights, self.dtype, self.max_model_len)
+        self.kv_cache = KVCache(spec.num_layers, num_blocks, self.block_size, spec.num_kv_heads,
+                                spec.head_dim, self.dtype)
+
+    @classmethod
+    def from_config(cls, model_config: ModelConfig, cache_config: CacheConfig) -> ModelRunner:
+        loaded = load_model(model_config.model, torch_dtype(model_config.dtype))
+        return cls(loaded, model_config, cache_config)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    def execute(self, model_input: ModelInput) -> torch.Tensor:
+        """Float32 logits [rows, vocab]: for each sequence in order, one row for its last token,
+        or one per token when it asked for all_logits."""
+        input_ids, positions, meta, logits_indices = self.prepare(model_input)
+        return self.model.forward(input_ids, positions, meta, self.kv_cache, logits_indices)
+
+    def prepare(self, model_input: ModelInput
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        for seq in model_input.sequences:
+            start, n = seq.num_computed_tokens, len(seq.token_ids)
+            context_len = start + n
+            if context_len > self.max_model_len:
+                raise ValueError(f"sequence of {context_len} tokens exceeds max_model_len "
+                                 f"{self.max_model_len}")
+            if len(seq.block_table) * bs < context_len:
+                raise ValueError(f"block table of {len(seq.block_table)} blocks cannot hold "
+                                 f"{context_len} tokens")
+            row = len(input_ids)
+            input_ids.extend(seq.token_ids)
+            table = seq.block_table
+            for pos in range(start, context_len):
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+            if seq.all_logits:
+                logits_rows.extend(range(row, row + n))
+            else:
+                logits_rows.append(row + n - 1)
+            if n == 1:
+                decode_rows.append(row)
+                decode_tables.append(table[:(context_len + bs - 1) // bs])
+                decode_lens.append(context_len)
+            else:
+                prefills.append(self.prefill_chunk(row, start, n, table))
+
+        num_tokens = len(input_ids)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            decode_indices=None, decode_block_tables=None, decode_mask=None, prefills=prefills)
+        if decode_rows:
+            max_blocks = max(len(t) for t in decode_tables)
+            meta.decode_block_tables = torch.tensor(
+                [t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long)
+            lens = torch.tensor(decode_lens)
+            meta.decode_mask = (torch.arange(max_blocks * bs) < lens[:, None])[:, None, None, :]
+            if len(decode_rows) < num_tokens:
+                meta.decode_indices = torch.tensor(decode_rows, dtype=torch.long)
+        logits_indices = (None if len(logits_rows) == num_tokens
+                          else torch.tensor(logits_rows, dtype=torch.long))
+        return (torch.tensor(input_ids, dtype=torch.long),
+                torch.tensor(positions, dtype=torch.long), meta, logits_indices)
+
+    def prefill_chunk(self, row: int, start: int, n: int, table: list[int]) -> PrefillChunk:
+        context_len = start + n
+        mask = None
+        if start > 0:  # query i sits at position start + i and sees keys 0 .. start + i
+            mask = (torch.arange(context_len)[None, :]
+                    <= torch.arange(start, context_len)[:, None])
+        blocks = table[:(context_len + self.block_size - 1) // self.block_size]
+        return PrefillChunk(start=row, end=row + n, context_len=context_len,
+                            block_table=torch.tensor(blocks, dtype=torch.long), mask=mask)
