@@ -1,0 +1,93 @@
+"""Helpers shared by the model tests: tiny random-weight models of each architecture, saved as
+Hugging Face folders by transformers itself, and a greedy decoding loop over the ModelRunner that
+hands out blocks trivially (the engine's cache manager is tested on its own)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+from treadle.config import CacheConfig, ModelConfig
+from treadle.model.loader import load_model
+from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+ARCHITECTURES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                   {"tie_word_embeddings": True}),
+    "llama3-rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+        "rope_theta": 500000.0}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
+                {"sliding_window": None}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),
+}
+
+
+def build_tiny_model(arch: str, folder: Path, seed: int = 0) -> torch.nn.Module:
+    """A random-weight model of `arch` saved to `folder`; every tensor (norms and biases too)
+    is random so that a wrong mapping of any one of them shows in the logits."""
+    config_cls, model_cls, extra = ARCHITECTURES[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**TINY, **extra)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return model
+
+
+def make_runner(model: str | Path | None, dtype: str = "float32", block_size: int = 16,
+                num_blocks: int = 512) -> ModelRunner:
+    model_config = ModelConfig(model=None if model is None else str(model), dtype=dtype)
+    cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks)
+    loaded = load_model(model_config.model, torch.float32 if dtype == "float32" else torch.bfloat16)
+    return ModelRunner(loaded, model_config, cache_config)
+
+
+def greedy_decode(runner: ModelRunner, prompts: list[list[int]], max_tokens: int,
+                  chunk_size: int | None = None, together: bool = True) -> list[list[int]]:
+    """Greedy tokens for each prompt. `together`: every sequence in the same steps (prefill
+    chunks mixed with other sequences' decodes); else one sequence after another.
+    `chunk_size`: prefill in pieces of at most that many tokens."""
+    if not together:
+        return [greedy_decode(runner, [p], max_tokens, chunk_size)[0] for p in prompts]
+    bs = runner.block_size
+    blocks_per_seq = (max(len(p) for p in prompts) + max_tokens + bs - 1) // bs
+    assert blocks_per_seq * len(prompts) <= runner.num_blocks
+    # Interleave block ids across sequences so that no table is a contiguous range.
+    tables = [list(range(i, blocks_per_seq * len(prompts), len(prompts)))
+              for i in range(len(prompts))]
+    tokens = [list(p) for p in prompts]
+    computed = [0] * len(prompts)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    while any(len(o) < max_tokens for o in outputs):
+        seqs, owners = [], []
+        for i, toks in enumerate(tokens):
+            if len(outputs[i]) >= max_tokens:
+                continue
+            n = len(toks) - computed[i]
+            if chunk_size is not None:
+                n = min(n, chunk_size)
+            seqs.append(ScheduledSequence(toks[computed[i]:computed[i] + n], computed[i],
+                                          tables[i]))
+            owners.append(i)
+        logits = runner.execute(ModelInput(seqs))
+        for row, (i, seq) in enumerate(zip(owners, seqs, strict=True)):
+            computed[i] += len(seq.token_ids)
+            if computed[i] == len(tokens[i]):
+                token = int(logits[row].argmax())
+                tokens[i].append(token)
+                outputs[i].append(token)
+    return outputs

@@ -1,0 +1,92 @@
+"""The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against transformers loading the same
+GGUF file itself, in float32: logits at every position, and greedy tokens across batching,
+chunked prefill and block sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_utils import greedy_decode, make_runner
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from treadle.model.loader import default_model_path
+from treadle.model.runner import ModelInput, ScheduledSequence
+
+pytestmark = pytest.mark.default_model
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash map is in two sentences.",
+    "List three prime numbers greater than 50.",
+    "Why is the sky blue?",
+    "Translate 'good morning' into Spanish and German.",
+    "def fibonacci(n):",
+    "Once upon a time, in a village at the edge of a forest,",
+]
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                           add_generation_prompt=True) for q in QUESTIONS[:6]]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in chats + QUESTIONS[6:]]
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return make_runner(None, block_size=16, num_blocks=128)
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(runner, prompts):
+    return greedy_decode(runner, prompts, MAX_TOKENS)
+
+
+def test_logits_match_transformers_at_every_position(runner, hf_model, prompts):
+    ids = prompts[0] + prompts[6]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0]
+    ours = runner.execute(ModelInput([ScheduledSequence(ids, 0, list(range(10, 20)),
+                                                        all_logits=True)]))
+    assert (ours - ref).abs().max().item() < 1e-3
+
+
+def test_greedy_matches_transformers_generate(hf_model, prompts, reference_tokens):
+    for prompt, tokens in zip(prompts, reference_tokens, strict=True):
+        ids = torch.tensor([prompt])
+        # An explicit mask: the prompt holds <|im_end|>, which is also the pad token, and
+        # generate would otherwise mask it out.
+        with torch.no_grad():
+            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids),
+                                    max_new_tokens=MAX_TOKENS, do_sample=False,
+                                    eos_token_id=None, pad_token_id=2)
+        assert tokens == out[0, len(prompt):].tolist()
+
+
+def test_greedy_one_at_a_time_equals_batch(runner, prompts, reference_tokens):
+    assert greedy_decode(runner, prompts, MAX_TOKENS, together=False) == reference_tokens
+
+
+def test_greedy_chunked_prefill_equals_batch(runner, prompts, reference_tokens):
+    assert greedy_decode(runner, prompts, MAX_TOKENS, chunk_size=7) == reference_tokens
+
+
+@pytest.mark.parametrize("block_size", [1, 32])
+def test_greedy_block_size_does_not_matter(block_size, prompts, reference_tokens):
+    runner = make_runner(None, block_size=block_size, num_blocks=2048 // block_size)
+    assert greedy_decode(runner, prompts, MAX_TOKENS) == reference_tokens
