@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from treadle.model.attention import AttentionMetadata, KVCache, paged_attention
+from treadle.model.linear import Linear
 from treadle.model.loader import ModelSpec
 
 
@@ -47,7 +48,7 @@ class LlamaModel:
         self.scale = spec.head_dim ** -0.5
         w = weights
         self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = self.embed if spec.tie_word_embeddings else w["lm_head.weight"]
+        self.lm_head = Linear(self.embed if spec.tie_word_embeddings else w["lm_head.weight"])
         self.final_norm = w["model.norm.weight"]
         self.layers = []
         for i in range(spec.num_layers):
@@ -58,14 +59,14 @@ class LlamaModel:
             self.layers.append({
                 "input_norm": w[p + "input_layernorm.weight"],
                 "post_norm": w[p + "post_attention_layernorm.weight"],
-                "qkv": torch.cat([w[attn + "q_proj.weight"], w[attn + "k_proj.weight"],
-                                  w[attn + "v_proj.weight"]]),
-                "qkv_bias": qkv_bias,
+                "qkv": Linear(torch.cat([w[attn + "q_proj.weight"], w[attn + "k_proj.weight"],
+                                         w[attn + "v_proj.weight"]]), qkv_bias),
                 "q_norm": w.get(attn + "q_norm.weight"),
                 "k_norm": w.get(attn + "k_norm.weight"),
-                "o": w[attn + "o_proj.weight"],
-                "gate_up": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-                "down": w[p + "mlp.down_proj.weight"],
+                "o": Linear(w[attn + "o_proj.weight"]),
+                "gate_up": Linear(torch.cat([w[p + "mlp.gate_proj.weight"],
+                                             w[p + "mlp.up_proj.weight"]])),
+                "down": Linear(w[p + "mlp.down_proj.weight"]),
             })
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inverse_frequencies(spec))
@@ -73,11 +74,12 @@ class LlamaModel:
         self.rope_sin = freqs.sin().to(dtype)
 
     def num_parameters(self) -> int:
-        tensors = [self.embed, self.final_norm] + [t for layer in self.layers
-                                                    for t in layer.values() if t is not None]
-        if self.lm_head is not self.embed:
-            tensors.append(self.lm_head)
-        return sum(t.numel() for t in tensors)
+        """Parameters read by a decode step (a tied embedding counts once, as the LM head)."""
+        count = self.lm_head.numel + self.final_norm.numel()
+        for layer in self.layers:
+            count += sum(p.numel if isinstance(p, Linear) else p.numel()
+                         for p in layer.values() if p is not None)
+        return count
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, weight.shape, weight, self.spec.rms_norm_eps)
@@ -101,7 +103,7 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             residual = hidden
             x = self.rms_norm(hidden, layer["input_norm"])
-            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            qkv = layer["qkv"](x)
             q, k, v = qkv.split([num_q * head_dim, num_kv * head_dim, num_kv * head_dim], dim=-1)
             q = q.view(num_tokens, num_q, head_dim)
             k = k.view(num_tokens, num_kv, head_dim)
@@ -112,12 +114,12 @@ class LlamaModel:
             q = self.apply_rope(q, cos, sin)
             k = self.apply_rope(k, cos, sin)
             attn = paged_attention(q, k, v, kv_cache.keys[i], kv_cache.values[i], meta, self.scale)
-            hidden = residual + F.linear(attn.reshape(num_tokens, num_q * head_dim), layer["o"])
+            hidden = residual + layer["o"](attn.reshape(num_tokens, num_q * head_dim))
             residual = hidden
             x = self.rms_norm(hidden, layer["post_norm"])
-            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            hidden = residual + F.linear(F.silu(gate) * up, layer["down"])
+            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+            hidden = residual + layer["down"](F.silu(gate) * up)
         if logits_indices is not None:
             hidden = hidden[logits_indices]
         hidden = self.rms_norm(hidden, self.final_norm)
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
