@@ -1,0 +1,85 @@
+"""Request: the single source of one generation's state, from arrival to finish.
+
+Its tokens live in one list, `all_token_ids` (prompt then outputs); everything else about them is
+derived. `num_computed_tokens` counts the tokens whose KV is in the cache: prefill chunks, prefix
+hits and decode steps all just advance it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from treadle.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in FINISH_REASONS
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams | None = None, *, priority: int = 0,
+                 arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+        self.request_id = request_id
+        self.sampling_params = sampling_params or SamplingParams()
+        self.priority = priority  # lower runs first under the priority policy
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.cache_salt = cache_salt  # requests share cached blocks only under the same salt
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hit at the first schedule, for usage reports
+        self.num_preemptions = 0
+        self.num_skips = 0  # steps the scheduler passed over it while waiting, for lack of blocks
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The finish reason reported to clients (stop, length, abort, error); None until then."""
+        return FINISH_REASONS.get(self.status)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")
