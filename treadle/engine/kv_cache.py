@@ -253,6 +253,13 @@ class KVCacheManager:
                                               num_tokens // self.block_size)
         return [block.block_id for block in table]
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (after a failed step, whose published blocks may hold
+        half-written KV); blocks stay where they are, only their hashes go."""
+        for block in self.block_pool.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.block_pool.cached_block_hash_to_block.clear()
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first; its cached blocks stay hittable until
         evicted. A no-op for a request that holds none."""

@@ -1,0 +1,96 @@
+"""Offline API: `LLM(model).generate(prompts, sampling_params)` runs requests to completion."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from treadle.config import DEFAULT_DTYPE, CacheConfig, ModelConfig, SchedulerConfig
+from treadle.engine.core import EngineCore
+from treadle.engine.sampling_params import SamplingParams
+from treadle.model.loader import load_model
+from treadle.model.runner import torch_dtype
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = DEFAULT_DTYPE,
+                 max_model_len: int | None = None, block_size: int = 16,
+                 num_blocks: int | None = None, kv_cache_memory_bytes: int = 1 << 30,
+                 enable_prefix_caching: bool = True, max_num_batched_tokens: int = 512,
+                 max_num_seqs: int = 128, long_prefill_token_threshold: int = 256,
+                 policy: str = "fcfs") -> None:
+        model_config = ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len)
+        loaded = load_model(model, torch_dtype(dtype))
+        self.model_name = loaded.name
+        self.tokenizer = AutoTokenizer.from_pretrained(str(loaded.folder))
+        self.engine = EngineCore(
+            loaded, model_config,
+            CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                        kv_cache_memory_bytes=kv_cache_memory_bytes,
+                        enable_prefix_caching=enable_prefix_caching),
+            SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                            max_num_seqs=max_num_seqs,
+                            long_prefill_token_threshold=long_prefill_token_threshold),
+            policy=policy)
+        self.next_request_id = 0
+
+    def chat_prompt(self, message: str) -> list[int]:
+        """A one-turn chat through the model's chat template, as token ids."""
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}], tokenize=True, add_generation_prompt=True,
+            return_dict=False)
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt (text, or token ids) to completion; outputs in prompt order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (sampling_params if isinstance(sampling_params, list)
+                  else [sampling_params] * len(prompts))
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        outputs: dict[str, RequestOutput] = {}
+        for prompt, p in zip(prompts, params, strict=True):
+            ids = (self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                   if isinstance(prompt, str) else list(prompt))
+            request_id = str(self.next_request_id)
+            self.next_request_id += 1
+            self.engine.add_request(request_id, ids, p)
+            outputs[request_id] = RequestOutput(request_id, ids)
+        try:
+            self._run(outputs, use_tqdm)
+        finally:
+            for request_id, out in outputs.items():  # on an interrupt, leave nothing behind
+                if out.finish_reason is None:
+                    self.engine.abort_request(request_id)
+        for out in outputs.values():
+            out.text = self.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
+        return list(outputs.values())
+
+    def _run(self, outputs: dict[str, RequestOutput], use_tqdm: bool) -> None:
+        with tqdm(total=len(outputs), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for o in self.engine.step():
+                    out = outputs.get(o.request_id)
+                    if out is None:
+                        continue
+                    out.output_token_ids.extend(o.new_token_ids)
+                    out.num_cached_tokens = o.num_cached_tokens
+                    if o.finished:
+                        out.finish_reason = o.finish_reason
+                        bar.update(1)
