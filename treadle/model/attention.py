@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from treadle.model.kernels import paged_decode_attention
+
 
 @dataclass
 class PrefillChunk:
@@ -35,7 +37,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: cache slot of each new token
     decode_indices: torch.Tensor | None  # [num_decodes] positions in the batch; None: all tokens
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_context_lens: torch.Tensor | None  # [num_decodes] long
     prefills: list[PrefillChunk]
 
 
@@ -78,16 +80,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """One query per sequence. The query heads sharing a KV head are laid along SDPA's query
-    axis, so grouped-query attention needs no copy of the keys per query head."""
+    """One query per sequence, [num_decodes, H, D]."""
+    if paged_decode_attention is not None:  # reads the blocks in place
+        return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                      meta.decode_context_lens, scale)
+    # Fallback: gather each sequence's blocks, padded to the longest context, and mask. The
+    # query heads sharing a KV head lie along SDPA's query axis: no copy of keys per head.
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
     tables = meta.decode_block_tables
     keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
     values = v_cache[tables].flatten(1, 2).transpose(1, 2)
-    query = q.view(num_seqs, num_kv_heads, group, head_dim)
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask,
+    mask = torch.arange(keys.shape[2]) < meta.decode_context_lens[:, None]
+    query = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask[:, None, None, :],
                                          scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)
 
@@ -100,7 +106,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     else:
         keys = k_cache[chunk.block_table].flatten(0, 1)[:chunk.context_len]
         values = v_cache[chunk.block_table].flatten(0, 1)[:chunk.context_len]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-        attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True)
+    # Repeat KV heads for the query heads that share them: SDPA's grouped-query mode falls back
+    # to its slow unfused path on CPU.
+    group = q.shape[1] // k.shape[1]
+    keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)
+    values = values.transpose(0, 1).repeat_interleave(group, dim=0)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=chunk.mask,
+                                         is_causal=chunk.mask is None, scale=scale)
     return out.transpose(0, 1)

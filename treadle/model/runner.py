@@ -114,13 +114,13 @@ class ModelRunner:
         num_tokens = len(input_ids)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
-            decode_indices=None, decode_block_tables=None, decode_mask=None, prefills=prefills)
+            decode_indices=None, decode_block_tables=None, decode_context_lens=None,
+            prefills=prefills)
         if decode_rows:
             max_blocks = max(len(t) for t in decode_tables)
             meta.decode_block_tables = torch.tensor(
                 [t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long)
-            lens = torch.tensor(decode_lens)
-            meta.decode_mask = (torch.arange(max_blocks * bs) < lens[:, None])[:, None, None, :]
+            meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long)
             if len(decode_rows) < num_tokens:
                 meta.decode_indices = torch.tensor(decode_rows, dtype=torch.long)
         logits_indices = (None if len(logits_rows) == num_tokens

@@ -1,0 +1,131 @@
+"""Benchmark workloads: the ShareGPT length histogram and the request generators, on a tiny
+byte-level BPE tokenizer trained here (no model files), plus one round trip through the default
+model's tokenizer."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from treadle.bench.workloads import (
+    SHAREGPT_LENGTHS,
+    random_workload,
+    sharegpt_lengths,
+    summarize,
+    synthetic_chat,
+    vocabulary_words,
+)
+
+
+def tiny_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    rng = random.Random(vocab_size)
+    words = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 7)))
+             for _ in range(400)]
+    corpus = [" ".join(rng.choices(words, k=30)) for _ in range(300)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer(1200)
+
+
+def test_histogram_loads_with_its_source():
+    raw = json.loads(SHAREGPT_LENGTHS.read_text())
+    assert "reconstruction" in raw["source"] and raw["method"] and raw["references"]
+    hist = sharegpt_lengths()
+    assert hist.source == raw["source"] and hist.max_total_len == 2048
+    for marginal, top in ((hist.prompt, 1024), (hist.output, 2044)):
+        assert marginal.min_len == 4 and marginal.max_len == top
+        for a, b in zip(marginal.bins, marginal.bins[1:], strict=False):
+            assert b.lo == a.hi + 1 and a.count > 0
+        # the within-bin exponent was fitted so the reconstruction keeps the published mean
+        assert marginal.mean() == pytest.approx(marginal.published_mean, rel=0.005)
+
+
+def test_word_pool_holds_single_word_tokens(tokenizer):
+    pool = vocabulary_words(tokenizer)
+    assert len(pool) >= 256 and tokenizer.eos_token_id not in pool
+    for i in pool[:50]:
+        word = tokenizer.decode([i])
+        assert word.startswith(" ") and word[1:].isalpha()
+
+
+def test_synthetic_chat_is_deterministic_for_a_seed(tokenizer):
+    a = synthetic_chat(tokenizer, 30, seed=7)
+    b = synthetic_chat(tokenizer, 30, seed=7)
+    c = synthetic_chat(tokenizer, 30, seed=8)
+    assert [(r.prompt_token_ids, r.output_len, r.prompt) for r in a] == \
+        [(r.prompt_token_ids, r.output_len, r.prompt) for r in b]
+    assert [r.prompt_token_ids for r in a] != [r.prompt_token_ids for r in c]
+    # lengths depend on the seed only, not on the tokenizer
+    other = synthetic_chat(tiny_tokenizer(900), 30, seed=7)
+    assert [(r.prompt_len, r.output_len) for r in other] == \
+        [(r.prompt_len, r.output_len) for r in a]
+
+
+def test_prompts_have_exactly_their_length_and_reencode(tokenizer):
+    pool = set(vocabulary_words(tokenizer))
+    for r in synthetic_chat(tokenizer, 40, seed=1):
+        assert set(r.prompt_token_ids) <= pool
+        assert tokenizer(r.prompt, add_special_tokens=False)["input_ids"] == r.prompt_token_ids
+
+
+def test_synthetic_chat_respects_the_data_filter_and_the_caps(tokenizer):
+    free = synthetic_chat(tokenizer, 500, seed=2, with_text=False)
+    assert all(4 <= r.prompt_len <= 1024 and r.output_len >= 4 for r in free)
+    assert all(r.prompt_len + r.output_len <= 2048 for r in free)
+    capped = synthetic_chat(tokenizer, 500, seed=2, max_model_len=80, max_input_len=64,
+                            max_output_len=32, with_text=False)
+    assert all(r.prompt_len <= 64 and r.output_len <= 32 for r in capped)
+    assert all(r.prompt_len + r.output_len <= 80 for r in capped)
+    assert max(r.prompt_len for r in capped) == 64 and max(r.output_len for r in capped) == 32
+    with pytest.raises(ValueError, match="max_model_len"):
+        synthetic_chat(tokenizer, 1, max_model_len=7)
+    with pytest.raises(ValueError, match="max_output_len"):
+        synthetic_chat(tokenizer, 1, max_output_len=0)
+
+
+def test_sample_lengths_follow_the_histogram(tokenizer):
+    hist = sharegpt_lengths()
+    requests = synthetic_chat(tokenizer, 3000, seed=3, with_text=False)
+    prompts = [r.prompt_len for r in requests]
+    outputs = [r.output_len for r in requests]
+    # standard errors of the means are ~2% here (both lengths have std ~ their mean)
+    assert statistics.mean(prompts) == pytest.approx(hist.prompt.mean(), rel=0.08)
+    assert statistics.mean(outputs) == pytest.approx(hist.output.mean(), rel=0.08)
+    # the share of short prompts (<= 20 tokens) in the source histogram: 511 / 2104
+    assert sum(p <= 20 for p in prompts) / len(prompts) == pytest.approx(511 / 2104, abs=0.03)
+    assert summarize(requests)["total_output_tokens"] == sum(outputs)
+
+
+def test_random_workload_has_fixed_or_bounded_lengths(tokenizer):
+    fixed = random_workload(tokenizer, 10, input_len=32, output_len=8, seed=0)
+    assert all(r.prompt_len == 32 and r.output_len == 8 for r in fixed)
+    spread = random_workload(tokenizer, 50, input_len=100, output_len=10, seed=0, range_ratio=0.5)
+    assert all(50 <= r.prompt_len <= 150 and 5 <= r.output_len <= 15 for r in spread)
+    assert len({r.prompt_len for r in spread}) > 1
+    assert [r.prompt_token_ids for r in fixed] == \
+        [r.prompt_token_ids for r in random_workload(tokenizer, 10, 32, 8, seed=0)]
+
+
+@pytest.mark.default_model
+def test_prompts_round_trip_through_the_default_tokenizer():
+    from transformers import AutoTokenizer
+
+    from treadle.model.loader import converted_gguf_folder, default_model_path
+
+    tok = AutoTokenizer.from_pretrained(str(converted_gguf_folder(default_model_path())))
+    for r in synthetic_chat(tok, 20, seed=0):
+        assert tok(r.prompt, add_special_tokens=False)["input_ids"] == r.prompt_token_ids

@@ -1,0 +1,131 @@
+// Decode attention straight from the paged KV cache: one query token per sequence, keys and
+// values read in place through the block table (no gathered copy, no padding to the longest
+// context).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// Widening loads the compiler can vectorize: bfloat16 is the top half of a float32.
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename T>
+void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
+                   const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                   const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t row = num_kv_heads * head_dim;  // one slot: every KV head's vector, contiguous
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  T* out_ptr = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+
+  // One task per sequence, all its heads: each slot's keys and values (every KV head, one
+  // contiguous row) are read from memory once.
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(num_heads * head_dim), acc(num_heads * head_dim), scores, slot_row(row);
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const int64_t len = lens[seq];
+      const int64_t* table = tables + seq * max_blocks;
+      const T* q_seq = q_ptr + seq * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) query[i] = to_float(q_seq[i]) * fscale;
+      scores.resize(num_heads * len);
+      for (int64_t pos = 0; pos < len; pos += block_size) {
+        const T* block = k_ptr + table[pos / block_size] * block_size * row;
+        const int64_t n = std::min(block_size, len - pos);
+        for (int64_t off = 0; off < n; ++off) {
+          const T* key = block + off * row;
+#pragma omp simd
+          for (int64_t i = 0; i < row; ++i) slot_row[i] = to_float(key[i]);
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const float* qh = query.data() + h * head_dim;
+            const float* kh = slot_row.data() + (h / group) * head_dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
+            scores[h * len + pos + off] = dot;
+          }
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* s = scores.data() + h * len;
+        const float max_score = *std::max_element(s, s + len);
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t pos = 0; pos < len; ++pos) {
+          s[pos] = std::exp(s[pos] - max_score);
+          total += s[pos];
+        }
+        const float inv = 1.f / total;
+#pragma omp simd
+        for (int64_t pos = 0; pos < len; ++pos) s[pos] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t pos = 0; pos < len; pos += block_size) {
+        const T* block = v_ptr + table[pos / block_size] * block_size * row;
+        const int64_t n = std::min(block_size, len - pos);
+        for (int64_t off = 0; off < n; ++off) {
+          const T* value = block + off * row;
+#pragma omp simd
+          for (int64_t i = 0; i < row; ++i) slot_row[i] = to_float(value[i]);
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const float p = scores[h * len + pos + off];
+            const float* vh = slot_row.data() + (h / group) * head_dim;
+            float* a = acc.data() + h * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
+          }
+        }
+      }
+      T* dst = out_ptr + seq * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) dst[i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+}  // namespace
+
+// q [seqs, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim]; block_tables
+// [seqs, max_blocks] int64; context_lens [seqs] int64 (each >= 1). Returns [seqs, heads, head_dim].
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens,
+                                     double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.is_contiguous() &&
+              v_cache.is_contiguous());
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64);
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3));
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  auto out = torch::empty_like(q);
+  if (q.scalar_type() == torch::kBFloat16) {
+    decode_kernel<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, scale, out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == torch::kFloat32, "float32 or bfloat16 only");
+    decode_kernel<float>(q, k_cache, v_cache, block_tables, context_lens, scale, out);
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention);
+}
