@@ -150,3 +150,23 @@ def test_seeded_sampling_is_independent_of_the_batch(tiny_model, prompts):
         engine.add_request(f"o{i}", prompt, others)
     assert run(engine, [prompts[2]], params, ids=["x"])["x"] == alone
     assert_engine_empty(engine)
+
+
+def test_a_request_that_breaks_the_model_fails_alone(tiny_model, prompts, reference):
+    """Fault injection at the runner boundary: any pass that contains the poisoned request
+    raises. The engine must fail that request alone and finish the others unchanged."""
+    engine = make_engine(tiny_model)
+    real_execute = engine.runner.execute
+    poison = prompts[3]
+
+    def execute(model_input):
+        if any(s.num_computed_tokens == 0 and s.token_ids == poison
+               for s in model_input.sequences):
+            raise RuntimeError("injected fault")
+        return real_execute(model_input)
+
+    engine.runner.execute = execute
+    tokens = run(engine, prompts[:4])
+    assert tokens["3"] == []
+    assert [tokens[str(i)] for i in range(3)] == reference[:3]
+    assert_engine_empty(engine)

@@ -83,19 +83,34 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return []
-        scheduled = scheduler_output.scheduled
-        model_input = ModelInput([ScheduledSequence(s.token_ids, s.num_computed_tokens,
-                                                    s.block_ids) for s in scheduled])
+        sequences = [ScheduledSequence(s.token_ids, s.num_computed_tokens, s.block_ids)
+                     for s in scheduler_output.scheduled]
         try:
-            logits = self.runner.execute(model_input)
+            logits = self.runner.execute(ModelInput(sequences))
         except Exception:
-            # One batched pass cannot say whose input broke it: fail this step's requests, keep
-            # the loop alive for the rest, and drop cached prefixes this step may have half-written.
-            logger.exception("model step failed; failing its %d requests", len(scheduled))
-            outputs = [self._fail(s.request) for s in scheduled]
-            self.kv_cache_manager.reset_prefix_cache()
-            return [o for o in outputs if o is not None]
+            logger.exception("model step of %d requests failed; retrying each alone",
+                             len(sequences))
+            return self._step_one_by_one(scheduler_output, sequences)
         return self._sample_and_update(scheduler_output, logits)
+
+    def _step_one_by_one(self, scheduler_output: SchedulerOutput,
+                         sequences: list[ScheduledSequence]) -> list[EngineCoreOutput]:
+        """A batched pass cannot say whose input broke it: rerun each request alone (rewriting
+        its KV slots with the same values), fail those that fail again, go on with the rest."""
+        kept, rows, outputs = [], [], []
+        for scheduled, sequence in zip(scheduler_output.scheduled, sequences, strict=True):
+            try:
+                rows.append(self.runner.execute(ModelInput([sequence])))
+                kept.append(scheduled)
+            except Exception:
+                logger.exception("request %s failed", scheduled.request.request_id)
+                outputs.append(self._fail(scheduled.request))
+        # The failed requests' blocks may be published with half-written KV.
+        self.kv_cache_manager.reset_prefix_cache()
+        if kept:
+            outputs += self._sample_and_update(
+                SchedulerOutput(kept, scheduler_output.preempted), torch.cat(rows))
+        return outputs
 
     def _sample_and_update(self, scheduler_output: SchedulerOutput,
                            logits: torch.Tensor) -> list[EngineCoreOutput]:
@@ -119,10 +134,9 @@ class EngineCore:
                                             request.num_cached_tokens))
         return outputs
 
-    def _fail(self, request: Request) -> EngineCoreOutput | None:
+    def _fail(self, request: Request) -> EngineCoreOutput:
         self.generators.pop(request.request_id, None)
-        if self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR) is None:
-            return None
+        self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
         return EngineCoreOutput(request.request_id, [], True, "error", request.num_cached_tokens)
 
 
