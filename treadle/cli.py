@@ -95,7 +95,7 @@ def generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"treadle: {e}", file=sys.stderr)
         return 2
-    print(output.text)
+    print(output.outputs[0].text)
     return 0
 
 

@@ -2,25 +2,36 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from treadle.config import DEFAULT_DTYPE, CacheConfig, ModelConfig, SchedulerConfig
 from treadle.engine.core import EngineCore
+from treadle.engine.output_processor import OutputProcessor, RequestState
 from treadle.engine.sampling_params import SamplingParams
 from treadle.model.loader import load_model
 from treadle.model.runner import torch_dtype
+from treadle.model.sampler import TokenLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # stop, length, abort, error
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    output_token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
 
 
@@ -64,33 +75,32 @@ class LLM:
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        outputs: dict[str, RequestOutput] = {}
-        for prompt, p in zip(prompts, params, strict=True):
-            ids = (self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-                   if isinstance(prompt, str) else list(prompt))
-            request_id = str(self.next_request_id)
-            self.next_request_id += 1
-            self.engine.add_request(request_id, ids, p)
-            outputs[request_id] = RequestOutput(request_id, ids)
+        processor = OutputProcessor(self.tokenizer)
+        states: list[RequestState] = []
         try:
-            self._run(outputs, use_tqdm)
-        finally:
-            for request_id, out in outputs.items():  # on an interrupt, leave nothing behind
-                if out.finish_reason is None:
-                    self.engine.abort_request(request_id)
-        for out in outputs.values():
-            out.text = self.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
-        return list(outputs.values())
+            for prompt, p in zip(prompts, params, strict=True):
+                ids = (self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                       if isinstance(prompt, str) else list(prompt))
+                request_id = str(self.next_request_id)
+                self.next_request_id += 1
+                for engine_id, engine_params in processor.add_request(request_id, ids, p):
+                    self.engine.add_request(engine_id, ids, engine_params)
+                states.append(processor.requests[request_id])
+            self._run(processor, len(states), use_tqdm)
+        finally:  # on an error or an interrupt, leave nothing behind in the engine
+            for engine_id in processor.samples:
+                self.engine.abort_request(engine_id)
+        return [RequestOutput(
+            state.request_id, state.prompt_token_ids,
+            [CompletionOutput(s.index, s.text, s.token_ids, s.finish_reason, s.stop_reason,
+                              s.logprobs) for s in state.samples],
+            state.prompt_logprobs, state.num_cached_tokens) for state in states]
 
-    def _run(self, outputs: dict[str, RequestOutput], use_tqdm: bool) -> None:
-        with tqdm(total=len(outputs), desc="generate", unit="req", disable=not use_tqdm) as bar:
+    def _run(self, processor: OutputProcessor, num_requests: int, use_tqdm: bool) -> None:
+        with tqdm(total=num_requests, desc="generate", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
-                for o in self.engine.step():
-                    out = outputs.get(o.request_id)
-                    if out is None:
-                        continue
-                    out.output_token_ids.extend(o.new_token_ids)
-                    out.num_cached_tokens = o.num_cached_tokens
-                    if o.finished:
-                        out.finish_reason = o.finish_reason
-                        bar.update(1)
+                deltas, to_abort = processor.process(self.engine.step())
+                for engine_id in to_abort:
+                    self.engine.abort_request(engine_id)
+                bar.update(sum(1 for d in deltas if d.finished
+                               and processor.requests[d.request_id].finished))

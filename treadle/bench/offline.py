@@ -69,7 +69,7 @@ def run_treadle(llm, requests: list[BenchRequest]) -> tuple[float, list[list[int
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return seconds, [list(o.output_token_ids) for o in outputs]
+    return seconds, [list(o.outputs[0].token_ids) for o in outputs]
 
 
 def run_hf_static(hf_model, requests: list[BenchRequest], batch_size: int, pad_token_id: int

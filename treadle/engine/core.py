@@ -19,7 +19,7 @@ from treadle.engine.sampling_params import SamplingParams
 from treadle.engine.scheduler import Scheduler, SchedulerOutput, assert_scheduler_empty
 from treadle.model.loader import LoadedModel
 from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence
-from treadle.model.sampler import Sampler, SamplingOptions
+from treadle.model.sampler import Sampler, SamplingOptions, TokenLogprobs, gather_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,10 @@ class EngineCoreOutput:
     finished: bool
     finish_reason: str | None = None  # stop, length, abort, error
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
+    # With the first new token, when asked for: one entry per prompt token, None for the first
+    # (nothing precedes it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class EngineCore:
@@ -62,9 +66,12 @@ class EngineCore:
                     cache_salt: str | None = None) -> None:
         """Queue a request; ValueError (the client's fault) if it can never run."""
         vocab = self.runner.spec.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[0]}")
+        for field, ids in (("prompt token ids", prompt_token_ids),
+                           ("stop_token_ids", sampling_params.stop_token_ids),
+                           ("logit_bias token ids", sampling_params.logit_bias)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{field} must be in [0, {vocab}); got {bad[0]}")
         request = Request(request_id, prompt_token_ids, sampling_params, priority=priority,
                           cache_salt=cache_salt)
         self.scheduler.add_request(request)
@@ -83,7 +90,9 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return []
-        sequences = [ScheduledSequence(s.token_ids, s.num_computed_tokens, s.block_ids)
+        sequences = [ScheduledSequence(s.token_ids, s.num_computed_tokens, s.block_ids,
+                                       all_logits=wants_prompt_logprobs(s.request,
+                                                                        s.num_computed_tokens))
                      for s in scheduler_output.scheduled]
         try:
             logits = self.runner.execute(ModelInput(sequences))
@@ -114,25 +123,58 @@ class EngineCore:
 
     def _sample_and_update(self, scheduler_output: SchedulerOutput,
                            logits: torch.Tensor) -> list[EngineCoreOutput]:
-        producing = [(row, s.request) for row, s in enumerate(scheduler_output.scheduled)
-                     if s.produces_token]
+        """`logits` rows: per scheduled request in order, one per token of its chunk when it
+        collects prompt logprobs, else one for its last token."""
+        producing: list[tuple[int, Request]] = []
+        row = 0
+        for s in scheduler_output.scheduled:
+            collects = wants_prompt_logprobs(s.request, s.num_computed_tokens)
+            num_rows = s.num_new_tokens if collects else 1
+            if collects:
+                self._collect_prompt_logprobs(s.request, s.num_computed_tokens,
+                                              logits[row:row + num_rows])
+            row += num_rows
+            if s.produces_token:
+                producing.append((row - 1, s.request))
         requests = [r for _, r in producing]
-        options = [sampling_options(r.sampling_params) for r in requests]
-        generators = [self.generators.get(r.request_id) for r in requests]
-        rows = logits[[row for row, _ in producing]] if producing else logits[:0]
-        tokens = self.sampler(rows, options, generators)
-        sampled = {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
+        options = [sampling_options(r, self.scheduler.eos_token_ids) for r in requests]
+        penalties = any(o.uses_penalties for o in options)
+        sampler_output = self.sampler(
+            logits[[row for row, _ in producing]], options,
+            [self.generators.get(r.request_id) for r in requests],
+            [r.prompt_token_ids for r in requests] if penalties else None,
+            [r.output_token_ids for r in requests] if penalties else None)
+        sampled = {r.request_id: t
+                   for r, t in zip(requests, sampler_output.token_ids, strict=True)}
+        first_tokens = {r.request_id for r in requests if r.num_output_tokens == 0}
         finished = {r.request_id for r in self.scheduler.update_from_output(scheduler_output,
                                                                             sampled)}
         outputs = []
-        for request in requests:
+        for i, request in enumerate(requests):
             done = request.request_id in finished
             if done:
                 self.generators.pop(request.request_id, None)
-            outputs.append(EngineCoreOutput(request.request_id, [sampled[request.request_id]],
-                                            done, request.finish_reason,
-                                            request.num_cached_tokens))
+            logprobs = sampler_output.logprobs and sampler_output.logprobs[i]
+            first = request.request_id in first_tokens
+            outputs.append(EngineCoreOutput(
+                request.request_id, [sampled[request.request_id]], done, request.finish_reason,
+                request.num_cached_tokens, logprobs=[logprobs] if logprobs else None,
+                prompt_logprobs=[None, *request.prompt_logprobs]
+                if first and request.sampling_params.prompt_logprobs is not None else None))
         return outputs
+
+    def _collect_prompt_logprobs(self, request: Request, start: int,
+                                 rows: torch.Tensor) -> None:
+        """Row j holds the logits at position start + j, which predict prompt token
+        start + j + 1. Positions seen before (recomputed after a preemption) are skipped."""
+        collected = request.prompt_logprobs
+        end = min(start + rows.shape[0], request.num_prompt_tokens - 1)
+        if end <= len(collected):
+            return
+        first = len(collected)
+        targets = torch.tensor(request.prompt_token_ids[first + 1:end + 1])
+        collected += gather_logprobs(rows[first - start:end - start], targets,
+                                     [request.sampling_params.prompt_logprobs] * len(targets))
 
     def _fail(self, request: Request) -> EngineCoreOutput:
         self.generators.pop(request.request_id, None)
@@ -140,8 +182,22 @@ class EngineCore:
         return EngineCoreOutput(request.request_id, [], True, "error", request.num_cached_tokens)
 
 
-def sampling_options(params: SamplingParams) -> SamplingOptions:
-    return SamplingOptions(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+def wants_prompt_logprobs(request: Request, num_computed_tokens: int) -> bool:
+    return (request.sampling_params.prompt_logprobs is not None
+            and num_computed_tokens < request.num_prompt_tokens - 1)
+
+
+def sampling_options(request: Request, eos_token_ids: frozenset[int]) -> SamplingOptions:
+    params = request.sampling_params
+    # Before min_tokens, EOS (even with ignore_eos, as vLLM) and stop tokens cannot be sampled.
+    suppressed = (tuple(eos_token_ids) + tuple(params.stop_token_ids)
+                  if request.num_output_tokens < params.min_tokens else ())
+    return SamplingOptions(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+        min_p=params.min_p, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty, logit_bias=params.logit_bias,
+        suppressed_token_ids=suppressed, num_logprobs=params.logprobs)
 
 
 def assert_engine_empty(core: EngineCore) -> None:

@@ -51,6 +51,8 @@ class Request:
         self.num_cached_tokens = 0  # prefix-cache hit at the first schedule, for usage reports
         self.num_preemptions = 0
         self.num_skips = 0  # steps the scheduler passed over it while waiting, for lack of blocks
+        # Logprobs of prompt tokens 1.. (sampler objects), filled as prefill chunks run.
+        self.prompt_logprobs: list = []
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -1,33 +1,143 @@
-"""SamplingParams: how one request samples and when it stops, validated when built."""
+"""SamplingParams: how one request samples and when it stops, validated when built.
+
+Field names, defaults and ranges follow vLLM's `SamplingParams` (vllm/sampling_params.py,
+`_verify_args`), so that a client of either engine means the same thing. Every error is a
+`ValueError` worded "<field> must be <range>, got <value>"; the frontend turns it into a 400.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from numbers import Integral, Real
+from typing import Any
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs allows at most 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI: each bias in [-100, 100]
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes at most a 64-bit value
+# vLLM (vllm/sampling_params.py, _MAX_TEMP) raises temperatures in (0, 0.01) to 0.01: a tinier one
+# drives logits / temperature toward float32 overflow, and an inf logit turns the softmax to NaN.
+MIN_TEMPERATURE = 1e-2
 
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    """Sampling and stopping for one request.
+
+    `top_k` is off at -1. vLLM also reads 0 as off; Treadle rejects 0 so that "keep no tokens"
+    cannot be mistaken for "keep all". `stop` may be given as one string; it is stored as a
+    list. `logit_bias` keys may be ints or decimal strings (JSON object keys are strings); they
+    are stored as ints. Whether bias and stop token ids lie inside the vocabulary is checked by
+    the engine, which knows the model.
+    """
+
+    n: int = 1
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
-    top_k: int = -1  # -1: disabled
+    top_k: int = -1  # -1: off
+    min_p: float = 0.0  # 0: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
     seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0  # EOS and stop tokens cannot end the request before this many outputs
+    stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    min_tokens: int = 0  # EOS and stop tokens end the request only from this many outputs on
-    n: int = 1
+    logprobs: int | None = None  # top-N logprobs of each output token (plus the chosen one)
+    prompt_logprobs: int | None = None  # top-N logprobs of each prompt token
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k != -1 and self.top_k < 1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
-                             f"got {self.min_tokens}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
+        self.n = _check_int("n", self.n, 1, None, ">= 1")
+        self.temperature = _check_float("temperature", self.temperature, 0.0, None,
+                                        ">= 0 (0: greedy)")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
+        if self.n > 1 and self.temperature == 0:  # vLLM too: n greedy copies would be equal
+            raise ValueError(f"n must be 1 when temperature is 0 (greedy), got {self.n}")
+        self.top_p = _check_float("top_p", self.top_p, 0.0, 1.0, "in (0, 1]", open_low=True)
+        if not (_is_int(self.top_k) and self.top_k == -1):
+            self.top_k = _check_int("top_k", self.top_k, 1, None, "-1 (off) or >= 1")
+        self.min_p = _check_float("min_p", self.min_p, 0.0, 1.0, "in [0, 1]")
+        self.presence_penalty = _check_float("presence_penalty", self.presence_penalty,
+                                             -2.0, 2.0, "in [-2, 2]")
+        self.frequency_penalty = _check_float("frequency_penalty", self.frequency_penalty,
+                                              -2.0, 2.0, "in [-2, 2]")
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty,
+                                               0.0, None, "> 0", open_low=True)
+        if self.seed is not None:
+            self.seed = _check_int("seed", self.seed, 0, MAX_SEED,
+                                   "None or an int in [0, 2**64 - 1]")
+        self.max_tokens = _check_int("max_tokens", self.max_tokens, 1, None, ">= 1")
+        self.min_tokens = _check_int("min_tokens", self.min_tokens, 0, self.max_tokens,
+                                     f"in [0, max_tokens={self.max_tokens}]")
+        self.stop = _check_stop(self.stop)
+        self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _check_int(name, getattr(self, name), 0, MAX_LOGPROBS,
+                                               f"None or an int in [0, {MAX_LOGPROBS}]"))
+        self.logit_bias = _check_logit_bias(self.logit_bias)
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an Integral too, but True as a token count is a client's mistake.
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None, allowed: str) -> int:
+    """`value` as an int, which must lie in [low, high] (high None: no upper bound)."""
+    if not _is_int(value) or value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return int(value)
+
+
+def _check_float(name: str, value: Any, low: float, high: float | None, allowed: str,
+                 open_low: bool = False) -> float:
+    """`value` as a float, which must be finite and in [low, high] ((low, high] if open_low)."""
+    ok = (isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+          and (value > low if open_low else value >= low) and (high is None or value <= high))
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return float(value)
+
+
+def _check_stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"stop must be a string or a list of non-empty strings, got {stop!r}")
+    return list(stop)
+
+
+def _check_token_ids(name: str, ids: Any) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, list | tuple) or not all(_is_int(t) and t >= 0 for t in ids):
+        raise ValueError(f"{name} must be a list of token ids (ints >= 0), got {ids!r}")
+    return [int(t) for t in ids]
+
+
+def _check_logit_bias(bias: Any) -> dict[int, float]:
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id to bias, got {bias!r}")
+    normalized: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isdecimal() else key
+        if not _is_int(token) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {key!r}")
+        normalized[token] = _check_float(
+            f"logit_bias[{token}]", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS,
+            f"in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+    return normalized

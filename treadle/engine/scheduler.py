@@ -128,7 +128,10 @@ class Scheduler:
         for request in self.waiting:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            # Prompt logprobs need logits at every prompt position: no cached prefix.
+            hit_blocks, num_hit = (kv.get_computed_blocks(request)
+                                   if request.sampling_params.prompt_logprobs is None
+                                   else ([], 0))
             num_new = min(request.num_tokens - num_hit, threshold, budget)
             block_ids = kv.allocate_slots(request, num_new, hit_blocks, num_hit)
             if block_ids is None:  # try the ones behind it, unless it now reserves (MAX_SKIPS)
