@@ -22,24 +22,15 @@ from __future__ import annotations
 
 import gc
 import time
-from pathlib import Path
 
 import torch
 
 from treadle.bench.workloads import BenchRequest, summarize, synthetic_chat
-from treadle.model.loader import converted_gguf_folder, default_model_path, read_spec
+from treadle.model.loader import read_spec, resolve_model
 from treadle.model.runner import torch_dtype
 
 TARGET_RATIO = 3.0
 WARMUP = BenchRequest(prompt_token_ids=[100 + i for i in range(16)], output_len=4)
-
-
-def model_folder(model: str | None) -> tuple[Path, Path | None]:
-    """(folder with config.json and tokenizer files, GGUF file or None)."""
-    path = Path(model) if model is not None else default_model_path()
-    if path.is_file() and path.suffix == ".gguf":
-        return converted_gguf_folder(path), path
-    return path, None
 
 
 def load_hf_model(model: str | None, dtype: str):
@@ -48,7 +39,8 @@ def load_hf_model(model: str | None, dtype: str):
     kernels), with EOS never ending generation (Treadle's `ignore_eos`)."""
     from transformers import AutoModelForCausalLM, GgufConfig
 
-    folder, gguf = model_folder(model)
+    source = resolve_model(model)
+    folder, gguf = source.folder, source.gguf
     if gguf is not None:
         hf = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, dtype=torch_dtype(dtype),
@@ -125,7 +117,7 @@ def bench_offline(model: str | None = None, dtype: str = "bfloat16", num_prompts
         raise ValueError(f"hf_batch_size must be >= 1, got {hf_batch_size}")
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    folder, _ = model_folder(model)
+    folder = resolve_model(model).folder
     spec = read_spec(folder)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     requests = synthetic_chat(tokenizer, num_prompts, seed=seed,

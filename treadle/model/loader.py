@@ -163,26 +163,36 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TREADLE_CACHE") or Path.home() / ".cache" / "treadle")
 
 
-def load_model(model: str | os.PathLike | None, dtype: torch.dtype) -> LoadedModel:
-    """Load `model` (an HF folder, a .gguf file, or None for the default model) in `dtype`."""
+@dataclass(frozen=True)
+class ModelSource:
+    folder: Path  # config.json and tokenizer files
+    gguf: Path | None  # the weights' GGUF file; None: *.safetensors in `folder`
+    name: str  # what clients call the model
+
+
+def resolve_model(model: str | os.PathLike | None) -> ModelSource:
+    """Where `model` (an HF folder, a .gguf file, or None for the default model) keeps its
+    config, tokenizer and weights; converts a GGUF's metadata once (cached)."""
     path = Path(model) if model is not None else default_model_path()
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
     if path.is_file() and path.suffix == ".gguf":
-        folder = converted_gguf_folder(path)
-        spec = read_spec(folder)
-        weights = read_gguf_weights(path, spec)
         name = path.stem if model is not None else "SmolLM2-135M-Instruct"
-    elif path.is_dir():
-        folder = path
-        spec = read_spec(folder)
-        weights = read_safetensors_weights(folder)
-        name = path.name
-    else:
-        raise ModelLoadError(f"{str(path)!r} is neither a Hugging Face folder nor a .gguf file")
+        return ModelSource(converted_gguf_folder(path), path, name)
+    if path.is_dir():
+        return ModelSource(path, None, path.name)
+    raise ModelLoadError(f"{str(path)!r} is neither a Hugging Face folder nor a .gguf file")
+
+
+def load_model(model: str | os.PathLike | None, dtype: torch.dtype) -> LoadedModel:
+    """Load `model` (an HF folder, a .gguf file, or None for the default model) in `dtype`."""
+    source = resolve_model(model)
+    spec = read_spec(source.folder)
+    weights = (read_gguf_weights(source.gguf, spec) if source.gguf is not None
+               else read_safetensors_weights(source.folder))
     check_weights(weights, spec)
     weights = {k: v.to(dtype) for k, v in weights.items() if k in spec.expected_shapes()}
-    return LoadedModel(spec=spec, weights=weights, folder=folder, name=name)
+    return LoadedModel(spec=spec, weights=weights, folder=source.folder, name=source.name)
 
 
 def read_spec(folder: Path) -> ModelSpec:

@@ -1,0 +1,68 @@
+"""AsyncEngine with the engine in its own process, on the default model (float32): streamed
+tokens equal the offline API's, refusals arrive as ValueError, and an abandoned stream frees its
+blocks in the engine process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from treadle.engine.async_engine import AsyncEngine
+from treadle.engine.sampling_params import SamplingParams
+from treadle.llm import LLM
+
+pytestmark = pytest.mark.default_model
+
+
+async def wait_idle(engine: AsyncEngine, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        load = engine.load()
+        if load == {"running": 0, "waiting": 0, "kv_cache_usage": 0.0}:
+            return load
+        await asyncio.sleep(0.1)
+    return engine.load()
+
+
+def test_streams_equal_offline_and_aborts_free_blocks():
+    offline = LLM(dtype="float32", kv_cache_memory_bytes=64 << 20)
+    prompts = [offline.chat_prompt(q) for q in ("Why is the sky blue?", "Name three fruits.")]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    expected = [o.outputs[0] for o in offline.generate(prompts, params, use_tqdm=False)]
+
+    async def scenario():
+        engine = AsyncEngine(dtype="float32", kv_cache_memory_bytes=64 << 20)
+        await engine.start()
+        try:
+            async def collect(request_id, prompt):
+                text, tokens = "", []
+                async for update in engine.generate(request_id, prompt, params):
+                    for delta in update.deltas:
+                        text += delta.text
+                        tokens += delta.token_ids
+                return text, tokens, update.state.samples[0].finish_reason
+
+            results = await asyncio.gather(*(collect(f"r{i}", p) for i, p in enumerate(prompts)))
+            for (text, tokens, reason), want in zip(results, expected, strict=True):
+                assert (text, tokens, reason) == (want.text, want.token_ids, want.finish_reason)
+
+            with pytest.raises(ValueError, match="max_model_len"):
+                async for _ in engine.generate("too-long", prompts[0],
+                                               SamplingParams(max_tokens=10**6)):
+                    pass
+
+            stream = engine.generate("left", prompts[0],
+                                     SamplingParams(max_tokens=500, ignore_eos=True))
+            async for _ in stream:
+                assert engine.load()["running"] <= 1
+                break
+            await stream.aclose()  # what a disconnect does
+            assert await wait_idle(engine) == {"running": 0, "waiting": 0,
+                                               "kv_cache_usage": 0.0}
+            assert engine.is_ready()
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(scenario())

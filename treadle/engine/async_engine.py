@@ -1,0 +1,257 @@
+"""AsyncEngine: the engine core in its own process, one async stream per request.
+
+Layout, for 2 cores: the core loop runs in a child process with `engine_threads` torch threads
+(1 by default: torch with 2 intra-op threads slows 10-40x when the frontend keeps the other core
+busy; with 1 it barely moves), and the frontend process keeps the other core for HTTP, tokenizing
+and detokenizing. Messages cross two pipes. In the frontend, a reader thread receives each step's
+token outputs, detokenizes them (OutputProcessor) and hands the deltas to the event loop, which
+only moves them into each request's queue: nothing slow runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from transformers import AutoTokenizer
+
+from treadle.config import DEFAULT_DTYPE, CacheConfig, ModelConfig, SchedulerConfig
+from treadle.engine.output_processor import OutputProcessor, RequestState, SampleDelta
+from treadle.engine.sampling_params import SamplingParams
+from treadle.model.loader import resolve_model
+
+logger = logging.getLogger(__name__)
+
+# The engine reports its load at least this often when idle; /ready goes false when a busy
+# engine has not finished a step for STALL_SECONDS.
+HEARTBEAT_SECONDS = 1.0
+STALL_SECONDS = 30.0
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    dtype: str = DEFAULT_DTYPE
+    max_model_len: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 512
+    policy: str = "fcfs"
+    engine_threads: int = 1
+
+
+@dataclass
+class RequestUpdate:
+    deltas: list[SampleDelta]
+    state: RequestState
+
+
+@dataclass
+class EngineLoad:
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    has_work: bool = False
+    last_progress: float = field(default_factory=time.monotonic)  # frontend clock
+
+
+def engine_process(args: EngineArgs, requests, outputs) -> None:
+    """The child: build the core, then loop: take messages, step, send outputs and load."""
+    import torch
+
+    from treadle.engine.core import EngineCore
+    from treadle.model.loader import load_model
+    from treadle.model.runner import torch_dtype
+
+    torch.set_num_threads(args.engine_threads)
+    try:
+        loaded = load_model(args.model, torch_dtype(args.dtype))
+        core = EngineCore(
+            loaded, ModelConfig(model=args.model, dtype=args.dtype,
+                                max_model_len=args.max_model_len),
+            CacheConfig(kv_cache_memory_bytes=args.kv_cache_memory_bytes),
+            SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens),
+            policy=args.policy)
+    except Exception as e:
+        outputs.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    outputs.send(("ready", core.max_model_len, core.runner.num_blocks))
+    last_report = 0.0
+    while True:
+        busy = core.has_unfinished_requests()
+        if requests.poll(0 if busy else HEARTBEAT_SECONDS):
+            while requests.poll(0):
+                message = requests.recv()
+                kind = message[0]
+                if kind == "shutdown":
+                    return
+                if kind == "abort":
+                    core.abort_request(message[1])
+                elif kind == "add":
+                    _, request_id, prompt_token_ids, params, priority = message
+                    try:
+                        core.add_request(request_id, prompt_token_ids, params, priority)
+                    except ValueError as e:
+                        outputs.send(("rejected", request_id, str(e)))
+        step_outputs = core.step() if core.has_unfinished_requests() else []
+        now = time.monotonic()
+        if step_outputs or now - last_report >= HEARTBEAT_SECONDS:
+            scheduler = core.scheduler
+            load = (scheduler.num_running, scheduler.num_waiting,
+                    core.kv_cache_manager.block_pool.usage, core.has_unfinished_requests())
+            outputs.send(("step", step_outputs, load))
+            last_report = now
+
+
+class AsyncEngine:
+    def __init__(self, model: str | None = None, dtype: str = DEFAULT_DTYPE,
+                 max_model_len: int | None = None, kv_cache_memory_bytes: int = 1 << 30,
+                 max_num_seqs: int = 128, max_num_batched_tokens: int = 512,
+                 policy: str = "fcfs", engine_threads: int = 1) -> None:
+        self.args = EngineArgs(model, dtype, max_model_len, kv_cache_memory_bytes, max_num_seqs,
+                               max_num_batched_tokens, policy, engine_threads)
+        source = resolve_model(self.args.model)
+        self.model_name = source.name
+        self.tokenizer = AutoTokenizer.from_pretrained(str(source.folder))
+        self.processor = OutputProcessor(self.tokenizer)
+        self.lock = threading.Lock()  # the processor and the request pipe, shared with the reader
+        self.streams: dict[str, asyncio.Queue] = {}
+        self.load_state = EngineLoad()
+        self.max_model_len = 0
+        self.num_blocks = 0
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.errored = False
+
+    async def start(self) -> None:
+        """Spawn the engine process and wait until its model is loaded."""
+        context = multiprocessing.get_context("spawn")
+        self.requests_out, requests_in = context.Pipe(duplex=False)[::-1]
+        outputs_in, outputs_out = context.Pipe(duplex=False)
+        self.process = context.Process(target=engine_process, name="treadle-engine",
+                                       args=(self.args, requests_in, outputs_out), daemon=True)
+        self.process.start()
+        requests_in.close()
+        outputs_out.close()
+        self.outputs_in = outputs_in
+        first = await asyncio.to_thread(outputs_in.recv)
+        if first[0] != "ready":
+            raise RuntimeError(f"the engine failed to start: {first[1]}")
+        _, self.max_model_len, self.num_blocks = first
+        self.loop = asyncio.get_running_loop()
+        self.reader = threading.Thread(target=self._read_outputs, name="treadle-outputs",
+                                       daemon=True)
+        self.reader.start()
+
+    async def shutdown(self) -> None:
+        if self.process is None:
+            return
+        with self.lock, contextlib.suppress(OSError):  # the engine may be gone already
+            self.requests_out.send(("shutdown",))
+        await asyncio.to_thread(self.process.join, 10)
+        if self.process.is_alive():
+            self.process.kill()
+        self.process = None
+
+    def load(self) -> dict:
+        return {"running": self.load_state.running, "waiting": self.load_state.waiting,
+                "kv_cache_usage": self.load_state.kv_cache_usage}
+
+    def is_ready(self) -> bool:
+        """Alive, and a busy engine finished a step within STALL_SECONDS."""
+        if self.errored or self.process is None or not self.process.is_alive():
+            return False
+        state = self.load_state
+        return not state.has_work or time.monotonic() - state.last_progress < STALL_SECONDS
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams, priority: int = 0
+                       ) -> AsyncIterator[RequestUpdate]:
+        """Updates as tokens arrive; ValueError before any update if the engine refuses the
+        request. Leaving the iteration early (a disconnect) aborts the request."""
+        if self.loop is None or self.errored:
+            raise RuntimeError("the engine is not running")
+        queue: asyncio.Queue = asyncio.Queue()
+        with self.lock:
+            engine_requests = self.processor.add_request(request_id, prompt_token_ids, params)
+            self.streams[request_id] = queue
+            for engine_id, engine_params in engine_requests:
+                self.requests_out.send(("add", engine_id, prompt_token_ids, engine_params,
+                                        priority))
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.state.finished
+                yield item
+        finally:
+            self._forget(request_id, abort=not finished)
+
+    async def abort(self, request_id: str) -> None:
+        self._forget(request_id, abort=True)
+
+    def _forget(self, request_id: str, abort: bool) -> None:
+        with self.lock:
+            self.streams.pop(request_id, None)
+            if abort and self.process is not None:
+                for engine_id in self.processor.engine_ids(request_id):
+                    self.requests_out.send(("abort", engine_id))
+            self.processor.remove(request_id)
+
+    def _read_outputs(self) -> None:
+        """Reader thread: receive engine messages, detokenize, hand updates to the loop."""
+        while True:
+            try:
+                message = self.outputs_in.recv()
+            except (EOFError, OSError):
+                break
+            if message[0] == "rejected":
+                self._reject(message[1], message[2])
+                continue
+            _, step_outputs, (running, waiting, usage, has_work) = message
+            now = time.monotonic()
+            state = self.load_state
+            if step_outputs or not has_work:
+                state.last_progress = now
+            state.running, state.waiting, state.kv_cache_usage = running, waiting, usage
+            state.has_work = has_work
+            if step_outputs:
+                self._dispatch(step_outputs)
+        self.errored = True
+        logger.error("the engine process has stopped")
+        for queue in list(self.streams.values()):
+            self.loop.call_soon_threadsafe(queue.put_nowait,
+                                           RuntimeError("the engine process stopped"))
+
+    def _dispatch(self, step_outputs: list) -> None:
+        with self.lock:
+            deltas, to_abort = self.processor.process(step_outputs)
+            for engine_id in to_abort:
+                self.requests_out.send(("abort", engine_id))
+            updates: dict[str, list[SampleDelta]] = {}
+            for delta in deltas:
+                updates.setdefault(delta.request_id, []).append(delta)
+            for request_id, request_deltas in updates.items():
+                queue = self.streams.get(request_id)
+                if queue is not None:
+                    update = RequestUpdate(request_deltas, self.processor.requests[request_id])
+                    self.loop.call_soon_threadsafe(queue.put_nowait, update)
+
+    def _reject(self, engine_id: str, message: str) -> None:
+        with self.lock:
+            entry = self.processor.samples.get(engine_id)
+            if entry is None:
+                return
+            request_id = entry[0].request_id
+            queue = self.streams.get(request_id)
+        if queue is not None:
+            self.loop.call_soon_threadsafe(queue.put_nowait, ValueError(message))
