@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from treadle.engine.async_engine import AsyncEngine
+from treadle.engine.async_engine import AsyncEngine, EngineOverloaded
 from treadle.engine.sampling_params import SamplingParams
 from treadle.llm import LLM
 
@@ -62,6 +62,32 @@ def test_streams_equal_offline_and_aborts_free_blocks():
             assert await wait_idle(engine) == {"running": 0, "waiting": 0,
                                                "kv_cache_usage": 0.0}
             assert engine.is_ready()
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_full_queue_refuses_then_serves_again():
+    async def scenario():
+        engine = AsyncEngine(dtype="float32", kv_cache_memory_bytes=64 << 20,
+                             max_queued_requests=1)
+        await engine.start()
+        try:
+            params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            first = engine.generate("a", [1, 2, 3, 4], params)
+            first_update = asyncio.create_task(first.__anext__())
+            await asyncio.sleep(0)  # "a" is sent and waits for its first token
+            with pytest.raises(EngineOverloaded, match="queued"):
+                await engine.generate("b", [5, 6, 7], params).__anext__()
+            await first_update  # "a" is running now: the queue has room again
+            tokens = [t async for u in engine.generate("c", [5, 6, 7], params)
+                      for d in u.deltas for t in d.token_ids]
+            assert len(tokens) == 4
+            async for _ in first:
+                pass
+            assert await wait_idle(engine) == {"running": 0, "waiting": 0,
+                                               "kv_cache_usage": 0.0}
         finally:
             await engine.shutdown()
 

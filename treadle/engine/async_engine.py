@@ -34,6 +34,14 @@ HEARTBEAT_SECONDS = 1.0
 STALL_SECONDS = 30.0
 
 
+class EngineOverloaded(Exception):
+    """The waiting queue is full: the client should retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 @dataclass
 class EngineArgs:
     model: str | None = None
@@ -114,9 +122,16 @@ class AsyncEngine:
     def __init__(self, model: str | None = None, dtype: str = DEFAULT_DTYPE,
                  max_model_len: int | None = None, kv_cache_memory_bytes: int = 1 << 30,
                  max_num_seqs: int = 128, max_num_batched_tokens: int = 512,
-                 policy: str = "fcfs", engine_threads: int = 1) -> None:
+                 policy: str = "fcfs", engine_threads: int = 1,
+                 max_queued_requests: int | None = None,
+                 max_queued_tokens: int | None = None) -> None:
         self.args = EngineArgs(model, dtype, max_model_len, kv_cache_memory_bytes, max_num_seqs,
                                max_num_batched_tokens, policy, engine_threads)
+        self.max_queued_requests = max_queued_requests
+        self.max_queued_tokens = max_queued_tokens
+        # Requests sent to the engine that have produced no token yet, with their prompt tokens
+        # (times n): the queue admission bounds, known here at once, unlike the engine's counts.
+        self.queued: dict[str, int] = {}
         source = resolve_model(self.args.model)
         self.model_name = source.name
         self.tokenizer = AutoTokenizer.from_pretrained(str(source.folder))
@@ -171,17 +186,35 @@ class AsyncEngine:
         state = self.load_state
         return not state.has_work or time.monotonic() - state.last_progress < STALL_SECONDS
 
+    def check_capacity(self, num_prompt_tokens: int = 0) -> None:
+        """Raise EngineOverloaded if a request of that many prompt tokens would overfill the
+        queue. Cheap: frontends call it before tokenizing, and generate() again with the count."""
+        if self.max_queued_requests is not None and len(self.queued) >= self.max_queued_requests:
+            raise EngineOverloaded(f"the server has {len(self.queued)} requests queued, its "
+                                   f"limit; retry later")
+        queued_tokens = sum(self.queued.values())
+        # A prompt larger than the limit alone still goes when nothing is queued: it would
+        # otherwise never go.
+        if (self.max_queued_tokens is not None and queued_tokens
+                and queued_tokens + num_prompt_tokens > self.max_queued_tokens):
+            raise EngineOverloaded(f"the server has {queued_tokens} prompt tokens queued; "
+                                   f"{num_prompt_tokens} more exceed its limit of "
+                                   f"{self.max_queued_tokens}; retry later")
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0
                        ) -> AsyncIterator[RequestUpdate]:
         """Updates as tokens arrive; ValueError before any update if the engine refuses the
-        request. Leaving the iteration early (a disconnect) aborts the request."""
+        request, EngineOverloaded if the queue is full. Leaving the iteration early (a
+        disconnect) aborts the request."""
         if self.loop is None or self.errored:
             raise RuntimeError("the engine is not running")
+        self.check_capacity(len(prompt_token_ids) * params.n)
         queue: asyncio.Queue = asyncio.Queue()
         with self.lock:
             engine_requests = self.processor.add_request(request_id, prompt_token_ids, params)
             self.streams[request_id] = queue
+            self.queued[request_id] = len(prompt_token_ids) * params.n
             for engine_id, engine_params in engine_requests:
                 self.requests_out.send(("add", engine_id, prompt_token_ids, engine_params,
                                         priority))
@@ -192,6 +225,7 @@ class AsyncEngine:
                 if isinstance(item, Exception):
                     raise item
                 finished = item.state.finished
+                self.queued.pop(request_id, None)
                 yield item
         finally:
             self._forget(request_id, abort=not finished)
@@ -202,6 +236,7 @@ class AsyncEngine:
     def _forget(self, request_id: str, abort: bool) -> None:
         with self.lock:
             self.streams.pop(request_id, None)
+            self.queued.pop(request_id, None)
             if abort and self.process is not None:
                 for engine_id in self.processor.engine_ids(request_id):
                     self.requests_out.send(("abort", engine_id))
