@@ -90,7 +90,8 @@ def engine_process(args: EngineArgs, requests, outputs) -> None:
     except Exception as e:
         outputs.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    outputs.send(("ready", core.max_model_len, core.runner.num_blocks))
+    outputs.send(("ready", core.max_model_len, core.runner.num_blocks,
+                  core.runner.spec.vocab_size))
     last_report = 0.0
     while True:
         busy = core.has_unfinished_requests()
@@ -139,8 +140,9 @@ class AsyncEngine:
         self.lock = threading.Lock()  # the processor and the request pipe, shared with the reader
         self.streams: dict[str, asyncio.Queue] = {}
         self.load_state = EngineLoad()
-        self.max_model_len = 0
+        self.max_model_len = 0  # these three are known once the engine has started
         self.num_blocks = 0
+        self.vocab_size = 0
         self.process: multiprocessing.process.BaseProcess | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.errored = False
@@ -159,7 +161,7 @@ class AsyncEngine:
         first = await asyncio.to_thread(outputs_in.recv)
         if first[0] != "ready":
             raise RuntimeError(f"the engine failed to start: {first[1]}")
-        _, self.max_model_len, self.num_blocks = first
+        _, self.max_model_len, self.num_blocks, self.vocab_size = first
         self.loop = asyncio.get_running_loop()
         self.reader = threading.Thread(target=self._read_outputs, name="treadle-outputs",
                                        daemon=True)
