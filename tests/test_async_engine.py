@@ -5,6 +5,7 @@ blocks in the engine process."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -26,14 +27,15 @@ async def wait_idle(engine: AsyncEngine, timeout: float = 10.0) -> dict:
     return engine.load()
 
 
-def test_streams_equal_offline_and_aborts_free_blocks():
+def test_streams_equal_offline_and_aborts_free_blocks(tmp_path):
     offline = LLM(dtype="float32", kv_cache_memory_bytes=64 << 20)
     prompts = [offline.chat_prompt(q) for q in ("Why is the sky blue?", "Name three fruits.")]
     params = SamplingParams(max_tokens=24, temperature=0.0)
     expected = [o.outputs[0] for o in offline.generate(prompts, params, use_tqdm=False)]
 
     async def scenario():
-        engine = AsyncEngine(dtype="float32", kv_cache_memory_bytes=64 << 20)
+        engine = AsyncEngine(dtype="float32", kv_cache_memory_bytes=64 << 20,
+                             trace_file=str(tmp_path / "trace.json"))
         await engine.start()
         try:
             async def collect(request_id, prompt):
@@ -42,11 +44,16 @@ def test_streams_equal_offline_and_aborts_free_blocks():
                     for delta in update.deltas:
                         text += delta.text
                         tokens += delta.token_ids
+                cached.append(update.state.num_cached_tokens)
                 return text, tokens, update.state.samples[0].finish_reason
+
+            cached: list[int] = []
 
             results = await asyncio.gather(*(collect(f"r{i}", p) for i, p in enumerate(prompts)))
             for (text, tokens, reason), want in zip(results, expected, strict=True):
                 assert (text, tokens, reason) == (want.text, want.token_ids, want.finish_reason)
+            generated = sum(len(tokens) for _, tokens, _ in results)
+            prompt_tokens = sum(len(p) for p in prompts) - sum(cached)  # prefix hits: not run
 
             with pytest.raises(ValueError, match="max_model_len"):
                 async for _ in engine.generate("too-long", prompts[0],
@@ -64,8 +71,24 @@ def test_streams_equal_offline_and_aborts_free_blocks():
             assert engine.is_ready()
         finally:
             await engine.shutdown()
+        return generated, prompt_tokens
 
-    asyncio.run(scenario())
+    generated, prompt_tokens = asyncio.run(scenario())
+    # The step trace: one complete event per step; until the refused and the abandoned requests
+    # (which came later), generated and prefill tokens add up to what the streams carried.
+    events = json.loads((tmp_path / "trace.json").read_text())
+    assert all(e["ph"] == "X" and e["dur"] > 0 for e in events)
+    served = []
+    total = 0
+    for event in events:
+        if total == generated:
+            break
+        total += event["args"]["generated_tokens"]
+        served.append(event)
+    assert total == generated
+    assert sum(e["args"]["prefill_tokens"] for e in served) == prompt_tokens
+    assert sum(e["args"]["decode_tokens"] for e in served) == generated - len(prompts)
+    assert [e["ts"] for e in events] == sorted(e["ts"] for e in events)
 
 
 def test_a_full_queue_refuses_then_serves_again():

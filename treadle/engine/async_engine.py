@@ -18,13 +18,18 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 
+import torch
 from transformers import AutoTokenizer
 
 from treadle.config import DEFAULT_DTYPE, CacheConfig, ModelConfig, SchedulerConfig
+from treadle.engine.core import EngineCore, StepStats
 from treadle.engine.output_processor import OutputProcessor, RequestState, SampleDelta
 from treadle.engine.sampling_params import SamplingParams
-from treadle.model.loader import resolve_model
+from treadle.model.loader import load_model, resolve_model
+from treadle.model.runner import torch_dtype
+from treadle.observability.step_trace import StepTraceWriter
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +57,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 512
     policy: str = "fcfs"
     engine_threads: int = 1
+    trace_file: str | None = None  # a Chrome-trace JSON of every engine step
 
 
 @dataclass
@@ -70,13 +76,7 @@ class EngineLoad:
 
 
 def engine_process(args: EngineArgs, requests, outputs) -> None:
-    """The child: build the core, then loop: take messages, step, send outputs and load."""
-    import torch
-
-    from treadle.engine.core import EngineCore
-    from treadle.model.loader import load_model
-    from treadle.model.runner import torch_dtype
-
+    """The child: build the core and serve it until told to shut down."""
     torch.set_num_threads(args.engine_threads)
     try:
         loaded = load_model(args.model, torch_dtype(args.dtype))
@@ -92,7 +92,19 @@ def engine_process(args: EngineArgs, requests, outputs) -> None:
         return
     outputs.send(("ready", core.max_model_len, core.runner.num_blocks,
                   core.runner.spec.vocab_size))
+    trace = StepTraceWriter(args.trace_file) if args.trace_file else None
+    try:
+        serve_engine(core, requests, outputs, trace)
+    finally:
+        if trace is not None:
+            trace.close()
+
+
+def serve_engine(core: EngineCore, requests: Connection, outputs: Connection,
+                 trace: StepTraceWriter | None) -> None:
+    """The engine process's loop: take messages, step, send outputs and load."""
     last_report = 0.0
+    traced: StepStats | None = None
     while True:
         busy = core.has_unfinished_requests()
         if requests.poll(0 if busy else HEARTBEAT_SECONDS):
@@ -110,6 +122,9 @@ def engine_process(args: EngineArgs, requests, outputs) -> None:
                     except ValueError as e:
                         outputs.send(("rejected", request_id, str(e)))
         step_outputs = core.step() if core.has_unfinished_requests() else []
+        if trace is not None and core.last_step_stats is not traced:
+            traced = core.last_step_stats
+            trace.write(traced.trace_event())
         now = time.monotonic()
         if step_outputs or now - last_report >= HEARTBEAT_SECONDS:
             scheduler = core.scheduler
@@ -125,9 +140,9 @@ class AsyncEngine:
                  max_num_seqs: int = 128, max_num_batched_tokens: int = 512,
                  policy: str = "fcfs", engine_threads: int = 1,
                  max_queued_requests: int | None = None,
-                 max_queued_tokens: int | None = None) -> None:
+                 max_queued_tokens: int | None = None, trace_file: str | None = None) -> None:
         self.args = EngineArgs(model, dtype, max_model_len, kv_cache_memory_bytes, max_num_seqs,
-                               max_num_batched_tokens, policy, engine_threads)
+                               max_num_batched_tokens, policy, engine_threads, trace_file)
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = max_queued_tokens
         # Requests sent to the engine that have produced no token yet, with their prompt tokens

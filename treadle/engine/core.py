@@ -7,6 +7,7 @@ KV cache, the sampler picks tokens, the scheduler advances requests and frees fi
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,30 @@ class EngineCoreOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
+@dataclass(frozen=True)
+class StepStats:
+    """What one step did: the batch's composition, the cache, the time it took."""
+
+    start: float  # time.time()
+    duration: float  # seconds
+    num_requests: int
+    num_prefill_tokens: int  # prompt chunks, and recomputation after preemption
+    num_decode_tokens: int
+    num_generated_tokens: int  # tokens sampled
+    num_preemptions: int
+    kv_cache_usage: float  # after the step
+
+    def trace_event(self) -> dict:
+        """This step as a Chrome-trace / Perfetto complete event."""
+        return {"name": "step", "ph": "X", "pid": 0, "tid": 0, "ts": self.start * 1e6,
+                "dur": self.duration * 1e6, "args": {
+                    "requests": self.num_requests, "prefill_tokens": self.num_prefill_tokens,
+                    "decode_tokens": self.num_decode_tokens,
+                    "generated_tokens": self.num_generated_tokens,
+                    "preemptions": self.num_preemptions,
+                    "kv_cache_usage": round(self.kv_cache_usage, 4)}}
+
+
 class EngineCore:
     def __init__(self, loaded: LoadedModel, model_config: ModelConfig,
                  cache_config: CacheConfig | None = None,
@@ -56,6 +81,7 @@ class EngineCore:
                                    self.runner.max_model_len, loaded.spec.eos_token_ids)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}  # per-request seeded generators
+        self.last_step_stats: StepStats | None = None  # of the last step that ran a batch
 
     @property
     def max_model_len(self) -> int:
@@ -87,9 +113,21 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        start, started = time.time(), time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return []
+        decode_tokens = sum(1 for s in scheduler_output.scheduled if is_decode(s.request,
+                                                                               s.num_new_tokens))
+        outputs = self._run(scheduler_output)
+        self.last_step_stats = StepStats(
+            start, time.perf_counter() - started, len(scheduler_output.scheduled),
+            scheduler_output.num_batched_tokens - decode_tokens, decode_tokens,
+            sum(len(o.new_token_ids) for o in outputs), len(scheduler_output.preempted),
+            self.kv_cache_manager.block_pool.usage)
+        return outputs
+
+    def _run(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
         sequences = [ScheduledSequence(s.token_ids, s.num_computed_tokens, s.block_ids,
                                        all_logits=wants_prompt_logprobs(s.request,
                                                                         s.num_computed_tokens))
@@ -180,6 +218,13 @@ class EngineCore:
         self.generators.pop(request.request_id, None)
         self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
         return EngineCoreOutput(request.request_id, [], True, "error", request.num_cached_tokens)
+
+
+def is_decode(request: Request, num_new_tokens: int) -> bool:
+    """One new token after outputs already computed: the decode phase (recomputation after a
+    preemption and prompt chunks count as prefill)."""
+    return (num_new_tokens == 1 and request.num_output_tokens > 0
+            and request.num_computed_tokens == request.num_tokens - 1)
 
 
 def wants_prompt_logprobs(request: Request, num_computed_tokens: int) -> bool:
