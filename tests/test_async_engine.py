@@ -9,12 +9,25 @@ import json
 import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from treadle.engine.async_engine import AsyncEngine, EngineOverloaded
 from treadle.engine.sampling_params import SamplingParams
 from treadle.llm import LLM
 
 pytestmark = pytest.mark.default_model
+
+
+def scrape(text: bytes) -> dict[str, float]:
+    """Sample name (with labels other than model_name) -> value."""
+    values = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for sample in family.samples:
+            labels = {k: v for k, v in sample.labels.items() if k != "model_name"}
+            suffix = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()) if k != "le")
+            if "le" not in labels:
+                values[sample.name + (f"{{{suffix}}}" if suffix else "")] = sample.value
+    return values
 
 
 async def wait_idle(engine: AsyncEngine, timeout: float = 10.0) -> dict:
@@ -54,6 +67,21 @@ def test_streams_equal_offline_and_aborts_free_blocks(tmp_path):
                 assert (text, tokens, reason) == (want.text, want.token_ids, want.finish_reason)
             generated = sum(len(tokens) for _, tokens, _ in results)
             prompt_tokens = sum(len(p) for p in prompts) - sum(cached)  # prefix hits: not run
+
+            # Prometheus: exact counts for this known workload.
+            metrics = scrape(engine.metrics.render())
+            assert metrics["treadle:generation_tokens_total"] == generated
+            assert metrics["treadle:prompt_tokens_total"] == sum(len(p) for p in prompts)
+            assert metrics["treadle:prefix_cache_queries_total"] == sum(len(p) for p in prompts)
+            assert metrics["treadle:prefix_cache_hits_total"] == sum(cached) > 0
+            for reason in {r for _, _, r in results}:
+                assert metrics[f'treadle:request_success_total{{finished_reason="{reason}"}}'] \
+                    == sum(r == reason for _, _, r in results)
+            for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time",
+                         "request_prefill_time", "request_decode_time"):
+                assert metrics[f"treadle:{name}_seconds_count"] == len(prompts)
+            assert metrics["treadle:inter_token_latency_seconds_count"] == generated - 2
+            assert metrics["treadle:iteration_tokens_total_sum"] == prompt_tokens + generated - 2
 
             with pytest.raises(ValueError, match="max_model_len"):
                 async for _ in engine.generate("too-long", prompts[0],

@@ -29,6 +29,7 @@ from treadle.engine.output_processor import OutputProcessor, RequestState, Sampl
 from treadle.engine.sampling_params import SamplingParams
 from treadle.model.loader import load_model, resolve_model
 from treadle.model.runner import torch_dtype
+from treadle.observability.metrics import ServerMetrics
 from treadle.observability.step_trace import StepTraceWriter
 
 logger = logging.getLogger(__name__)
@@ -122,14 +123,19 @@ def serve_engine(core: EngineCore, requests: Connection, outputs: Connection,
                     except ValueError as e:
                         outputs.send(("rejected", request_id, str(e)))
         step_outputs = core.step() if core.has_unfinished_requests() else []
-        if trace is not None and core.last_step_stats is not traced:
+        iteration_tokens = None
+        if core.last_step_stats is not traced:  # a step ran
             traced = core.last_step_stats
-            trace.write(traced.trace_event())
+            iteration_tokens = traced.num_prefill_tokens + traced.num_decode_tokens
+            if trace is not None:
+                trace.write(traced.trace_event())
         now = time.monotonic()
-        if step_outputs or now - last_report >= HEARTBEAT_SECONDS:
-            scheduler = core.scheduler
-            load = (scheduler.num_running, scheduler.num_waiting,
-                    core.kv_cache_manager.block_pool.usage, core.has_unfinished_requests())
+        if iteration_tokens is not None or now - last_report >= HEARTBEAT_SECONDS:
+            scheduler, kv = core.scheduler, core.kv_cache_manager
+            load = (scheduler.num_running, scheduler.num_waiting, kv.block_pool.usage,
+                    core.has_unfinished_requests(),
+                    (kv.prefix_cache_queries, kv.prefix_cache_hits, scheduler.num_preemptions),
+                    iteration_tokens)
             outputs.send(("step", step_outputs, load))
             last_report = now
 
@@ -154,6 +160,9 @@ class AsyncEngine:
         self.processor = OutputProcessor(self.tokenizer)
         self.lock = threading.Lock()  # the processor and the request pipe, shared with the reader
         self.streams: dict[str, asyncio.Queue] = {}
+        self.metrics = ServerMetrics(self.model_name)
+        self.arrivals: dict[str, float] = {}  # frontend clock, for TTFT and E2E
+        self.last_token_times: dict[tuple[str, int], float] = {}  # per sample, for ITL
         self.load_state = EngineLoad()
         self.max_model_len = 0  # these three are known once the engine has started
         self.num_blocks = 0
@@ -207,6 +216,7 @@ class AsyncEngine:
         """Raise EngineOverloaded if a request of that many prompt tokens would overfill the
         queue. Cheap: frontends call it before tokenizing, and generate() again with the count."""
         if self.max_queued_requests is not None and len(self.queued) >= self.max_queued_requests:
+            self.metrics.labels(self.metrics.rejections, reason="queue_full").inc()
             raise EngineOverloaded(f"the server has {len(self.queued)} requests queued, its "
                                    f"limit; retry later")
         queued_tokens = sum(self.queued.values())
@@ -214,6 +224,7 @@ class AsyncEngine:
         # otherwise never go.
         if (self.max_queued_tokens is not None and queued_tokens
                 and queued_tokens + num_prompt_tokens > self.max_queued_tokens):
+            self.metrics.labels(self.metrics.rejections, reason="queued_tokens_full").inc()
             raise EngineOverloaded(f"the server has {queued_tokens} prompt tokens queued; "
                                    f"{num_prompt_tokens} more exceed its limit of "
                                    f"{self.max_queued_tokens}; retry later")
@@ -231,6 +242,7 @@ class AsyncEngine:
         with self.lock:
             engine_requests = self.processor.add_request(request_id, prompt_token_ids, params)
             self.streams[request_id] = queue
+            self.arrivals[request_id] = time.monotonic()
             self.queued[request_id] = len(prompt_token_ids) * params.n
             for engine_id, engine_params in engine_requests:
                 self.requests_out.send(("add", engine_id, prompt_token_ids, engine_params,
@@ -254,6 +266,9 @@ class AsyncEngine:
         with self.lock:
             self.streams.pop(request_id, None)
             self.queued.pop(request_id, None)
+            self.arrivals.pop(request_id, None)
+            for index in range(len(self.processor.engine_ids(request_id))):
+                self.last_token_times.pop((request_id, index), None)
             if abort and self.process is not None:
                 for engine_id in self.processor.engine_ids(request_id):
                     self.requests_out.send(("abort", engine_id))
@@ -269,7 +284,9 @@ class AsyncEngine:
             if message[0] == "rejected":
                 self._reject(message[1], message[2])
                 continue
-            _, step_outputs, (running, waiting, usage, has_work) = message
+            _, step_outputs, (running, waiting, usage, has_work, cumulative,
+                              iteration_tokens) = message
+            self.metrics.observe_engine(running, waiting, usage, cumulative, iteration_tokens)
             now = time.monotonic()
             state = self.load_state
             if step_outputs or not has_work:
@@ -292,13 +309,39 @@ class AsyncEngine:
             updates: dict[str, list[SampleDelta]] = {}
             for delta in deltas:
                 updates.setdefault(delta.request_id, []).append(delta)
+                self._observe(delta)
             for request_id, request_deltas in updates.items():
                 queue = self.streams.get(request_id)
                 if queue is not None:
                     update = RequestUpdate(request_deltas, self.processor.requests[request_id])
                     self.loop.call_soon_threadsafe(queue.put_nowait, update)
 
+    def _observe(self, delta: SampleDelta) -> None:
+        """Latency metrics on the frontend's clock, as a client would measure them."""
+        m, now = self.metrics, time.monotonic()
+        arrival = self.arrivals.get(delta.request_id, now)
+        key = (delta.request_id, delta.index)
+        if delta.token_ids:
+            last = self.last_token_times.get(key)
+            if last is None:
+                m.labels(m.ttft).observe(now - arrival)
+                if delta.index == 0:
+                    state = self.processor.requests[delta.request_id]
+                    m.labels(m.prompt_tokens).inc(len(state.prompt_token_ids))
+            else:
+                m.labels(m.itl).observe(now - last)
+            self.last_token_times[key] = now
+            m.labels(m.generation_tokens).inc(len(delta.token_ids))
+        if delta.finished:
+            m.labels(m.request_success, finished_reason=delta.finish_reason).inc()
+            m.labels(m.e2e).observe(now - arrival)
+            if delta.timings is not None:
+                for metric, seconds in zip((m.queue_time, m.prefill_time, m.decode_time),
+                                           delta.timings, strict=True):
+                    m.labels(metric).observe(seconds)
+
     def _reject(self, engine_id: str, message: str) -> None:
+        self.metrics.labels(self.metrics.rejections, reason="invalid_request").inc()
         with self.lock:
             entry = self.processor.samples.get(engine_id)
             if entry is None:

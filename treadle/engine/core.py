@@ -37,6 +37,9 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # stop, length, abort, error
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
+    # On the finishing output: seconds queued, in prefill (first schedule to first token) and in
+    # decode (first token to finish), on the engine's clock.
+    timings: tuple[float, float, float] | None = None
     # With the first new token, when asked for: one entry per prompt token, None for the first
     # (nothing precedes it).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
@@ -119,6 +122,10 @@ class EngineCore:
             return []
         decode_tokens = sum(1 for s in scheduler_output.scheduled if is_decode(s.request,
                                                                                s.num_new_tokens))
+        now = time.monotonic()
+        for s in scheduler_output.scheduled:
+            if s.request.scheduled_time is None:
+                s.request.scheduled_time = now
         outputs = self._run(scheduler_output)
         self.last_step_stats = StepStats(
             start, time.perf_counter() - started, len(scheduler_output.scheduled),
@@ -188,8 +195,11 @@ class EngineCore:
         finished = {r.request_id for r in self.scheduler.update_from_output(scheduler_output,
                                                                             sampled)}
         outputs = []
+        now = time.monotonic()
         for i, request in enumerate(requests):
             done = request.request_id in finished
+            if request.request_id in first_tokens:
+                request.first_token_time = now
             if done:
                 self.generators.pop(request.request_id, None)
             logprobs = sampler_output.logprobs and sampler_output.logprobs[i]
@@ -198,7 +208,8 @@ class EngineCore:
                 request.request_id, [sampled[request.request_id]], done, request.finish_reason,
                 request.num_cached_tokens, logprobs=[logprobs] if logprobs else None,
                 prompt_logprobs=[None, *request.prompt_logprobs]
-                if first and request.sampling_params.prompt_logprobs is not None else None))
+                if first and request.sampling_params.prompt_logprobs is not None else None,
+                timings=latency_breakdown(request, now) if done else None))
         return outputs
 
     def _collect_prompt_logprobs(self, request: Request, start: int,
@@ -218,6 +229,12 @@ class EngineCore:
         self.generators.pop(request.request_id, None)
         self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
         return EngineCoreOutput(request.request_id, [], True, "error", request.num_cached_tokens)
+
+
+def latency_breakdown(request: Request, now: float) -> tuple[float, float, float]:
+    scheduled = request.scheduled_time or request.arrival_time
+    first_token = request.first_token_time or now
+    return scheduled - request.arrival_time, first_token - scheduled, now - first_token
 
 
 def is_decode(request: Request, num_new_tokens: int) -> bool:

@@ -30,6 +30,7 @@ class SampleDelta:
     finished: bool
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    timings: tuple[float, float, float] | None = None  # engine's queue, prefill, decode seconds
 
 
 @dataclass
@@ -140,5 +141,5 @@ class OutputProcessor:
                     sample.stop_reason = last
             deltas.append(SampleDelta(state.request_id, sample.index, text, out.new_token_ids,
                                       out.logprobs, sample.finished, sample.finish_reason,
-                                      sample.stop_reason))
+                                      sample.stop_reason, out.timings))
         return deltas, to_abort

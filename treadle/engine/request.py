@@ -53,6 +53,9 @@ class Request:
         self.num_skips = 0  # steps the scheduler passed over it while waiting, for lack of blocks
         # Logprobs of prompt tokens 1.. (sampler objects), filled as prefill chunks run.
         self.prompt_logprobs: list = []
+        # Engine-clock (time.monotonic) marks for the latency breakdown: queue, prefill, decode.
+        self.scheduled_time: float | None = None  # first scheduled
+        self.first_token_time: float | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -1,0 +1,84 @@
+"""Prometheus metrics, named `treadle:<name>` with vLLM's meaning where vLLM has the metric.
+
+The frontend owns them: the engine process reports each step's stats and its cumulative cache
+counters; request latencies come from the frontend's clock (TTFT, ITL, E2E: what a client sees)
+and from the engine's (queue, prefill, decode time: where the time went).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()  # one per server: tests run several in a process
+        self.model_name = model_name
+        label = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"treadle:{name}", doc, label, registry=self.registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"treadle:{name}", doc, label + list(extra), registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(f"treadle:{name}", doc, label, buckets=buckets,
+                             registry=self.registry)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.prefix_queries = counter("prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Requests preempted (by recompute).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.request_success = counter("request_success", "Requests finished, by reason.",
+                                       ("finished_reason",))
+        self.rejections = counter("admission_rejections", "Requests refused before queuing.",
+                                  ("reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.",
+                              LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between streamed tokens.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token.",
+                             LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Time waiting before the first schedule.", LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds",
+                                      "First schedule to first token.", LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds",
+                                     "First token to the last.", LATENCY_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total",
+                                          "Tokens computed per engine step.",
+                                          ITERATION_TOKEN_BUCKETS)
+        self._cache_counts = (0, 0, 0)  # last cumulative (queries, hits, preemptions) seen
+
+    def labels(self, metric, **extra):
+        return metric.labels(model_name=self.model_name, **extra)
+
+    def observe_engine(self, running: int, waiting: int, kv_usage: float,
+                       cumulative: tuple[int, int, int], iteration_tokens: int | None) -> None:
+        """The engine's load, its cumulative (prefix queries, prefix hits, preemptions), and the
+        tokens of the step just run (None: a heartbeat, no step)."""
+        self.labels(self.running).set(running)
+        self.labels(self.waiting).set(waiting)
+        self.labels(self.kv_usage).set(kv_usage)
+        for metric, now, before in zip((self.prefix_queries, self.prefix_hits, self.preemptions),
+                                       cumulative, self._cache_counts, strict=True):
+            if now > before:
+                self.labels(metric).inc(now - before)
+        self._cache_counts = cumulative
+        if iteration_tokens is not None:
+            self.labels(self.iteration_tokens).observe(iteration_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
