@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import statistics
+from collections import Counter
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -14,7 +15,9 @@ from transformers import PreTrainedTokenizerFast
 
 from treadle.bench.workloads import (
     SHAREGPT_LENGTHS,
+    file_workload,
     random_workload,
+    shared_prefix,
     sharegpt_lengths,
     summarize,
     synthetic_chat,
@@ -118,6 +121,38 @@ def test_random_workload_has_fixed_or_bounded_lengths(tokenizer):
     assert len({r.prompt_len for r in spread}) > 1
     assert [r.prompt_token_ids for r in fixed] == \
         [r.prompt_token_ids for r in random_workload(tokenizer, 10, 32, 8, seed=0)]
+
+
+def test_shared_prefix_groups_share_their_system_prompt(tokenizer):
+    requests = shared_prefix(tokenizer, 20, prefix_len=16, question_len=4, output_len=3,
+                             group_size=8, seed=0)
+    assert all(r.prompt_len == 20 and r.output_len == 3 for r in requests)
+    groups = Counter(tuple(r.prompt_token_ids[:16]) for r in requests)
+    assert sorted(groups.values()) == [4, 8, 8]
+    assert len({tuple(r.prompt_token_ids[16:]) for r in requests}) == 20
+    for r in requests:
+        assert tokenizer(r.prompt, add_special_tokens=False)["input_ids"] == r.prompt_token_ids
+    again = shared_prefix(tokenizer, 20, 16, 4, 3, 8, seed=0, with_text=False)
+    assert [r.prompt_token_ids for r in again] == [r.prompt_token_ids for r in requests]
+    with pytest.raises(ValueError, match="group_size"):
+        shared_prefix(tokenizer, 4, 16, 4, 3, group_size=0)
+
+
+def test_file_workload_reads_text_and_token_prompts(tokenizer, tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt": "hello there", "output_len": 5}\n\n'
+                    '{"prompt": [5, 6, 7], "output_len": 2}\n')
+    text, ids = file_workload(tokenizer, path)
+    assert text.prompt == "hello there" and text.output_len == 5
+    assert text.prompt_token_ids == tokenizer("hello there", add_special_tokens=False)["input_ids"]
+    assert ids.prompt_token_ids == [5, 6, 7] and ids.prompt == tokenizer.decode([5, 6, 7])
+    for row, message in (('{"prompt": "x"}', "output_len"), ("not json", "JSON object"),
+                         ('{"prompt": "x", "output_len": 0}', "output_len"),
+                         ('{"prompt": 3, "output_len": 1}', "prompt must be"),
+                         ('{"prompt": [], "output_len": 1}', "empty prompt")):
+        path.write_text(row + "\n")
+        with pytest.raises(ValueError, match=message):
+            file_workload(tokenizer, path)
 
 
 @pytest.mark.default_model

@@ -1,9 +1,10 @@
-"""`treadle generate | bench forward | bench offline`."""
+"""`treadle serve | generate | bench forward | offline | serve | roofline`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 import torch
@@ -25,6 +26,37 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="treadle", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+
+    srv = commands.add_parser("serve", help="the OpenAI-compatible REST server and the gRPC "
+                                            "server, over one engine")
+    add_model_args(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-model-len", type=int, default=None,
+                     help="context length (default: the model's own)")
+    srv.add_argument("--max-num-seqs", type=int, default=128,
+                     help="most sequences in one model pass")
+    srv.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs",
+                     help="queue order; priority honours each request's `priority` field")
+    srv.add_argument("--max-queued-requests", type=int, default=256,
+                     help="requests waiting for their first token; past it: 429")
+    srv.add_argument("--max-queued-tokens", type=int, default=None,
+                     help="prompt tokens waiting for their first token; past it: 429")
+    srv.add_argument("--api-key", action="append", default=[],
+                     help="require `Authorization: Bearer KEY` on /v1/* and /tokenize "
+                          "(repeatable)")
+    srv.add_argument("--api-key-file", default=None, help="API keys, one per line")
+    srv.add_argument("--allowed-origins", action="append", default=[],
+                     help="an origin browsers may call from (CORS; repeatable; none by default)")
+    srv.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                     help="larger request bodies get 413")
+    srv.add_argument("--grpc-port", type=int, default=50051, help="the gRPC frontend's port")
+    srv.add_argument("--no-grpc", action="store_true", help="serve REST only")
+    srv.add_argument("--trace-file", default=None,
+                     help="write every engine step to this Chrome-trace/Perfetto JSON file")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="on SIGTERM, seconds in-flight requests may take to finish before "
+                          "they are aborted")
 
     gen = commands.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("prompt")
@@ -54,11 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--max-output-len", type=int, default=None)
     off.add_argument("--hf-batch-size", type=int, default=None)
     off.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    from treadle.bench.commands import add_roofline_args, add_serve_args
+
+    add_serve_args(bench.add_parser("serve", help="replay a workload against an "
+                                    "OpenAI-compatible server"))
+    roof = bench.add_parser("roofline", help="memory bandwidth, matmul rate, decode-step floor")
+    add_model_args(roof)
+    add_roofline_args(roof)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.command == "generate":
@@ -70,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
                                context_len=args.context_len)
         print(json.dumps(report, indent=2) if args.json else format_forward(report))
         return 0
+    if args.bench in ("serve", "roofline"):
+        from treadle.bench.commands import run_roofline, run_serve
+
+        return run_serve(args) if args.bench == "serve" else run_roofline(args)
     from treadle.bench.offline import bench_offline, format_offline
 
     kwargs = {k: v for k, v in dict(max_input_len=args.max_input_len,
@@ -78,6 +124,43 @@ def main(argv: list[str] | None = None) -> int:
     report = bench_offline(args.model, args.dtype, num_prompts=args.num_prompts, seed=args.seed,
                            **kwargs)
     print(json.dumps(report, indent=2) if args.json else format_offline(report))
+    return 0
+
+
+def exit_cleanly(*_: object) -> None:
+    raise SystemExit(0)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from treadle.engine.async_engine import AsyncEngine
+    from treadle.server.openai.app import build_app
+
+    try:
+        keys = list(args.api_key)
+        if args.api_key_file is not None:
+            with open(args.api_key_file) as f:
+                keys += [line.strip() for line in f if line.strip()]
+        # --threads goes to the engine process; this one keeps to HTTP and tokenizing.
+        engine = AsyncEngine(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                             max_num_seqs=args.max_num_seqs, policy=args.policy,
+                             engine_threads=args.threads or 1,
+                             max_queued_requests=args.max_queued_requests,
+                             max_queued_tokens=args.max_queued_tokens,
+                             trace_file=args.trace_file)
+    except (ValueError, OSError) as e:  # a bad model path or setting, an unreadable key file
+        print(f"treadle: {e}", file=sys.stderr)
+        return 2
+    app = build_app(engine, api_keys=keys, allowed_origins=args.allowed_origins,
+                    max_request_bytes=args.max_request_bytes,
+                    grpc_address=None if args.no_grpc else (args.host, args.grpc_port))
+    # On SIGTERM uvicorn stops accepting, lets in-flight requests finish up to the timeout,
+    # then cancels them (which aborts them in the engine) and runs the lifespan's shutdown.
+    # Then it re-raises the signal for the handler it found: let that handler exit 0.
+    signal.signal(signal.SIGTERM, exit_cleanly)
+    uvicorn.run(app, host=args.host, port=args.port,
+                timeout_graceful_shutdown=args.shutdown_timeout)
     return 0
 
 

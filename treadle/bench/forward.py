@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from treadle.bench.roofline import best_seconds, measure_roofline
+from treadle.bench.roofline import DecodeCost, best_seconds, measure_roofline
 from treadle.config import CacheConfig, ModelConfig
 from treadle.model.loader import load_model
 from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence, torch_dtype
@@ -25,11 +25,7 @@ def bench_forward(model: str | None, dtype: str, batch_sizes: list[int], threads
     loaded = load_model(model, torch_dtype(dtype))
     runner = ModelRunner(loaded, model_config, CacheConfig(block_size=block_size,
                                                            num_blocks=num_blocks))
-    spec = runner.spec
-    params = runner.model.num_parameters()
-    weight_bytes = params * runner.dtype.itemsize
-    kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim \
-        * runner.dtype.itemsize
+    cost = DecodeCost.of(runner.model)
     rows = []
     saved_threads = torch.get_num_threads()
     try:
@@ -42,8 +38,7 @@ def bench_forward(model: str | None, dtype: str, batch_sizes: list[int], threads
                                       list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
                     for i in range(batch)])
                 step_s = best_seconds(lambda mi=model_input: runner.execute(mi), repeats=steps)
-                floor_ms = roof.step_floor_ms(
-                    weight_bytes + batch * context_len * kv_bytes_per_token, 2 * params * batch)
+                floor_ms = cost.floor_ms(roof, batch, context_len)
                 rows.append({
                     "threads": n_threads, "batch": batch, "ms_per_step": step_s * 1e3,
                     "tokens_per_s": batch / step_s, "floor_ms": floor_ms,
@@ -52,8 +47,8 @@ def bench_forward(model: str | None, dtype: str, batch_sizes: list[int], threads
                 })
     finally:
         torch.set_num_threads(saved_threads)
-    return {"model": loaded.name, "dtype": dtype, "parameters": params,
-            "weight_bytes": weight_bytes, "context_len": context_len, "rows": rows,
+    return {"model": loaded.name, "dtype": dtype, "parameters": cost.parameters,
+            "weight_bytes": cost.weight_bytes, "context_len": context_len, "rows": rows,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 

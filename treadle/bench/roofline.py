@@ -1,15 +1,20 @@
 """The machine's floor for a forward pass: measured memory bandwidth and matrix-multiply rate.
 
 A decode step must at least read every weight once (and each sequence's KV cache), and must do
-2 x params multiply-adds per token; the slower of the two bounds is the step's floor.
+2 x params FLOPs per token; the slower of the two bounds is the step's floor.
+`treadle bench roofline` prints the measurements and the floor for a model at a few batch sizes.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from treadle.model.llama import LlamaModel
 
 
 def best_seconds(fn, repeats: int = 5) -> float:
@@ -49,3 +54,69 @@ def measure_roofline(dtype: torch.dtype, buffer_bytes: int = 512 << 20,
                     read_bandwidth_gbs=buffer_bytes / read_s / 1e9,
                     matmul_gflops=2 * matmul_size ** 3 / mm_s / 1e9,
                     dtype=str(dtype).removeprefix("torch."))
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    """What one decode step of a model must read and compute."""
+
+    parameters: int  # read by a decode step (a tied embedding counts once)
+    weight_bytes: int
+    kv_bytes_per_token: int  # keys and values of one context token, all layers
+
+    @classmethod
+    def of(cls, model: LlamaModel) -> DecodeCost:
+        spec, itemsize = model.spec, model.dtype.itemsize
+        params = model.num_parameters()
+        return cls(parameters=params, weight_bytes=params * itemsize,
+                   kv_bytes_per_token=2 * spec.num_layers * spec.num_kv_heads * spec.head_dim
+                   * itemsize)
+
+    def bytes_read(self, batch: int, context_len: int) -> int:
+        return self.weight_bytes + batch * context_len * self.kv_bytes_per_token
+
+    def flops(self, batch: int) -> int:
+        return 2 * self.parameters * batch
+
+    def floor_ms(self, roof: Roofline, batch: int, context_len: int) -> float:
+        return roof.step_floor_ms(self.bytes_read(batch, context_len), self.flops(batch))
+
+
+def bench_roofline(model: str | None, dtype: str, batch_sizes: list[int],
+                   context_len: int = 128) -> dict:
+    """The machine's measured bandwidth and matmul rate (current torch thread count), and the
+    model's decode-step floor at each batch size."""
+    from treadle.model.llama import LlamaModel
+    from treadle.model.loader import load_model
+    from treadle.model.runner import torch_dtype
+
+    loaded = load_model(model, torch_dtype(dtype))
+    cost = DecodeCost.of(LlamaModel(loaded.spec, loaded.weights, torch_dtype(dtype),
+                                    context_len))
+    roof = measure_roofline(torch_dtype(dtype))
+    rows = []
+    for batch in batch_sizes:
+        memory_ms = 1e3 * cost.bytes_read(batch, context_len) / (roof.read_bandwidth_gbs * 1e9)
+        floor_ms = cost.floor_ms(roof, batch, context_len)
+        rows.append({"batch": batch, "bytes_read": cost.bytes_read(batch, context_len),
+                     "flops": cost.flops(batch), "floor_ms": floor_ms,
+                     "bound": "memory" if memory_ms >= floor_ms else "compute",
+                     "tokens_per_s": batch / floor_ms * 1e3})
+    return {"model": loaded.name, "context_len": context_len, **asdict(cost),
+            "roofline": roof.as_dict(), "rows": rows,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def format_roofline(report: dict) -> str:
+    roof = report["roofline"]
+    lines = [f"machine: {roof['read_bandwidth_gbs']:.1f} GB/s read bandwidth, "
+             f"{roof['matmul_gflops']:.0f} GFLOP/s {roof['dtype']} matmul, "
+             f"{roof['threads']} threads",
+             f"model {report['model']}  params {report['parameters']:,}  weights "
+             f"{report['weight_bytes'] / 1e6:.0f} MB  context {report['context_len']}",
+             f"{'batch':>5} {'MB read':>8} {'GFLOP':>7} {'floor ms':>9} {'bound':>8} "
+             f"{'tok/s max':>10}"]
+    for r in report["rows"]:
+        lines.append(f"{r['batch']:>5} {r['bytes_read'] / 1e6:>8.1f} {r['flops'] / 1e9:>7.2f} "
+                     f"{r['floor_ms']:>9.3f} {r['bound']:>8} {r['tokens_per_s']:>10.0f}")
+    return "\n".join(lines)

@@ -13,7 +13,9 @@ lengths follow a power law whose exponent makes the mean equal the published mea
 202 output tokens); prompt and output lengths are drawn independently (no joint statistics are
 published). The JSON file's "source" and "method" fields say the same at length.
 
-`random_workload` gives fixed (or uniformly spread) lengths.
+`random_workload` gives fixed (or uniformly spread) lengths. `shared_prefix` gives groups of
+requests that share a long system prompt (what prefix caching is for). `file_workload` reads
+prompts and output lengths from a JSONL file.
 
 Prompts are random words from the tokenizer's vocabulary: tokens that are one lowercase word
 after a space and encode back to themselves, so the prompt has exactly the drawn number of
@@ -216,6 +218,55 @@ def random_workload(tokenizer, num_prompts: int, input_len: int, output_len: int
 
     lengths = [(draw(input_len), draw(output_len)) for _ in range(num_prompts)]
     return _build(tokenizer, lengths, seed, with_text)
+
+
+def shared_prefix(tokenizer, num_prompts: int, prefix_len: int, question_len: int,
+                  output_len: int, group_size: int, seed: int = 0, with_text: bool = True
+                  ) -> list[BenchRequest]:
+    """`num_prompts` requests in groups of `group_size`: each group's requests start with the
+    same `prefix_len`-token system prompt and end with their own `question_len` tokens. The
+    requests are shuffled, so a group's members arrive spread over the run, not back to back."""
+    if num_prompts < 0:
+        raise ValueError(f"num_prompts must be >= 0, got {num_prompts}")
+    for name, value in (("prefix_len", prefix_len), ("question_len", question_len),
+                        ("output_len", output_len), ("group_size", group_size)):
+        _check_cap(name, value)
+    pool = vocabulary_words(tokenizer)
+    rng = random.Random(f"treadle-shared-prefix-{seed}")
+    prefixes = [rng.choices(pool, k=prefix_len) for _ in range(-(-num_prompts // group_size))]
+    ids = [prefixes[i // group_size] + rng.choices(pool, k=question_len)
+           for i in range(num_prompts)]
+    rng.shuffle(ids)
+    return [BenchRequest(p, output_len, tokenizer.decode(p) if with_text else None) for p in ids]
+
+
+def file_workload(tokenizer, path: str | Path, with_text: bool = True) -> list[BenchRequest]:
+    """Requests from a JSONL file of {"prompt": text or token ids, "output_len": int} rows.
+    A text prompt is tokenized without special tokens (the server adds its own) and kept as
+    given for frontends that take text."""
+    requests = []
+    for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            prompt, output_len = row["prompt"], row["output_len"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{line_no}: expected a JSON object with prompt and "
+                             f"output_len ({e})") from None
+        if not isinstance(output_len, int) or output_len < 1:
+            raise ValueError(f"{path}:{line_no}: output_len must be an integer >= 1")
+        if isinstance(prompt, str):
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            text = prompt
+        elif isinstance(prompt, list) and all(isinstance(i, int) for i in prompt):
+            ids, text = prompt, tokenizer.decode(prompt) if with_text else None
+        else:
+            raise ValueError(f"{path}:{line_no}: prompt must be a string or a list of token ids")
+        if not ids:
+            raise ValueError(f"{path}:{line_no}: empty prompt")
+        requests.append(BenchRequest(ids, output_len, text))
+    return requests
 
 
 def summarize(requests: list[BenchRequest]) -> dict:

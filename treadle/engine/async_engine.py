@@ -64,7 +64,8 @@ class EngineArgs:
 @dataclass
 class RequestUpdate:
     deltas: list[SampleDelta]
-    state: RequestState
+    state: RequestState  # live: the reader thread goes on updating it
+    finished: bool  # whether this update ends the request, fixed when it was made
 
 
 @dataclass
@@ -170,6 +171,7 @@ class AsyncEngine:
         self.process: multiprocessing.process.BaseProcess | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.errored = False
+        self.closing = False  # shutdown() has begun: the engine process is meant to stop
 
     async def start(self) -> None:
         """Spawn the engine process and wait until its model is loaded."""
@@ -194,6 +196,7 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         if self.process is None:
             return
+        self.closing = True
         with self.lock, contextlib.suppress(OSError):  # the engine may be gone already
             self.requests_out.send(("shutdown",))
         await asyncio.to_thread(self.process.join, 10)
@@ -253,7 +256,7 @@ class AsyncEngine:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
-                finished = item.state.finished
+                finished = item.finished
                 self.queued.pop(request_id, None)
                 yield item
         finally:
@@ -296,7 +299,8 @@ class AsyncEngine:
             if step_outputs:
                 self._dispatch(step_outputs)
         self.errored = True
-        logger.error("the engine process has stopped")
+        if not self.closing:
+            logger.error("the engine process has stopped")
         for queue in list(self.streams.values()):
             self.loop.call_soon_threadsafe(queue.put_nowait,
                                            RuntimeError("the engine process stopped"))
@@ -313,7 +317,8 @@ class AsyncEngine:
             for request_id, request_deltas in updates.items():
                 queue = self.streams.get(request_id)
                 if queue is not None:
-                    update = RequestUpdate(request_deltas, self.processor.requests[request_id])
+                    state = self.processor.requests[request_id]
+                    update = RequestUpdate(request_deltas, state, state.finished)
                     self.loop.call_soon_threadsafe(queue.put_nowait, update)
 
     def _observe(self, delta: SampleDelta) -> None:

@@ -1,0 +1,283 @@
+"""`treadle bench serve`: replay a workload against an OpenAI-compatible server (Treadle, vLLM,
+the llama.cpp server) over streaming `/v1/completions`, or against Treadle's gRPC API
+(`grpc_client`), and report what `vllm bench serve` does.
+
+Each request asks for exactly its output length (`max_tokens` with `ignore_eos`, greedy) and
+for usage in the last chunk (`stream_options.include_usage`), so token counts are the server's
+own; a server that sends no usage gets its token-carrying chunks counted instead. Arrivals
+follow vLLM's: gaps drawn from a gamma distribution with shape `burstiness` and scale
+1 / (rate * burstiness) (burstiness 1 is a Poisson process; a rate of inf sends everything at
+once), optionally capped at `max_concurrency` requests in flight. A request's clock starts when
+it is sent, after any wait for a concurrency slot, as in vLLM. `metrics` says how each number is
+defined.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Protocol
+
+import httpx
+from tqdm import tqdm
+
+from treadle.bench.metrics import PERCENTILES, RequestRecord, compute_metrics
+from treadle.bench.workloads import BenchRequest
+
+Clock = Callable[[], float]
+
+
+def arrival_times(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0
+                  ) -> list[float]:
+    """Send times (seconds from the start) of `n` requests: the first at 0, then gaps of
+    gamma(shape=burstiness, scale=1 / (request_rate * burstiness)), mean 1 / request_rate."""
+    if request_rate <= 0 or burstiness <= 0:
+        raise ValueError(f"request_rate and burstiness must be > 0, got {request_rate}, "
+                         f"{burstiness}")
+    if math.isinf(request_rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    scale = 1.0 / (request_rate * burstiness)
+    times, t = [], 0.0
+    for _ in range(n):
+        times.append(t)
+        t += rng.gammavariate(burstiness, scale)
+    return times
+
+
+class StreamTimer:
+    """Times one streamed request: TTFT at the first token-carrying chunk, one ITL per later
+    chunk, E2E at the last one."""
+
+    def __init__(self, record: RequestRecord, clock: Clock) -> None:
+        self.record, self.clock = record, clock
+        self.sent = self.last = clock()
+        self.chunks = 0
+
+    def token_chunk(self) -> None:
+        now = self.clock()
+        if self.chunks == 0:
+            self.record.ttft = now - self.sent
+        else:
+            self.record.itl.append(now - self.last)
+        self.last = now
+        self.chunks += 1
+
+    def finish(self, completion_tokens: int | None, prompt_tokens: int | None
+               ) -> RequestRecord:
+        """The record of a stream that ended well, with the server's usage where it sent it
+        (else its chunks are counted as tokens)."""
+        record = self.record
+        if self.chunks == 0:
+            record.error = "the stream carried no token"
+            return record
+        record.success = True
+        record.e2e = self.last - self.sent
+        record.output_tokens = completion_tokens or self.chunks
+        record.prompt_tokens = prompt_tokens or record.prompt_tokens
+        return record
+
+
+Send = Callable[[int, float], Awaitable[RequestRecord]]  # (request index, start) -> record
+
+
+class Backend(Protocol):
+    def connect(self, max_connections: int | None) -> AbstractAsyncContextManager[Send]: ...
+
+
+def error_message(body: bytes, status: int) -> str:
+    try:
+        error = json.loads(body)["error"]
+        message = error["message"] if isinstance(error, dict) else str(error)
+    except (ValueError, KeyError, TypeError):
+        message = body.decode(errors="replace").strip()[:200]
+    return f"HTTP {status}: {message}"
+
+
+async def send_request(client: httpx.AsyncClient, url: str, payload: dict, prompt_len: int,
+                       start: float, clock: Clock = time.perf_counter) -> RequestRecord:
+    """Stream one completion; `start` is the send time relative to the run's start."""
+    record = RequestRecord(start=start, prompt_tokens=prompt_len)
+    timer = StreamTimer(record, clock)
+    usage: dict = {}
+    try:
+        async with client.stream("POST", url, json=payload) as response:
+            if response.status_code != 200:
+                record.error = error_message(await response.aread(), response.status_code)
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, SSE comments (pings), event names
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    error = event["error"]
+                    record.error = error.get("message", str(error)) \
+                        if isinstance(error, dict) else str(error)
+                    return record
+                usage = event.get("usage") or usage
+                choices = event.get("choices")
+                # A chunk with no text that only closes the choice carries no token.
+                if choices and (choices[0].get("text")
+                                or choices[0].get("finish_reason") is None):
+                    timer.token_chunk()
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        record.error = f"{type(e).__name__}: {e}"
+        return record
+    return timer.finish(usage.get("completion_tokens"), usage.get("prompt_tokens"))
+
+
+class OpenAIBackend:
+    """Streaming POST {base_url}/v1/completions."""
+
+    def __init__(self, base_url: str, model: str, requests: list[BenchRequest],
+                 prompt_format: str, ignore_eos: bool, api_key: str | None = None) -> None:
+        self.url = base_url.rstrip("/") + "/v1/completions"
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.prompt_lens = [r.prompt_len for r in requests]
+        self.payloads = []
+        for r in requests:
+            payload = {"model": model,
+                       "prompt": r.prompt_token_ids if prompt_format == "ids" else r.prompt,
+                       "max_tokens": r.output_len, "temperature": 0.0, "stream": True,
+                       "stream_options": {"include_usage": True}}
+            if ignore_eos:
+                payload["ignore_eos"] = True
+            self.payloads.append(payload)
+
+    @asynccontextmanager
+    async def connect(self, max_connections: int | None) -> AsyncIterator[Send]:
+        # No pool limit beyond the benchmark's own, so no request waits for a connection
+        # unseen; reads may take as long as a long generation's gaps.
+        client = httpx.AsyncClient(
+            headers=self.headers, timeout=httpx.Timeout(600.0, connect=30.0, pool=None),
+            limits=httpx.Limits(max_connections=max_connections,
+                                max_keepalive_connections=max_connections))
+        async with client:
+            yield lambda i, start: send_request(client, self.url, self.payloads[i],
+                                                self.prompt_lens[i], start)
+
+
+async def run_requests(backend: Backend, times: list[float], max_concurrency: int | None,
+                       progress: bool) -> tuple[list[RequestRecord], float]:
+    """Send request i at times[i] (capped at `max_concurrency` in flight);
+    (records in workload order, the run's duration in seconds)."""
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    bar = tqdm(total=len(times), disable=not progress, unit="req")
+
+    async with backend.connect(max_concurrency) as send:
+        begin = time.perf_counter()
+
+        async def one(i: int) -> RequestRecord:
+            await asyncio.sleep(max(0.0, begin + times[i] - time.perf_counter()))
+            if slots is None:
+                record = await send(i, time.perf_counter() - begin)
+            else:
+                async with slots:
+                    record = await send(i, time.perf_counter() - begin)
+            bar.update(1)
+            return record
+
+        records = await asyncio.gather(*(one(i) for i in range(len(times))))
+        duration = time.perf_counter() - begin
+    bar.close()
+    return list(records), duration
+
+
+async def probe(backend: Backend) -> RequestRecord:
+    async with backend.connect(None) as send:
+        return await send(0, 0.0)
+
+
+def bench_serve(base_url: str, model: str, requests: list[BenchRequest],
+                request_rates: list[float], burstiness: float = 1.0,
+                max_concurrency: int | None = None, slos: dict[str, float] | None = None,
+                prompt_format: str = "ids", ignore_eos: bool = True, seed: int = 0,
+                backend: str = "openai", api_key: str | None = None,
+                progress: bool = True) -> dict:
+    """One run per request rate, after one untimed request that checks the server answers.
+    `backend` "openai" takes an http(s) base URL; "grpc" a host:port of Treadle's gRPC API."""
+    if not requests:
+        raise ValueError("the workload has no requests")
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    if prompt_format == "text" and any(r.prompt is None for r in requests):
+        raise ValueError("prompt format text needs the workload's prompt text")
+    times = [arrival_times(len(requests), rate, burstiness, seed) for rate in request_rates]
+    client: Backend
+    if backend == "grpc":
+        from treadle.bench.grpc_client import GrpcBackend
+
+        client = GrpcBackend(base_url, model, requests, prompt_format, ignore_eos, api_key)
+    else:
+        client = OpenAIBackend(base_url, model, requests, prompt_format, ignore_eos, api_key)
+    first = asyncio.run(probe(client))
+    if not first.success:
+        raise RuntimeError(f"the first request to {base_url} failed: {first.error}")
+    runs = []
+    for rate, rate_times in zip(request_rates, times, strict=True):
+        records, duration = asyncio.run(run_requests(client, rate_times, max_concurrency,
+                                                     progress))
+        errors = Counter(r.error for r in records if not r.success)
+        runs.append({"request_rate": rate, "burstiness": burstiness,
+                     "max_concurrency": max_concurrency,
+                     **compute_metrics(records, duration, slos),
+                     "errors": dict(errors.most_common()),
+                     "requests": [r.as_dict() for r in records]})
+    return {"base_url": base_url, "backend": backend, "model": model,
+            "prompt_format": prompt_format, "ignore_eos": ignore_eos, "seed": seed,
+            "num_prompts": len(requests), "runs": runs,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def format_run(run: dict) -> str:
+    rows = [
+        ("Request rate (req/s)", f"{run['request_rate']:g}"),
+        ("Burstiness", f"{run['burstiness']:g}"),
+        ("Max concurrency", str(run["max_concurrency"] or "-")),
+        ("Successful requests", str(run["successful"])),
+        ("Failed requests", str(run["failed"])),
+        ("Benchmark duration (s)", f"{run['duration_s']:.2f}"),
+        ("Total input tokens", str(run["total_input_tokens"])),
+        ("Total generated tokens", str(run["total_output_tokens"])),
+        ("Request throughput (req/s)", f"{run['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s)", f"{run['output_throughput']:.2f}"),
+        ("Total token throughput (tok/s)", f"{run['total_token_throughput']:.2f}"),
+    ]
+    if run["goodput"]:
+        slos = " ".join(f"{k}:{v:g}" for k, v in run["goodput"]["slos_ms"].items())
+        rows += [("Goodput SLOs (ms)", slos),
+                 ("Good requests", str(run["goodput"]["good_requests"])),
+                 ("Request goodput (req/s)", f"{run['goodput']['request_goodput']:.2f}")]
+    lines = [f"{' Serving Benchmark Result ':=^50}", *(f"{k:<36}{v:>14}" for k, v in rows)]
+    for key, title in (("ttft_ms", "Time to First Token"),
+                       ("tpot_ms", "Time per Output Token (excl. 1st)"),
+                       ("itl_ms", "Inter-token Latency"), ("e2e_ms", "End-to-end Latency")):
+        stats = run[key]
+        short = key.split("_")[0].upper()
+        lines.append(f"{' ' + title + ' ':-^50}")
+        for stat in ("mean", "median", *(f"p{p}" for p in PERCENTILES)):
+            lines.append(f"{stat.capitalize() + ' ' + short + ' (ms)':<36}{_ms(stats[stat]):>14}")
+    for message, count in list(run["errors"].items())[:5]:
+        lines.append(f"{count} failed: {message}")
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def format_serve(report: dict) -> str:
+    head = (f"{report['base_url']} ({report['backend']})  model {report['model']}  "
+            f"{report['num_prompts']} requests  prompts as {report['prompt_format']}  "
+            f"seed {report['seed']}")
+    return "\n".join([head, *(format_run(run) for run in report["runs"])])

@@ -1,0 +1,285 @@
+"""Pydantic models of the OpenAI-compatible API: requests in, responses and stream chunks out.
+
+Field names follow OpenAI's API, plus vLLM's extras for the rest of SamplingParams (top_k, min_p,
+repetition_penalty, min_tokens, stop_token_ids, ...). Requests check types only (strict: "0.5"
+is not a number); ranges are SamplingParams' to check, so that each rule lives in one place.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WrapValidator,
+    model_serializer,
+    model_validator,
+)
+
+
+def one_of(expected: str) -> WrapValidator:
+    """Report a value that fits no member of a union as one error, not one per member."""
+    def validate(value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(f"must be {expected}") from None
+    return WrapValidator(validate)
+
+
+class APIRequest(BaseModel):
+    # Unknown fields are ignored, as vLLM does: clients send fields of newer API versions.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_means_default(cls, data: Any) -> Any:
+        """As in OpenAI's API, a field sent as null takes its default."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(APIRequest):
+    include_usage: bool = False
+
+
+Stop = Annotated[str | list[str], one_of("a string or a list of strings")]
+
+
+class SamplingRequest(APIRequest):
+    """Fields common to both generation endpoints. A sampling field left out (None) takes
+    SamplingParams' default."""
+
+    model: str | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    min_tokens: int | None = None
+    stop: Stop | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    ignore_eos: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: int = 0  # lower runs first under --policy priority
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The SamplingParams fields the client set."""
+        names = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "seed", "min_tokens", "stop",
+                 "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "logit_bias",
+                 "skip_special_tokens", "prompt_logprobs")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+
+Prompt = Annotated[str | list[str] | list[int] | list[list[int]],
+                   one_of("a string, a list of strings, a list of token ids, or a list of "
+                          "lists of token ids")]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Prompt
+    max_tokens: int = 16
+    echo: bool = False
+    logprobs: int | None = None  # top-N alternatives per token, in the legacy shape
+    add_special_tokens: bool = True
+
+
+class TextPart(APIRequest):
+    type: Literal["text"]
+    text: str
+
+
+Content = Annotated[str | list[TextPart],
+                    one_of('a string or a list of {"type": "text", "text": ...} parts')]
+
+
+class ChatMessage(APIRequest):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Content | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = None  # deprecated by OpenAI for max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class TokenizeRequest(APIRequest):
+    """vLLM's /tokenize: a `prompt` as completions take it, or `messages` as chat does."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompt only
+    add_generation_prompt: bool = True  # messages only
+
+    @model_validator(mode="after")
+    def prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(APIRequest):
+    model: str | None = None
+    tokens: list[int]
+
+
+# Responses. Built by the server, so not strict.
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's shape of one prompt_logprobs entry."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: one entry per token in each list."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []  # None for a prompt's first token (echo)
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id that matched
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A completion, and also each chunk of a streamed one (OpenAI uses one shape for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None
+    stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def drop_unset(self, handler: Any) -> dict:
+        # OpenAI's chunks carry only what changed: the role once, then content.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "treadle"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
