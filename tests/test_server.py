@@ -13,13 +13,17 @@ import threading
 import time
 from typing import Any
 
+import grpc
 import openai
 import pytest
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from treadle.engine.async_engine import AsyncEngine
 from treadle.engine.sampling_params import SamplingParams
 from treadle.llm import LLM
+from treadle.server.grpc import treadle_pb2 as pb
+from treadle.server.grpc import treadle_pb2_grpc as pb_grpc
 from treadle.server.openai.app import COMPLETION_PARAMS, build_app, sse
 from treadle.server.openai.protocol import CompletionResponse
 
@@ -52,8 +56,11 @@ def offline():
 def server(request):
     engine = AsyncEngine(dtype="float32", kv_cache_memory_bytes=64 << 20,
                          max_model_len=MAX_MODEL_LEN)
+    with socket.socket() as probe:  # a free port for the gRPC frontend on the same engine
+        probe.bind(("127.0.0.1", 0))
+        grpc_port = probe.getsockname()[1]
     app = build_app(engine, api_keys=["other-key", KEY], allowed_origins=[ORIGIN],
-                    max_request_bytes=MAX_REQUEST_BYTES)
+                    max_request_bytes=MAX_REQUEST_BYTES, grpc_address=("127.0.0.1", grpc_port))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
@@ -64,7 +71,7 @@ def server(request):
     while not uv.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.1)
-    yield sock.getsockname()[1], engine
+    yield sock.getsockname()[1], engine, grpc_port
     uv.should_exit = True
     thread.join(30)
 
@@ -182,6 +189,56 @@ def test_n_and_batched_prompts(client, model, engine):
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
     assert streamed == {c.index: c.message.content for c in chat.choices}
+
+
+def test_grpc_streams_what_rest_returns_for_a_seeded_request(client, model, offline, server):
+    """One engine, two frontends: the same seeded request gives the same sample."""
+    async def through_grpc() -> tuple[list[int], str]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server[2]}") as channel:
+            request = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=offline["prompt_ids"]),
+                sampling=pb.SamplingParameters(temperature=1.0, seed=1234),
+                stop=pb.StopCriteria(max_tokens=12))
+            chunks = [r.chunk async for r in pb_grpc.GenerationStub(channel).Generate(
+                request, metadata=(("authorization", f"Bearer {KEY}"),)) if r.HasField("chunk")]
+        return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks)
+
+    rest = client.completions.create(model=model, prompt=offline["prompt_ids"], max_tokens=12,
+                                     temperature=1.0, seed=1234)
+    tokens, text = asyncio.run(through_grpc())
+    assert text == rest.choices[0].text
+    assert tokens == offline["seeded"].token_ids
+
+
+def test_metrics_count_a_known_workload_exactly(client, model, port, engine):
+    def scrape() -> dict[str, float]:
+        status, body, headers = get(port, "/metrics")
+        assert status == 200 and headers["content-type"].startswith("text/plain")
+        return {s.name + "".join(f"|{v}" for k, v in sorted(s.labels.items())
+                                 if k not in ("model_name", "le")): s.value
+                for family in text_string_to_metric_families(body.decode())
+                for s in family.samples if "le" not in s.labels}
+
+    assert wait_idle(engine) == IDLE
+    before = scrape()
+    prompt = "Name the planets of the solar system, in order:"
+    outs = [client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0,
+                                      extra_body={"ignore_eos": True}) for n in (5, 9)]
+    after = scrape()
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("treadle:generation_tokens_total") == sum(o.usage.completion_tokens
+                                                           for o in outs) == 14
+    assert delta("treadle:prompt_tokens_total") == sum(o.usage.prompt_tokens for o in outs)
+    assert delta("treadle:prefix_cache_hits_total") == sum(
+        o.usage.prompt_tokens_details.cached_tokens for o in outs)
+    assert delta("treadle:request_success_total|length") == 2
+    for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time",
+                 "request_prefill_time", "request_decode_time"):
+        assert delta(f"treadle:{name}_seconds_count") == 2
+    assert delta("treadle:inter_token_latency_seconds_count") == 14 - 2
 
 
 def test_seed_repeats(client, model, offline):

@@ -142,10 +142,11 @@ def serve(args: argparse.Namespace) -> int:
         if args.api_key_file is not None:
             with open(args.api_key_file) as f:
                 keys += [line.strip() for line in f if line.strip()]
-        # --threads goes to the engine process; this one keeps to HTTP and tokenizing.
+        # --threads goes to the engine process (default: one per core); this one keeps to HTTP
+        # and tokenizing.
         engine = AsyncEngine(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                              max_num_seqs=args.max_num_seqs, policy=args.policy,
-                             engine_threads=args.threads or 1,
+                             engine_threads=args.threads,
                              max_queued_requests=args.max_queued_requests,
                              max_queued_tokens=args.max_queued_tokens,
                              trace_file=args.trace_file)
