@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
@@ -60,7 +61,8 @@ def server(request):
         probe.bind(("127.0.0.1", 0))
         grpc_port = probe.getsockname()[1]
     app = build_app(engine, api_keys=["other-key", KEY], allowed_origins=[ORIGIN],
-                    max_request_bytes=MAX_REQUEST_BYTES, grpc_address=("127.0.0.1", grpc_port))
+                    max_request_bytes=MAX_REQUEST_BYTES, grpc_address=("127.0.0.1", grpc_port),
+                    enable_debug_endpoints=True)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
@@ -239,6 +241,29 @@ def test_metrics_count_a_known_workload_exactly(client, model, port, engine):
                  "request_prefill_time", "request_decode_time"):
         assert delta(f"treadle:{name}_seconds_count") == 2
     assert delta("treadle:inter_token_latency_seconds_count") == 14 - 2
+
+
+def test_request_timeline_and_log_line(client, model, port, caplog):
+    caplog.set_level(logging.INFO, logger="treadle.engine.async_engine")
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=7, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    status, timeline, _ = get(port, f"/debug/requests/{out.id}")
+    assert status == 200
+    assert (timeline["output_tokens"], timeline["finish_reason"]) == (7, "length")
+    assert timeline["prompt_tokens"] == out.usage.prompt_tokens
+    events = [e["event"] for e in timeline["events"]]
+    assert events[:4] == ["arrival", "queued", "scheduled", "first_token"]
+    assert events[-2:] == ["scheduled", "finished"]
+    # One chunk of the prompt's uncached tokens, then one per decode step.
+    scheduled = [e.get("tokens") for e in timeline["events"] if e["event"] == "scheduled"]
+    cached = out.usage.prompt_tokens_details.cached_tokens
+    assert scheduled == [out.usage.prompt_tokens - cached] + [1] * 6
+    times = [e["t_s"] for e in timeline["events"]]
+    assert times == sorted(times) and timeline["e2e_s"] >= timeline["ttft_s"] > 0
+    assert get(port, "/debug/requests/cmpl-nope")[0] == 404
+    lines = [r.getMessage() for r in caplog.records if out.id in r.getMessage()]
+    assert len(lines) == 1 and "length" in lines[0] and "output 7 tokens" in lines[0]
+    assert "prompt=" not in lines[0]  # prompt text only with --log-prompts
 
 
 def test_seed_repeats(client, model, offline):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import sys
 
@@ -54,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--no-grpc", action="store_true", help="serve REST only")
     srv.add_argument("--trace-file", default=None,
                      help="write every engine step to this Chrome-trace/Perfetto JSON file")
+    srv.add_argument("--enable-debug-endpoints", action="store_true",
+                     help="GET /debug/requests/{id}: a recent request's timeline")
+    srv.add_argument("--log-prompts", action="store_true",
+                     help="include the prompt text in each finished request's log line")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="on SIGTERM, seconds in-flight requests may take to finish before "
                           "they are aborted")
@@ -149,13 +154,16 @@ def serve(args: argparse.Namespace) -> int:
                              engine_threads=args.threads,
                              max_queued_requests=args.max_queued_requests,
                              max_queued_tokens=args.max_queued_tokens,
-                             trace_file=args.trace_file)
+                             trace_file=args.trace_file, log_prompts=args.log_prompts)
     except (ValueError, OSError) as e:  # a bad model path or setting, an unreadable key file
         print(f"treadle: {e}", file=sys.stderr)
         return 2
     app = build_app(engine, api_keys=keys, allowed_origins=args.allowed_origins,
                     max_request_bytes=args.max_request_bytes,
-                    grpc_address=None if args.no_grpc else (args.host, args.grpc_port))
+                    grpc_address=None if args.no_grpc else (args.host, args.grpc_port),
+                    enable_debug_endpoints=args.enable_debug_endpoints)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
+                                                   "%(message)s")
     # On SIGTERM uvicorn stops accepting, lets in-flight requests finish up to the timeout,
     # then cancels them (which aborts them in the engine) and runs the lifespan's shutdown.
     # Then it re-raises the signal for the handler it found: let that handler exit 0.

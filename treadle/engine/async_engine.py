@@ -21,6 +21,7 @@ import logging
 import multiprocessing
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -153,7 +154,8 @@ class AsyncEngine:
                  max_num_seqs: int = 128, max_num_batched_tokens: int = 512,
                  policy: str = "fcfs", engine_threads: int | None = None,
                  max_queued_requests: int | None = None,
-                 max_queued_tokens: int | None = None, trace_file: str | None = None) -> None:
+                 max_queued_tokens: int | None = None, trace_file: str | None = None,
+                 log_prompts: bool = False, max_timelines: int = 1000) -> None:
         self.args = EngineArgs(model, dtype, max_model_len, kv_cache_memory_bytes, max_num_seqs,
                                max_num_batched_tokens, policy, engine_threads, trace_file)
         self.max_queued_requests = max_queued_requests
@@ -169,7 +171,12 @@ class AsyncEngine:
         self.streams: dict[str, asyncio.Queue] = {}
         self.metrics = ServerMetrics(self.model_name)
         self.arrivals: dict[str, float] = {}  # frontend clock, for TTFT and E2E
-        self.last_token_times: dict[tuple[str, int], float] = {}  # per sample, for ITL
+        # Per sample: (first, last) token times, for TTFT, ITL and the request log.
+        self.token_times: dict[tuple[str, int], tuple[float, float]] = {}
+        # The last finished samples' timelines, for GET /debug/requests/{id}.
+        self.timelines: OrderedDict[str, dict] = OrderedDict()
+        self.max_timelines = max_timelines
+        self.log_prompts = log_prompts
         self.load_state = EngineLoad()
         self.max_model_len = 0  # these three are known once the engine has started
         self.num_blocks = 0
@@ -209,6 +216,10 @@ class AsyncEngine:
         if self.process.is_alive():
             self.process.kill()
         self.process = None
+
+    def timeline(self, request_id: str) -> dict | None:
+        """A recently finished request's timeline (`id/index` for one of n samples)."""
+        return self.timelines.get(request_id)
 
     def load(self) -> dict:
         return {"running": self.load_state.running, "waiting": self.load_state.waiting,
@@ -277,7 +288,7 @@ class AsyncEngine:
             self.queued.pop(request_id, None)
             self.arrivals.pop(request_id, None)
             for index in range(len(self.processor.engine_ids(request_id))):
-                self.last_token_times.pop((request_id, index), None)
+                self.token_times.pop((request_id, index), None)
             if abort and self.process is not None:
                 for engine_id in self.processor.engine_ids(request_id):
                     self.requests_out.send(("abort", engine_id))
@@ -328,12 +339,13 @@ class AsyncEngine:
                     self.loop.call_soon_threadsafe(queue.put_nowait, update)
 
     def _observe(self, delta: SampleDelta) -> None:
-        """Latency metrics on the frontend's clock, as a client would measure them."""
+        """Latency metrics on the frontend's clock, as a client would measure them; at a
+        sample's end, its timeline and one log line."""
         m, now = self.metrics, time.monotonic()
         arrival = self.arrivals.get(delta.request_id, now)
         key = (delta.request_id, delta.index)
         if delta.token_ids:
-            last = self.last_token_times.get(key)
+            first, last = self.token_times.get(key, (None, None))
             if last is None:
                 m.labels(m.ttft).observe(now - arrival)
                 if delta.index == 0:
@@ -341,7 +353,7 @@ class AsyncEngine:
                     m.labels(m.prompt_tokens).inc(len(state.prompt_token_ids))
             else:
                 m.labels(m.itl).observe(now - last)
-            self.last_token_times[key] = now
+            self.token_times[key] = (first or now, now)
             m.labels(m.generation_tokens).inc(len(delta.token_ids))
         if delta.finished:
             m.labels(m.request_success, finished_reason=delta.finish_reason).inc()
@@ -350,6 +362,31 @@ class AsyncEngine:
                 for metric, seconds in zip((m.queue_time, m.prefill_time, m.decode_time),
                                            delta.timings, strict=True):
                     m.labels(metric).observe(seconds)
+            self._record_finish(delta, arrival, self.token_times.get(key, (None, None))[0], now)
+
+    def _record_finish(self, delta: SampleDelta, arrival: float, first_token: float | None,
+                       now: float) -> None:
+        state = self.processor.requests[delta.request_id]
+        sample = state.samples[delta.index]
+        name = delta.request_id if len(state.samples) == 1 else f"{delta.request_id}/{delta.index}"
+        ttft = None if first_token is None else round(first_token - arrival, 6)
+        # Both clocks are CLOCK_MONOTONIC, shared by the frontend and the engine process.
+        self.timelines[name] = {
+            "request_id": delta.request_id, "index": delta.index,
+            "prompt_tokens": len(state.prompt_token_ids), "output_tokens": len(sample.token_ids),
+            "cached_tokens": state.num_cached_tokens, "finish_reason": delta.finish_reason,
+            "ttft_s": ttft, "e2e_s": round(now - arrival, 6),
+            "events": [{"t_s": 0.0, "event": "arrival"}] + [
+                {"t_s": round(t - arrival, 6), "event": kind, **({"tokens": n} if n else {})}
+                for t, kind, n in delta.events or ()]}
+        while len(self.timelines) > self.max_timelines:
+            self.timelines.popitem(last=False)
+        prompt = (f" prompt={self.tokenizer.decode(state.prompt_token_ids)!r}"
+                  if self.log_prompts else "")
+        logger.info("request %s finished: %s, prompt %d tokens (%d cached), output %d tokens, "
+                    "ttft %s s, e2e %.3f s%s", name, delta.finish_reason,
+                    len(state.prompt_token_ids), state.num_cached_tokens, len(sample.token_ids),
+                    "-" if ttft is None else f"{ttft:.3f}", now - arrival, prompt)
 
     def _reject(self, engine_id: str, message: str) -> None:
         self.metrics.labels(self.metrics.rejections, reason="invalid_request").inc()

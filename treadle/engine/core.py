@@ -40,6 +40,7 @@ class EngineCoreOutput:
     # On the finishing output: seconds queued, in prefill (first schedule to first token) and in
     # decode (first token to finish), on the engine's clock.
     timings: tuple[float, float, float] | None = None
+    events: list[tuple[float, str, int]] | None = None  # the request's timeline, when finished
     # With the first new token, when asked for: one entry per prompt token, None for the first
     # (nothing precedes it).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
@@ -124,6 +125,7 @@ class EngineCore:
                                                                                s.num_new_tokens))
         now = time.monotonic()
         for s in scheduler_output.scheduled:
+            s.request.events.append((now, "scheduled", s.num_new_tokens))
             if s.request.scheduled_time is None:
                 s.request.scheduled_time = now
         outputs = self._run(scheduler_output)
@@ -200,7 +202,9 @@ class EngineCore:
             done = request.request_id in finished
             if request.request_id in first_tokens:
                 request.first_token_time = now
+                request.events.append((now, "first_token", 0))
             if done:
+                request.events.append((now, "finished", 0))
                 self.generators.pop(request.request_id, None)
             logprobs = sampler_output.logprobs and sampler_output.logprobs[i]
             first = request.request_id in first_tokens
@@ -209,7 +213,8 @@ class EngineCore:
                 request.num_cached_tokens, logprobs=[logprobs] if logprobs else None,
                 prompt_logprobs=[None, *request.prompt_logprobs]
                 if first and request.sampling_params.prompt_logprobs is not None else None,
-                timings=latency_breakdown(request, now) if done else None))
+                timings=latency_breakdown(request, now) if done else None,
+                events=request.events if done else None))
         return outputs
 
     def _collect_prompt_logprobs(self, request: Request, start: int,

@@ -31,6 +31,7 @@ class SampleDelta:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     timings: tuple[float, float, float] | None = None  # engine's queue, prefill, decode seconds
+    events: list[tuple[float, str, int]] | None = None  # the engine's timeline of the sample
 
 
 @dataclass
@@ -141,5 +142,5 @@ class OutputProcessor:
                     sample.stop_reason = last
             deltas.append(SampleDelta(state.request_id, sample.index, text, out.new_token_ids,
                                       out.logprobs, sample.finished, sample.finish_reason,
-                                      sample.stop_reason, out.timings))
+                                      sample.stop_reason, out.timings, out.events))
         return deltas, to_abort

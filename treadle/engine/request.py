@@ -56,6 +56,9 @@ class Request:
         # Engine-clock (time.monotonic) marks for the latency breakdown: queue, prefill, decode.
         self.scheduled_time: float | None = None  # first scheduled
         self.first_token_time: float | None = None
+        # The timeline for debugging: (time.monotonic(), event, tokens) for queued, each
+        # scheduled chunk (its token count), preempted, first_token, finished.
+        self.events: list[tuple[float, str, int]] = [(self.arrival_time, "queued", 0)]
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -8,6 +8,7 @@ all that one rule.
 
 from __future__ import annotations
 
+import time
 from bisect import insort
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -198,6 +199,7 @@ class Scheduler:
         """Preempt by recompute: drop its KV; it re-prefills prompt and outputs when readmitted,
         from the prefix cache where its blocks survive."""
         self.kv_cache_manager.free(request)
+        request.events.append((time.monotonic(), "preempted", 0))
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

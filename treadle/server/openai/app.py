@@ -311,6 +311,14 @@ class OpenAIServer:
         return ModelList(data=[ModelCard(id=self.engine.model_name, created=self.created,
                                          max_model_len=self.engine.max_model_len)])
 
+    async def debug_request(self, request_id: str) -> dict:
+        """A recently finished request's timeline (`id/index` for one of n samples)."""
+        timeline = self.engine.timeline(request_id)
+        if timeline is None:
+            raise APIError(404, f"no recently finished request {request_id!r}",
+                           param="request_id", code="request_not_found")
+        return timeline
+
     async def model(self, model: str) -> ModelCard:
         self.check_model(model)
         return (await self.models()).data[0]
@@ -371,6 +379,13 @@ class OpenAIServer:
             prompts = await self.encode(prompt, body.add_special_tokens)
         else:
             prompts = [prompt] if isinstance(prompt[0], int) else prompt
+            # The engine checks ids against the vocabulary too, but the frontend decodes them
+            # first (echo, the detokenizer), and the tokenizer overflows on a negative or huge id.
+            vocab = self.engine.vocab_size
+            bad = [t for p in prompts for t in p if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {bad[0]}",
+                               param="prompt")
             texts = (await asyncio.to_thread(self.engine.tokenizer.batch_decode, prompts)
                      if body.echo else None)
         if not all(prompts):
@@ -508,10 +523,12 @@ class OpenAIServer:
 def build_app(engine: AsyncEngine, api_keys: list[str] | None = None,
               allowed_origins: list[str] | None = None,
               max_request_bytes: int = MAX_REQUEST_BYTES,
-              grpc_address: tuple[str, int] | None = None) -> FastAPI:
+              grpc_address: tuple[str, int] | None = None,
+              enable_debug_endpoints: bool = False) -> FastAPI:
     """The app; its lifespan starts the engine (the model loads) and shuts it down.
     `api_keys`: Bearer keys for /v1/* and tokenizing (none: open); `allowed_origins`: CORS;
-    `grpc_address`: (host, port) where the gRPC frontend serves the same engine (None: none)."""
+    `grpc_address`: (host, port) where the gRPC frontend serves the same engine (None: none);
+    `enable_debug_endpoints`: GET /debug/requests/{id}, each request's timeline."""
     server = OpenAIServer(engine)
 
     @asynccontextmanager
@@ -547,6 +564,8 @@ def build_app(engine: AsyncEngine, api_keys: list[str] | None = None,
     app.add_middleware(RequestIdMiddleware)
     app.get("/health")(server.health)
     app.get("/metrics", response_class=PlainTextResponse)(server.metrics)
+    if enable_debug_endpoints:
+        app.get("/debug/requests/{request_id:path}")(server.debug_request)
     app.get("/ready")(server.ready)
     app.get("/v1/models")(server.models)
     app.get("/v1/models/{model:path}")(server.model)
