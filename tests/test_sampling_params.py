@@ -50,7 +50,7 @@ def test_normalizes_documented_forms():
 
 
 BAD = [
-    ("n", 0), ("n", -1), ("n", 1.5), ("n", "2"), ("n", True), ("n", None),
+    ("n", 0), ("n", -1), ("n", 129), ("n", 1.5), ("n", "2"), ("n", True), ("n", None),
     ("temperature", -0.1), ("temperature", "hot"), ("temperature", math.nan),
     ("temperature", math.inf), ("temperature", None), ("temperature", True),
     ("top_p", 0), ("top_p", -0.1), ("top_p", 1.01), ("top_p", math.nan), ("top_p", "1"),

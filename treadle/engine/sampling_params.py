@@ -13,6 +13,7 @@ from numbers import Integral, Real
 from typing import Any
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs allows at most 20
+MAX_N = 128  # OpenAI's limit; each sample is an engine request, so n must stay bounded
 MAX_LOGIT_BIAS = 100.0  # OpenAI: each bias in [-100, 100]
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes at most a 64-bit value
 # vLLM (vllm/sampling_params.py, _MAX_TEMP) raises temperatures in (0, 0.01) to 0.01: a tinier one
@@ -52,7 +53,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        self.n = _check_int("n", self.n, 1, None, ">= 1")
+        self.n = _check_int("n", self.n, 1, MAX_N, f"in [1, {MAX_N}]")
         self.temperature = _check_float("temperature", self.temperature, 0.0, None,
                                         ">= 0 (0: greedy)")
         if 0 < self.temperature < MIN_TEMPERATURE:
