@@ -249,6 +249,14 @@ class AsyncEngine:
                                    f"{num_prompt_tokens} more exceed its limit of "
                                    f"{self.max_queued_tokens}; retry later")
 
+    def check_prompt_token_ids(self, prompt_token_ids: list[int]) -> None:
+        """ValueError for an id outside the vocabulary. The engine checks too, but the frontend
+        decodes prompts first (the detokenizer's context, echo), and the tokenizer overflows on a
+        negative id."""
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[0]}")
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0
                        ) -> AsyncIterator[RequestUpdate]:
@@ -257,6 +265,7 @@ class AsyncEngine:
         disconnect) aborts the request."""
         if self.loop is None or self.errored:
             raise RuntimeError("the engine is not running")
+        self.check_prompt_token_ids(prompt_token_ids)
         self.check_capacity(len(prompt_token_ids) * params.n)
         queue: asyncio.Queue = asyncio.Queue()
         with self.lock:

@@ -379,13 +379,10 @@ class OpenAIServer:
             prompts = await self.encode(prompt, body.add_special_tokens)
         else:
             prompts = [prompt] if isinstance(prompt[0], int) else prompt
-            # The engine checks ids against the vocabulary too, but the frontend decodes them
-            # first (echo, the detokenizer), and the tokenizer overflows on a negative or huge id.
-            vocab = self.engine.vocab_size
-            bad = [t for p in prompts for t in p if not 0 <= t < vocab]
-            if bad:
-                raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {bad[0]}",
-                               param="prompt")
+            try:  # before echo decodes them
+                self.engine.check_prompt_token_ids([t for p in prompts for t in p])
+            except ValueError as e:
+                raise from_value_error(e, COMPLETION_PARAMS) from e
             texts = (await asyncio.to_thread(self.engine.tokenizer.batch_decode, prompts)
                      if body.echo else None)
         if not all(prompts):
