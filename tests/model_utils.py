@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from treadle.config import CacheConfig, ModelConfig
+from treadle.model.capabilities import torch_dtype
 from treadle.model.loader import load_model
 from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence
 
@@ -52,7 +53,7 @@ def make_runner(model: str | Path | None, dtype: str = "float32", block_size: in
                 num_blocks: int = 512) -> ModelRunner:
     model_config = ModelConfig(model=None if model is None else str(model), dtype=dtype)
     cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks)
-    loaded = load_model(model_config.model, torch.float32 if dtype == "float32" else torch.bfloat16)
+    loaded = load_model(model_config.model, torch_dtype(dtype))
     return ModelRunner(loaded, model_config, cache_config)
 
 

@@ -26,10 +26,10 @@ def naive_attention(q, k_cache, v_cache, tables, lens, scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("native", [True, False])
 def test_decode_attention_matches_naive(dtype, native, monkeypatch):
-    if native and kernels.paged_decode_attention is None:
+    if native and kernels.paged_decode_attention() is None:
         pytest.skip("native kernel unavailable")
     if not native:
-        monkeypatch.setattr(attention, "paged_decode_attention", None)
+        monkeypatch.setattr(attention, "paged_decode_attention", lambda: None)
     gen = torch.Generator().manual_seed(0)
     block_size, num_blocks, num_kv_heads, heads, head_dim = 4, 64, 3, 9, 16
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)

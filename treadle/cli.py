@@ -20,7 +20,9 @@ def int_list(text: str) -> list[int]:
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE)
+    parser.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE,
+                        help="auto (default): bfloat16 where the CPU computes it natively "
+                             "(AVX-512 BF16, AMX), else float32")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
 
 
@@ -62,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="on SIGTERM, seconds in-flight requests may take to finish before "
                           "they are aborted")
+
+    env = commands.add_parser("env", help="what to paste into a bug report: versions, CPU, the "
+                                          "dtype auto picks, fast paths, kernel build")
+    env.add_argument("--json", action="store_true", help="print the report as JSON")
 
     gen = commands.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("prompt")
@@ -106,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "env":
+        from treadle.environment import collect_env, format_env
+
+        report = collect_env()
+        print(json.dumps(report, indent=2) if args.json else format_env(report))
+        return 0
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.command == "generate":
@@ -142,6 +154,9 @@ def serve(args: argparse.Namespace) -> int:
     from treadle.engine.async_engine import AsyncEngine
     from treadle.server.openai.app import build_app
 
+    # Configured first: the first start's GGUF conversion and kernel build say what they do.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
+                                                   "%(message)s")
     try:
         keys = list(args.api_key)
         if args.api_key_file is not None:
@@ -162,8 +177,6 @@ def serve(args: argparse.Namespace) -> int:
                     max_request_bytes=args.max_request_bytes,
                     grpc_address=None if args.no_grpc else (args.host, args.grpc_port),
                     enable_debug_endpoints=args.enable_debug_endpoints)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
-                                                   "%(message)s")
     # On SIGTERM uvicorn stops accepting, lets in-flight requests finish up to the timeout,
     # then cancels them (which aborts them in the engine) and runs the lifespan's shutdown.
     # Then it re-raises the signal for the handler it found: let that handler exit 0.

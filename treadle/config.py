@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPES = ("float32", "bfloat16")
-# Measured with `treadle bench forward` on the 2-core AVX-512 machine: bfloat16 decodes faster
-# (half the weight bytes per step) and prefills faster (AVX-512 BF16 matmuls).
-DEFAULT_DTYPE = "bfloat16"
+DTYPES = ("auto", "float32", "bfloat16")
+# auto: bfloat16 where the CPU computes it natively, else float32; the model's capability probe
+# (treadle/model/capabilities.py) decides, at load.
+DEFAULT_DTYPE = "auto"
 
 
 @dataclass(frozen=True)

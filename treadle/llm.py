@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from tqdm import tqdm
@@ -11,9 +12,11 @@ from treadle.config import DEFAULT_DTYPE, CacheConfig, ModelConfig, SchedulerCon
 from treadle.engine.core import EngineCore
 from treadle.engine.output_processor import OutputProcessor, RequestState
 from treadle.engine.sampling_params import SamplingParams
+from treadle.model.capabilities import torch_dtype
 from treadle.model.loader import load_model
-from treadle.model.runner import torch_dtype
 from treadle.model.sampler import TokenLogprobs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,6 +59,10 @@ class LLM:
                             long_prefill_token_threshold=long_prefill_token_threshold),
             policy=policy)
         self.next_request_id = 0
+        info = self.engine.runner.platform_info()
+        logger.info("dtype %s (%s); %s, oneDNN linear %s, native attention %s", info["dtype"],
+                    info["dtype_reason"], info["isa"], info["onednn_linear"],
+                    info["native_attention"])
 
     def chat_prompt(self, message: str) -> list[int]:
         """A one-turn chat through the model's chat template, as token ids."""

@@ -13,8 +13,9 @@ import torch
 
 from treadle.bench.roofline import DecodeCost, best_seconds, measure_roofline
 from treadle.config import CacheConfig, ModelConfig
+from treadle.model.capabilities import torch_dtype
 from treadle.model.loader import load_model
-from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence, torch_dtype
+from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence
 
 
 def bench_forward(model: str | None, dtype: str, batch_sizes: list[int], threads: list[int],
@@ -47,14 +48,21 @@ def bench_forward(model: str | None, dtype: str, batch_sizes: list[int], threads
                 })
     finally:
         torch.set_num_threads(saved_threads)
-    return {"model": loaded.name, "dtype": dtype, "parameters": cost.parameters,
+    return {"model": loaded.name, **runner.platform_info(), "parameters": cost.parameters,
             "weight_bytes": cost.weight_bytes, "context_len": context_len, "rows": rows,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
+def on_off(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
 def format_forward(report: dict) -> str:
-    lines = [f"model {report['model']}  dtype {report['dtype']}  params {report['parameters']:,}"
+    lines = [f"model {report['model']}  params {report['parameters']:,}"
              f"  weights {report['weight_bytes'] / 1e6:.0f} MB  context {report['context_len']}",
+             f"dtype {report['dtype']} ({report['dtype_reason']}); {report['isa']}, oneDNN "
+             f"linear {on_off(report['onednn_linear'])}, native attention "
+             f"{on_off(report['native_attention'])}",
              f"{'threads':>7} {'batch':>5} {'ms/step':>8} {'tok/s':>8} {'floor ms':>8} "
              f"{'x floor':>7} {'GB/s':>6} {'GFLOP/s':>8}"]
     for r in report["rows"]:

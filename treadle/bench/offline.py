@@ -26,8 +26,8 @@ import time
 import torch
 
 from treadle.bench.workloads import BenchRequest, summarize, synthetic_chat
+from treadle.model.capabilities import torch_dtype
 from treadle.model.loader import read_spec, resolve_model
-from treadle.model.runner import torch_dtype
 
 TARGET_RATIO = 3.0
 WARMUP = BenchRequest(prompt_token_ids=[100 + i for i in range(16)], output_len=4)
@@ -105,7 +105,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def bench_offline(model: str | None = None, dtype: str = "bfloat16", num_prompts: int = 200,
+def bench_offline(model: str | None = None, dtype: str = "auto", num_prompts: int = 200,
                   seed: int = 0, max_input_len: int | None = None,
                   max_output_len: int | None = None, hf_batch_size: int = 8,
                   threads: int | None = None) -> dict:
@@ -136,7 +136,8 @@ def bench_offline(model: str | None = None, dtype: str = "bfloat16", num_prompts
         n_threads = torch.get_num_threads()
 
         llm = LLM(model=model, dtype=dtype)
-        model_name = llm.model_name
+        model_name, platform = llm.model_name, llm.engine.runner.platform_info()
+        dtype = platform["dtype"]  # the HF baseline runs the dtype Treadle resolved
         run_treadle(llm, [WARMUP])
         treadle_s, treadle_out = run_treadle(llm, requests)
         del llm
@@ -156,7 +157,7 @@ def bench_offline(model: str | None = None, dtype: str = "bfloat16", num_prompts
     treadle_tps = treadle_tokens / treadle_s
     hf_tps = hf_tokens / hf_s
     return {
-        "model": model_name, "dtype": dtype, "threads": n_threads, "seed": seed,
+        "model": model_name, **platform, "threads": n_threads, "seed": seed,
         "workload": "synthetic-chat (ShareGPT-like lengths)",
         "max_input_len": max_input_len, "max_output_len": max_output_len, **workload,
         "treadle": {"seconds": treadle_s, "output_tokens": treadle_tokens,
@@ -178,8 +179,8 @@ def bench_offline(model: str | None = None, dtype: str = "bfloat16", num_prompts
 def format_offline(report: dict) -> str:
     t, h = report["treadle"], report["hf"]
     lines = [
-        f"model {report['model']}  dtype {report['dtype']}  threads {report['threads']}  "
-        f"seed {report['seed']}",
+        f"model {report['model']}  dtype {report['dtype']} ({report['dtype_reason']})  "
+        f"threads {report['threads']}  seed {report['seed']}",
         f"workload {report['workload']}: {report['num_prompts']} prompts, "
         f"{report['total_prompt_tokens']:,} prompt tokens (mean {report['mean_prompt_len']:.0f}), "
         f"{report['total_output_tokens']:,} output tokens (mean {report['mean_output_len']:.0f})",

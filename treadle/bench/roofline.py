@@ -86,9 +86,9 @@ def bench_roofline(model: str | None, dtype: str, batch_sizes: list[int],
                    context_len: int = 128) -> dict:
     """The machine's measured bandwidth and matmul rate (current torch thread count), and the
     model's decode-step floor at each batch size."""
+    from treadle.model.capabilities import resolve_dtype, torch_dtype
     from treadle.model.llama import LlamaModel
     from treadle.model.loader import load_model
-    from treadle.model.runner import torch_dtype
 
     loaded = load_model(model, torch_dtype(dtype))
     cost = DecodeCost.of(LlamaModel(loaded.spec, loaded.weights, torch_dtype(dtype),
@@ -102,7 +102,9 @@ def bench_roofline(model: str | None, dtype: str, batch_sizes: list[int],
                      "flops": cost.flops(batch), "floor_ms": floor_ms,
                      "bound": "memory" if memory_ms >= floor_ms else "compute",
                      "tokens_per_s": batch / floor_ms * 1e3})
-    return {"model": loaded.name, "context_len": context_len, **asdict(cost),
+    dtype_name, dtype_reason = resolve_dtype(dtype)
+    return {"model": loaded.name, "dtype": dtype_name, "dtype_reason": dtype_reason,
+            "context_len": context_len, **asdict(cost),
             "roofline": roof.as_dict(), "rows": rows,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
@@ -113,7 +115,8 @@ def format_roofline(report: dict) -> str:
              f"{roof['matmul_gflops']:.0f} GFLOP/s {roof['dtype']} matmul, "
              f"{roof['threads']} threads",
              f"model {report['model']}  params {report['parameters']:,}  weights "
-             f"{report['weight_bytes'] / 1e6:.0f} MB  context {report['context_len']}",
+             f"{report['weight_bytes'] / 1e6:.0f} MB  context {report['context_len']}  dtype "
+             f"{report['dtype']} ({report['dtype_reason']})",
              f"{'batch':>5} {'MB read':>8} {'GFLOP':>7} {'floor ms':>9} {'bound':>8} "
              f"{'tok/s max':>10}"]
     for r in report["rows"]:

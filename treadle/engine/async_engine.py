@@ -33,8 +33,8 @@ from treadle.config import DEFAULT_DTYPE, CacheConfig, ModelConfig, SchedulerCon
 from treadle.engine.core import EngineCore, StepStats
 from treadle.engine.output_processor import OutputProcessor, RequestState, SampleDelta
 from treadle.engine.sampling_params import SamplingParams
+from treadle.model.capabilities import torch_dtype
 from treadle.model.loader import load_model, resolve_model
-from treadle.model.runner import torch_dtype
 from treadle.observability.metrics import ServerMetrics
 from treadle.observability.step_trace import StepTraceWriter
 
@@ -85,6 +85,9 @@ class EngineLoad:
 
 def engine_process(args: EngineArgs, requests, outputs) -> None:
     """The child: build the core and serve it until told to shut down."""
+    # The child's own log lines (the first start's kernel build, a dtype warning) to stderr.
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s treadle-engine %(name)s: %(message)s")
     if args.engine_threads is not None:
         torch.set_num_threads(args.engine_threads)
     try:
@@ -100,7 +103,7 @@ def engine_process(args: EngineArgs, requests, outputs) -> None:
         outputs.send(("failed", f"{type(e).__name__}: {e}"))
         return
     outputs.send(("ready", core.max_model_len, core.runner.num_blocks,
-                  core.runner.spec.vocab_size))
+                  core.runner.spec.vocab_size, core.runner.platform_info()))
     trace = StepTraceWriter(args.trace_file) if args.trace_file else None
     try:
         serve_engine(core, requests, outputs, trace)
@@ -181,6 +184,7 @@ class AsyncEngine:
         self.max_model_len = 0  # these three are known once the engine has started
         self.num_blocks = 0
         self.vocab_size = 0
+        self.platform: dict = {}  # dtype served and why, fast paths: from the engine process
         self.process: multiprocessing.process.BaseProcess | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.errored = False
@@ -193,6 +197,7 @@ class AsyncEngine:
         outputs_in, outputs_out = context.Pipe(duplex=False)
         self.process = context.Process(target=engine_process, name="treadle-engine",
                                        args=(self.args, requests_in, outputs_out), daemon=True)
+        spawned = time.monotonic()
         self.process.start()
         requests_in.close()
         outputs_out.close()
@@ -200,7 +205,11 @@ class AsyncEngine:
         first = await asyncio.to_thread(outputs_in.recv)
         if first[0] != "ready":
             raise RuntimeError(f"the engine failed to start: {first[1]}")
-        _, self.max_model_len, self.num_blocks, self.vocab_size = first
+        _, self.max_model_len, self.num_blocks, self.vocab_size, self.platform = first
+        logger.info("engine ready in %.1f s: dtype %s (%s); %s, oneDNN linear %s, native "
+                    "attention %s", time.monotonic() - spawned, self.platform["dtype"],
+                    self.platform["dtype_reason"], self.platform["isa"],
+                    self.platform["onednn_linear"], self.platform["native_attention"])
         self.loop = asyncio.get_running_loop()
         self.reader = threading.Thread(target=self._read_outputs, name="treadle-outputs",
                                        daemon=True)

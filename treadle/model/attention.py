@@ -81,8 +81,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """One query per sequence, [num_decodes, H, D]."""
-    if paged_decode_attention is not None:  # reads the blocks in place
-        return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+    kernel = paged_decode_attention()
+    if kernel is not None:  # reads the blocks in place
+        return kernel(q, k_cache, v_cache, meta.decode_block_tables,
                                       meta.decode_context_lens, scale)
     # Fallback: gather each sequence's blocks, padded to the longest context, and mask. The
     # query heads sharing a KV head lie along SDPA's query axis: no copy of keys per head.

@@ -12,6 +12,8 @@ import torch
 
 from treadle.config import CacheConfig, ModelConfig
 from treadle.model.attention import AttentionMetadata, KVCache, PrefillChunk
+from treadle.model.capabilities import probe, resolve_dtype, torch_dtype, use_onednn_linear
+from treadle.model.kernels import paged_decode_attention
 from treadle.model.llama import LlamaModel
 from treadle.model.loader import LoadedModel, load_model
 
@@ -35,16 +37,13 @@ class ModelInput:
         return sum(len(s.token_ids) for s in self.sequences)
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, model_config: ModelConfig,
                  cache_config: CacheConfig) -> None:
         spec = loaded.spec
         self.spec = spec
-        self.dtype = torch_dtype(model_config.dtype)
+        self.dtype_name, self.dtype_reason = resolve_dtype(model_config.dtype)
+        self.dtype = torch_dtype(self.dtype_name)
         limit = spec.max_position_embeddings
         if spec.sliding_window:  # no sliding-window attention: stay inside the window
             limit = min(limit, spec.sliding_window)
@@ -58,11 +57,19 @@ class ModelRunner:
         self.model = LlamaModel(spec, loaded.weights, self.dtype, self.max_model_len)
         self.kv_cache = KVCache(spec.num_layers, num_blocks, self.block_size, spec.num_kv_heads,
                                 spec.head_dim, self.dtype)
+        paged_decode_attention()  # build or load the kernel now, not in the first decode step
 
     @classmethod
     def from_config(cls, model_config: ModelConfig, cache_config: CacheConfig) -> ModelRunner:
         loaded = load_model(model_config.model, torch_dtype(model_config.dtype))
         return cls(loaded, model_config, cache_config)
+
+    def platform_info(self) -> dict:
+        """The dtype served and why, and which fast paths run: for logs, /v1/models, benches."""
+        caps = probe()
+        return {"dtype": self.dtype_name, "dtype_reason": self.dtype_reason, "isa": caps.isa,
+                "onednn_linear": use_onednn_linear(self.dtype),
+                "native_attention": paged_decode_attention() is not None}
 
     @property
     def num_blocks(self) -> int:

@@ -309,7 +309,9 @@ class OpenAIServer:
 
     async def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.engine.model_name, created=self.created,
-                                         max_model_len=self.engine.max_model_len)])
+                                         max_model_len=self.engine.max_model_len,
+                                         dtype=self.engine.platform["dtype"],
+                                         platform=self.engine.platform)])
 
     async def debug_request(self, request_id: str) -> dict:
         """A recently finished request's timeline (`id/index` for one of n samples)."""

@@ -268,6 +268,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "treadle"
     max_model_len: int
+    dtype: str  # what --dtype resolved to on this CPU
+    platform: dict[str, str | bool]  # why that dtype, the CPU's level, which fast paths run
 
 
 class ModelList(BaseModel):

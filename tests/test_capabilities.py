@@ -1,0 +1,177 @@
+"""The capability probe and the paths it picks: `--dtype auto`, prepacked linear layers, the native
+attention kernel's build, `treadle env`. Child processes force the AVX2 path (as on a Zen 3) and
+the all-portable path, so an AVX-512 machine tests both and an AVX2 one tests the fallbacks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import AVX2_ENV, ROOT, free_port, run_forced
+
+from treadle.model import capabilities
+from treadle.model.capabilities import probe, resolve_dtype
+from treadle.model.kernels import build_flags, build_folder
+from treadle.model.linear import Linear
+
+PROBE = ("import json; from treadle.model.capabilities import probe, resolve_dtype; "
+         "print(json.dumps({**probe().as_dict(), 'auto': resolve_dtype('auto')}))")
+
+
+def test_auto_is_bfloat16_exactly_where_it_is_native():
+    dtype, reason = resolve_dtype("auto")
+    assert dtype == ("bfloat16" if probe().native_bf16 else "float32")
+    assert reason
+
+
+def test_an_avx2_cpu_gets_float32_and_no_bf16_prepack():
+    result = run_forced(["-c", PROBE], AVX2_ENV)
+    assert result.returncode == 0, result.stderr
+    caps = json.loads(result.stdout)
+    assert caps["isa"] == "AVX2"
+    assert not caps["native_bf16"] and not caps["onednn_bf16"] and not caps["avx512_bf16"]
+    assert caps["auto"][0] == "float32"
+
+
+def test_disable_turns_fast_paths_off_by_name():
+    result = run_forced(["-c", PROBE], {"TREADLE_DISABLE": "onednn,native-attention"})
+    caps = json.loads(result.stdout)
+    assert not caps["onednn"] and not caps["onednn_bf16"]
+    assert not caps["native_attention_allowed"]
+    assert caps["disabled"] == ["onednn", "native-attention"]
+
+
+def test_explicit_bfloat16_without_native_support_runs_with_one_warning():
+    script = ("import logging, torch; logging.basicConfig()\n"
+              "from treadle.model.capabilities import resolve_dtype\n"
+              "from treadle.model.linear import Linear\n"
+              "assert resolve_dtype('bfloat16') == resolve_dtype('bfloat16')\n"
+              "w = torch.randn(64, 32).bfloat16(); x = torch.randn(3, 32).bfloat16()\n"
+              "layer = Linear(w)\n"
+              "assert not layer.prepacked\n"
+              "assert torch.equal(layer(x), torch.nn.functional.linear(x, w))\n")
+    result = run_forced(["-c", script], AVX2_ENV)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("without native bfloat16") == 1
+    assert "--dtype auto or float32" in result.stderr
+
+
+def test_unknown_dtype_is_a_clear_error():
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        resolve_dtype("float16")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_follows_the_probe_and_matches_f_linear(dtype):
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=gen).to(dtype)
+    b = torch.randn(96, generator=gen).to(dtype)
+    x = torch.randn(5, 64, generator=gen).to(dtype)
+    layer = Linear(w, b)
+    assert layer.prepacked == capabilities.use_onednn_linear(dtype)
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    assert (layer(x).float() - F.linear(x, w, b).float()).abs().max().item() < tolerance * 10
+
+
+def test_kernel_build_is_keyed_by_machine_and_level():
+    v4, _ = build_flags("x86_64", "AVX512")
+    v3, ld3 = build_flags("x86_64", "AVX2")
+    arm, arm_ld = build_flags("aarch64", "DEFAULT")
+    assert "-march=x86-64-v4" in v4 and "-march=x86-64-v3" in v3 and "-lmvec" in ld3
+    assert not any(f.startswith(("-march", "-mcpu")) for f in arm) and "-lmvec" not in arm_ld
+    assert "-march=native" not in v4 + v3  # a shared cache must not hold a CPU-specific build
+    folders = {build_folder("x86_64", "AVX512", v4, ld3), build_folder("x86_64", "AVX2", v3, ld3),
+               build_folder("aarch64", "DEFAULT", arm, arm_ld)}
+    assert len(folders) == 3
+    assert "x86_64-avx2-" in str(build_folder("x86_64", "AVX2", v3, ld3))
+
+
+def test_a_kernel_that_cannot_build_falls_back_with_a_warning(tmp_path):
+    script = ("import logging; logging.basicConfig()\n"
+              "from treadle.model.kernels import paged_decode_attention\n"
+              "print(paged_decode_attention() is None)")
+    result = run_forced(["-c", script], {"TREADLE_CACHE": str(tmp_path), "CXX": "/bin/false"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"
+    assert "native paged attention unavailable" in result.stderr
+
+
+def test_treadle_env_reports_the_forced_path():
+    result = run_forced(["-m", "treadle.cli", "env", "--json"], AVX2_ENV, timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["dtype_auto"] == "float32"
+    assert report["capabilities"]["isa"] == "AVX2"
+    assert "-march=x86-64-v3" in report["native_attention_kernel"]["cflags"]
+    assert report["onednn_linear"] == {"float32": True, "bfloat16": False}
+    assert report["environment"] == AVX2_ENV
+    text = run_forced(["-m", "treadle.cli", "env"], AVX2_ENV, timeout=120).stdout
+    assert "dtype auto -> float32" in text and "build folder" in text
+
+
+# The model's parity tests against transformers and the attention kernel's tests, rerun on the
+# forced paths: the AVX2 path (kernel built for x86-64-v3, bf16 weights not prepacked) and every
+# fast path off.
+PARITY_TESTS = ["tests/test_model_parity.py", "tests/test_attention.py",
+                "tests/test_loader.py::test_bfloat16_runner_stays_close_to_float32",
+                "tests/test_capabilities.py::test_linear_follows_the_probe_and_matches_f_linear"]
+
+
+def test_parity_on_the_forced_path(forced_env):
+    result = run_forced(["-m", "pytest", "-q", "-p", "no:cacheprovider", *PARITY_TESTS],
+                        forced_env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    summary = result.stdout.strip().splitlines()[-1]
+    assert " passed" in summary
+    if forced_env == AVX2_ENV:  # the kernel builds for x86-64-v3: nothing skips
+        assert "skipped" not in summary
+
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("env", [pytest.param({}, id="this-cpu"),
+                                 pytest.param(AVX2_ENV, id="avx2")])
+def test_serve_with_no_flags_answers_a_chat_completion(env, tmp_path):
+    """`treadle serve` as the README starts it (no --dtype), on this CPU and as an AVX2 one."""
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "treadle.cli", "serve", "--port", str(port),
+                                 "--no-grpc", "--max-model-len", "256"], cwd=ROOT,
+                                env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while not ready(url):
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.3)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        card = client.models.list().data[0]
+        assert card.dtype == ("float32" if env else resolve_dtype("auto")[0])
+        assert card.platform["dtype_reason"]
+        chat = client.chat.completions.create(
+            model=card.id, messages=[{"role": "user", "content": "What is 2+2?"}],
+            max_tokens=8, temperature=0)
+        assert chat.choices[0].message.content
+        assert "engine ready in" in log.read_text()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False

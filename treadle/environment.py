@@ -1,0 +1,96 @@
+"""`treadle env`: what a user pastes into a bug report (as vLLM's collect_env): versions, the CPU
+and the features that matter, the dtype `auto` picks, which fast paths run and why, threads, and
+the kernel build."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from treadle.model.capabilities import probe, resolve_dtype, use_onednn_linear
+from treadle.model.kernels import kernel_status
+from treadle.model.loader import ModelLoadError, cache_dir, default_model_path
+
+# Settings read from the environment that change what runs.
+ENV_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "TREADLE_DISABLE", "TREADLE_CACHE",
+            "OMP_NUM_THREADS", "OPENBLAS_CORETYPE")
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") if Path("/proc/cpuinfo").exists() else open(os.devnull) as f:
+        for line in f:
+            if line.startswith(("model name", "Model")):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def collect_env() -> dict:
+    caps = probe()
+    dtype, reason = resolve_dtype("auto")
+    try:
+        model = str(default_model_path())
+    except ModelLoadError as e:
+        model = f"missing: {e}"
+    return {
+        "treadle": version("treadle"), "torch": torch.__version__,
+        "transformers": version("transformers"), "python": sys.version.split()[0],
+        "os": platform.platform(), "cpu": cpu_model(),
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_features": {name.removeprefix("_is_").removesuffix("_supported"): fn()
+                         for name in sorted(dir(torch.cpu))
+                         if name.startswith("_is_") and callable(fn := getattr(torch.cpu, name))},
+        "capabilities": caps.as_dict(),
+        "dtype_auto": dtype, "dtype_auto_reason": reason,
+        "onednn_linear": {"float32": use_onednn_linear(torch.float32),
+                          "bfloat16": use_onednn_linear(torch.bfloat16)},
+        "native_attention_kernel": kernel_status(),
+        "cache_folder": str(cache_dir()), "default_model": model,
+        "environment": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
+    }
+
+
+def format_env(report: dict) -> str:
+    caps, kernel = report["capabilities"], report["native_attention_kernel"]
+    features = ", ".join(k for k, v in report["cpu_features"].items() if v) or "none"
+    if not kernel["allowed"]:
+        kernel_line = "off (TREADLE_DISABLE)"
+    elif not kernel["built"]:
+        kernel_line = "not built yet (the first model load builds it)"
+    else:
+        kernel_line = "built, loads" if kernel["loads"] else "built, FAILS to load (torch path)"
+    lines = [
+        f"treadle {report['treadle']}  torch {report['torch']}  transformers "
+        f"{report['transformers']}  python {report['python']}",
+        f"os {report['os']}",
+        f"cpu {report['cpu']}  ({report['cores']} cores, torch threads "
+        f"{report['torch_threads']})",
+        f"cpu features (torch): {features}",
+        f"kernel level {caps['isa']} on {caps['machine']}; native bfloat16 "
+        f"{'yes' if caps['native_bf16'] else 'no'}",
+        f"dtype auto -> {report['dtype_auto']}: {report['dtype_auto_reason']}",
+        f"oneDNN prepacked linear: float32 {'on' if report['onednn_linear']['float32'] else 'off'}"
+        f", bfloat16 {'on' if report['onednn_linear']['bfloat16'] else 'off'}",
+        f"native paged attention: {kernel_line}",
+        f"  build folder {kernel['folder']}",
+        f"  flags {' '.join(kernel['cflags'])} | {' '.join(kernel['ldflags'])}",
+        f"disabled fast paths: {', '.join(caps['disabled']) or 'none'}",
+        f"cache folder {report['cache_folder']}",
+        f"default model {report['default_model']}",
+        "environment: " + (", ".join(f"{k}={v}" for k, v in report["environment"].items())
+                           or "none of " + ", ".join(ENV_VARS)),
+    ]
+    return "\n".join(lines)
