@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
+import numpy as np
 import torch
 import transformers
+from gguf.quants import dequantize, quantize
 
 from treadle.config import CacheConfig, ModelConfig
 from treadle.model.capabilities import torch_dtype
-from treadle.model.loader import load_model
+from treadle.model.loader import GGUF_TENSOR_NAMES, ModelSpec, load_model
 from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -50,11 +53,50 @@ def build_tiny_model(arch: str, folder: Path, seed: int = 0) -> torch.nn.Module:
 
 
 def make_runner(model: str | Path | None, dtype: str = "float32", block_size: int = 16,
-                num_blocks: int = 512) -> ModelRunner:
-    model_config = ModelConfig(model=None if model is None else str(model), dtype=dtype)
+                num_blocks: int = 512, quantization: str = "none",
+                quant_gemv_max_rows: int | None = None) -> ModelRunner:
+    model_config = ModelConfig(model=None if model is None else str(model), dtype=dtype,
+                               quantization=quantization,
+                               quant_gemv_max_rows=quant_gemv_max_rows)
     cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks)
-    loaded = load_model(model_config.model, torch_dtype(dtype))
+    loaded = load_model(model_config.model, torch_dtype(dtype), quantization)
     return ModelRunner(loaded, model_config, cache_config)
+
+
+def permute_like_llama_cpp(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter permutes q/k rows so that rope pairs are interleaved."""
+    return (w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def write_tiny_gguf(model: torch.nn.Module, spec: ModelSpec, path: Path,
+                    qtype: gguf.GGMLQuantizationType) -> dict[str, np.ndarray]:
+    """`model`'s tensors as llama.cpp writes them (q/k rows permuted, matrices in `qtype`,
+    norms in F32; tensors only, no metadata); returns what each should dequantize to."""
+    to_gguf = {hf.replace("{}", "{i}"): g.replace("{}", "{i}")
+               for g, hf in GGUF_TENSOR_NAMES.items()}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    expected = {}
+    for hf_name, tensor in model.state_dict().items():
+        array = tensor.numpy()
+        layer = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
+        template = hf_name if layer is None else hf_name.replace(f".{layer}.", ".{i}.", 1)
+        gguf_name = to_gguf[template].format(i=layer)
+        stored, row_of = array, np.arange(array.shape[0])
+        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = spec.num_heads if "q_proj" in hf_name else spec.num_kv_heads
+            stored = permute_like_llama_cpp(array, heads)
+            row_of = permute_like_llama_cpp(row_of, heads)  # stored row r is original row_of[r]
+        kind = qtype if array.ndim == 2 else gguf.GGMLQuantizationType.F32  # as llama.cpp
+        data = quantize(stored, kind)
+        writer.add_tensor(gguf_name, data, raw_dtype=kind)
+        expected[hf_name] = np.empty_like(array)
+        expected[hf_name][row_of] = dequantize(data, kind).reshape(stored.shape)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
 
 
 def greedy_decode(runner: ModelRunner, prompts: list[list[int]], max_tokens: int,

@@ -43,11 +43,11 @@ def test_an_avx2_cpu_gets_float32_and_no_bf16_prepack():
 
 
 def test_disable_turns_fast_paths_off_by_name():
-    result = run_forced(["-c", PROBE], {"TREADLE_DISABLE": "onednn,native-attention"})
+    result = run_forced(["-c", PROBE], {"TREADLE_DISABLE": "onednn,native-kernels"})
     caps = json.loads(result.stdout)
     assert not caps["onednn"] and not caps["onednn_bf16"]
-    assert not caps["native_attention_allowed"]
-    assert caps["disabled"] == ["onednn", "native-attention"]
+    assert not caps["native_kernels_allowed"]
+    assert caps["disabled"] == ["onednn", "native-kernels"]
 
 
 def test_explicit_bfloat16_without_native_support_runs_with_one_warning():
@@ -84,15 +84,19 @@ def test_linear_follows_the_probe_and_matches_f_linear(dtype):
 
 def test_kernel_build_is_keyed_by_machine_and_level():
     v4, _ = build_flags("x86_64", "AVX512")
+    assert "-mavx512vnni" in build_flags("x86_64", "AVX512", vnni=True)[0]
+    assert "-mavx512vnni" not in build_flags("x86_64", "AVX2", vnni=True)[0]
     v3, ld3 = build_flags("x86_64", "AVX2")
     arm, arm_ld = build_flags("aarch64", "DEFAULT")
     assert "-march=x86-64-v4" in v4 and "-march=x86-64-v3" in v3 and "-lmvec" in ld3
     assert not any(f.startswith(("-march", "-mcpu")) for f in arm) and "-lmvec" not in arm_ld
     assert "-march=native" not in v4 + v3  # a shared cache must not hold a CPU-specific build
-    folders = {build_folder("x86_64", "AVX512", v4, ld3), build_folder("x86_64", "AVX2", v3, ld3),
-               build_folder("aarch64", "DEFAULT", arm, arm_ld)}
+    name = "treadle_paged_attention"
+    folders = {build_folder(name, "x86_64", "AVX512", v4, ld3),
+               build_folder(name, "x86_64", "AVX2", v3, ld3),
+               build_folder(name, "aarch64", "DEFAULT", arm, arm_ld)}
     assert len(folders) == 3
-    assert "x86_64-avx2-" in str(build_folder("x86_64", "AVX2", v3, ld3))
+    assert f"{name}-x86_64-avx2-" in str(build_folder(name, "x86_64", "AVX2", v3, ld3))
 
 
 def test_a_kernel_that_cannot_build_falls_back_with_a_warning(tmp_path):
@@ -102,7 +106,7 @@ def test_a_kernel_that_cannot_build_falls_back_with_a_warning(tmp_path):
     result = run_forced(["-c", script], {"TREADLE_CACHE": str(tmp_path), "CXX": "/bin/false"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True"
-    assert "native paged attention unavailable" in result.stderr
+    assert "native kernel treadle_paged_attention unavailable" in result.stderr
 
 
 def test_treadle_env_reports_the_forced_path():
@@ -111,17 +115,18 @@ def test_treadle_env_reports_the_forced_path():
     report = json.loads(result.stdout)
     assert report["dtype_auto"] == "float32"
     assert report["capabilities"]["isa"] == "AVX2"
-    assert "-march=x86-64-v3" in report["native_attention_kernel"]["cflags"]
+    for kernel in report["native_kernels"].values():
+        assert "-march=x86-64-v3" in kernel["cflags"] and "-mavx512vnni" not in kernel["cflags"]
     assert report["onednn_linear"] == {"float32": True, "bfloat16": False}
     assert report["environment"] == AVX2_ENV
     text = run_forced(["-m", "treadle.cli", "env"], AVX2_ENV, timeout=120).stdout
     assert "dtype auto -> float32" in text and "build folder" in text
 
 
-# The model's parity tests against transformers and the attention kernel's tests, rerun on the
-# forced paths: the AVX2 path (kernel built for x86-64-v3, bf16 weights not prepacked) and every
-# fast path off.
-PARITY_TESTS = ["tests/test_model_parity.py", "tests/test_attention.py",
+# The model's parity tests against transformers and the kernels' tests, rerun on the forced
+# paths: the AVX2 path (kernels built for x86-64-v3: maddubs, not VNNI; bf16 weights not
+# prepacked) and every fast path off.
+PARITY_TESTS = ["tests/test_model_parity.py", "tests/test_attention.py", "tests/test_quantized.py",
                 "tests/test_loader.py::test_bfloat16_runner_stays_close_to_float32",
                 "tests/test_capabilities.py::test_linear_follows_the_probe_and_matches_f_linear"]
 

@@ -17,10 +17,11 @@ def treadle(*args: str) -> subprocess.CompletedProcess:
 
 def test_generate_answers_through_the_chat_template():
     result = treadle("generate", "What is the capital of France?", "--dtype", "float32",
-                     "--max-tokens", "16")
+                     "--quantization", "none", "--max-tokens", "16")
     assert result.returncode == 0, result.stderr
-    # The float32 greedy answer, also checked token for token against transformers in
-    # test_default_model.py.
+    # The float path's greedy answer, also checked token for token against transformers in
+    # test_default_model.py. (Served as stored, the Q8_0 LM head tips a near tie between "The"
+    # and "L": 25.33 against 25.24 in float.)
     assert result.stdout.strip() == "The capital of France is Paris."
 
 

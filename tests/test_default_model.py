@@ -4,6 +4,9 @@ chunked prefill and block sizes."""
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import pytest
 import torch
 from model_utils import greedy_decode, make_runner
@@ -90,3 +93,56 @@ def test_greedy_chunked_prefill_equals_batch(runner, prompts, reference_tokens):
 def test_greedy_block_size_does_not_matter(block_size, prompts, reference_tokens):
     runner = make_runner(None, block_size=block_size, num_blocks=2048 // block_size)
     assert greedy_decode(runner, prompts, MAX_TOKENS) == reference_tokens
+
+
+# Served as stored: the file's Q4_1 matrices (Q8_0 embedding and LM head) through the integer
+# kernel, against the float path over the same weights dequantized (the `runner` above).
+PERPLEXITY_TEXT = Path(__file__).parent / "data" / "python_license.txt"  # CPython's LICENSE.txt
+KERNEL_ROWS = 16  # steps of up to this many rows take the integer kernel (fixed, not measured)
+
+
+@pytest.fixture(scope="module")
+def quantized_runner():
+    return make_runner(None, block_size=16, num_blocks=256, quantization="gguf",
+                       quant_gemv_max_rows=KERNEL_ROWS)
+
+
+def test_quantized_greedy_agrees_with_the_float_path(quantized_runner, prompts,
+                                                     reference_tokens):
+    """Teacher-forced over the float path's greedy continuations: at each of the 8 x 64
+    positions, does the quantized model pick the same next token? (Free-running, one early
+    disagreement would make every later token differ.)"""
+    agree = 0
+    for prompt, continuation in zip(prompts, reference_tokens, strict=True):
+        ids = prompt + continuation
+        logits = run_in_chunks(quantized_runner, ids, KERNEL_ROWS)
+        picks = logits[len(prompt) - 1:-1].argmax(-1).tolist()
+        agree += sum(a == b for a, b in zip(picks, continuation, strict=True))
+    rate = agree / (len(prompts) * MAX_TOKENS)
+    print(f"quantized greedy picks equal to the float path's: {100 * rate:.1f}%")
+    assert rate >= 0.9
+
+
+def run_in_chunks(runner, ids: list[int], chunk: int) -> torch.Tensor:
+    """Logits at every position, `chunk` tokens a step (at most KERNEL_ROWS: each layer runs
+    the kernel's integer path, as decode steps do)."""
+    table = list(range((len(ids) + runner.block_size - 1) // runner.block_size))
+    return torch.cat([runner.execute(ModelInput([ScheduledSequence(
+        ids[s:s + chunk], s, table, all_logits=True)])) for s in range(0, len(ids), chunk)])
+
+
+def perplexity(runner, ids: list[int], chunk: int) -> float:
+    """exp of the mean negative log-likelihood of each token after the first."""
+    logits = run_in_chunks(runner, ids, chunk)
+    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+    return math.exp(nll.item())
+
+
+def test_quantized_perplexity_stays_within_five_percent(quantized_runner, runner, tokenizer):
+    ids = tokenizer(PERPLEXITY_TEXT.read_text())["input_ids"][:2048]
+    reference = perplexity(runner, ids, chunk=256)
+    quantized = perplexity(quantized_runner, ids, chunk=KERNEL_ROWS)
+    print(f"perplexity over {len(ids)} tokens: float {reference:.3f}, quantized "
+          f"{quantized:.3f} ({100 * (quantized / reference - 1):+.2f}%)")
+    assert abs(quantized / reference - 1) < 0.05
+

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import json
 
-import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize, quantize
-from model_utils import build_tiny_model, make_runner
+from model_utils import build_tiny_model, make_runner, write_tiny_gguf
 from safetensors.torch import load_file, save_file
 
 from treadle.model.loader import (
-    GGUF_TENSOR_NAMES,
     ModelLoadError,
     load_model,
     read_gguf_weights,
@@ -66,39 +63,12 @@ def test_missing_and_misshaped_tensors_are_named(tmp_path):
         load_model(tmp_path, torch.float32)
 
 
-def permute_like_llama_cpp(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp's converter permutes q/k rows so that rope pairs are interleaved."""
-    return (w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
-
-
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
 def test_gguf_tensors_dequantize_and_unpermute(tmp_path, qtype):
     model = build_tiny_model("llama", tmp_path)
     spec = read_spec(tmp_path)
     hf_weights = {k: v.numpy() for k, v in model.state_dict().items()}
-    to_gguf = {hf.replace("{}", "{i}"): g.replace("{}", "{i}")
-               for g, hf in GGUF_TENSOR_NAMES.items()}
-    writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
-    expected = {}
-    for hf_name, array in hf_weights.items():
-        layer = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
-        template = hf_name if layer is None else hf_name.replace(f".{layer}.", ".{i}.", 1)
-        gguf_name = to_gguf[template].format(i=layer)
-        stored, row_of = array, np.arange(array.shape[0])
-        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = spec.num_heads if "q_proj" in hf_name else spec.num_kv_heads
-            stored = permute_like_llama_cpp(array, heads)
-            row_of = permute_like_llama_cpp(row_of, heads)  # stored row r is original row_of[r]
-        kind = qtype if array.ndim == 2 else Q.F32  # llama.cpp keeps norms in F32
-        data = quantize(stored, kind)
-        writer.add_tensor(gguf_name, data, raw_dtype=kind)
-        expected[hf_name] = np.empty_like(array)
-        expected[hf_name][row_of] = dequantize(data, kind).reshape(stored.shape)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    expected = write_tiny_gguf(model, spec, tmp_path / "tiny.gguf", qtype)
 
     loaded = read_gguf_weights(tmp_path / "tiny.gguf", spec)
     assert loaded.keys() == hf_weights.keys()

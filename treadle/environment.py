@@ -57,21 +57,26 @@ def collect_env() -> dict:
         "dtype_auto": dtype, "dtype_auto_reason": reason,
         "onednn_linear": {"float32": use_onednn_linear(torch.float32),
                           "bfloat16": use_onednn_linear(torch.bfloat16)},
-        "native_attention_kernel": kernel_status(),
+        "native_kernels": kernel_status(),
         "cache_folder": str(cache_dir()), "default_model": model,
         "environment": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
     }
 
 
-def format_env(report: dict) -> str:
-    caps, kernel = report["capabilities"], report["native_attention_kernel"]
-    features = ", ".join(k for k, v in report["cpu_features"].items() if v) or "none"
+def kernel_lines(name: str, kernel: dict) -> list[str]:
     if not kernel["allowed"]:
-        kernel_line = "off (TREADLE_DISABLE)"
+        state = "off (TREADLE_DISABLE)"
     elif not kernel["built"]:
-        kernel_line = "not built yet (the first model load builds it)"
+        state = "not built yet (the first model load builds it)"
     else:
-        kernel_line = "built, loads" if kernel["loads"] else "built, FAILS to load (torch path)"
+        state = "built, loads" if kernel["loads"] else "built, FAILS to load (torch path)"
+    return [f"native kernel {name}: {state}", f"  build folder {kernel['folder']}",
+            f"  flags {' '.join(kernel['cflags'])} | {' '.join(kernel['ldflags'])}"]
+
+
+def format_env(report: dict) -> str:
+    caps = report["capabilities"]
+    features = ", ".join(k for k, v in report["cpu_features"].items() if v) or "none"
     lines = [
         f"treadle {report['treadle']}  torch {report['torch']}  transformers "
         f"{report['transformers']}  python {report['python']}",
@@ -84,9 +89,8 @@ def format_env(report: dict) -> str:
         f"dtype auto -> {report['dtype_auto']}: {report['dtype_auto_reason']}",
         f"oneDNN prepacked linear: float32 {'on' if report['onednn_linear']['float32'] else 'off'}"
         f", bfloat16 {'on' if report['onednn_linear']['bfloat16'] else 'off'}",
-        f"native paged attention: {kernel_line}",
-        f"  build folder {kernel['folder']}",
-        f"  flags {' '.join(kernel['cflags'])} | {' '.join(kernel['ldflags'])}",
+        *(line for name, kernel in report["native_kernels"].items()
+          for line in kernel_lines(name, kernel)),
         f"disabled fast paths: {', '.join(caps['disabled']) or 'none'}",
         f"cache folder {report['cache_folder']}",
         f"default model {report['default_model']}",

@@ -40,13 +40,15 @@ class RequestOutput:
 
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = DEFAULT_DTYPE,
+                 quantization: str = "auto",
                  max_model_len: int | None = None, block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_memory_bytes: int = 1 << 30,
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int = 512,
                  max_num_seqs: int = 128, long_prefill_token_threshold: int = 256,
                  policy: str = "fcfs") -> None:
-        model_config = ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len)
-        loaded = load_model(model, torch_dtype(dtype))
+        model_config = ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
+                                   quantization=quantization)
+        loaded = load_model(model, torch_dtype(dtype), quantization)
         self.model_name = loaded.name
         self.tokenizer = AutoTokenizer.from_pretrained(str(loaded.folder))
         self.engine = EngineCore(
@@ -60,9 +62,10 @@ class LLM:
             policy=policy)
         self.next_request_id = 0
         info = self.engine.runner.platform_info()
-        logger.info("dtype %s (%s); %s, oneDNN linear %s, native attention %s", info["dtype"],
-                    info["dtype_reason"], info["isa"], info["onednn_linear"],
-                    info["native_attention"])
+        logger.info("dtype %s (%s); %s, oneDNN linear %s, native attention %s, quantization "
+                    "%s (%s)", info["dtype"], info["dtype_reason"], info["isa"],
+                    info["onednn_linear"], info["native_attention"], info["quantization"],
+                    info["quantized_types"])
 
     def chat_prompt(self, message: str) -> list[int]:
         """A one-turn chat through the model's chat template, as token ids."""

@@ -14,43 +14,54 @@ import torch
 from treadle.bench.roofline import DecodeCost, best_seconds, measure_roofline
 from treadle.config import CacheConfig, ModelConfig
 from treadle.model.capabilities import torch_dtype
-from treadle.model.loader import load_model
+from treadle.model.loader import load_model, resolve_model
 from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence
 
 
 def bench_forward(model: str | None, dtype: str, batch_sizes: list[int], threads: list[int],
-                  context_len: int = 128, block_size: int = 16, steps: int = 10) -> dict:
-    blocks_per_seq = context_len // block_size + 1
-    num_blocks = max(batch_sizes) * blocks_per_seq
-    model_config = ModelConfig(model=model, dtype=dtype)
-    loaded = load_model(model, torch_dtype(dtype))
-    runner = ModelRunner(loaded, model_config, CacheConfig(block_size=block_size,
-                                                           num_blocks=num_blocks))
-    cost = DecodeCost.of(runner.model)
-    rows = []
+                  context_len: int = 128, block_size: int = 16, steps: int = 10,
+                  quantizations: tuple[str, ...] = ("none", "auto")) -> dict:
+    """Each quantization's runner in turn, in this one run, so their rows compare."""
+    num_blocks = max(batch_sizes) * (context_len // block_size + 1)
+    rows, runs = [], []
     saved_threads = torch.get_num_threads()
     try:
-        for n_threads in threads:
-            torch.set_num_threads(n_threads)
-            roof = measure_roofline(runner.dtype)
-            for batch in batch_sizes:
-                model_input = ModelInput([
-                    ScheduledSequence([100 + i], context_len - 1,
-                                      list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
-                    for i in range(batch)])
-                step_s = best_seconds(lambda mi=model_input: runner.execute(mi), repeats=steps)
-                floor_ms = cost.floor_ms(roof, batch, context_len)
-                rows.append({
-                    "threads": n_threads, "batch": batch, "ms_per_step": step_s * 1e3,
-                    "tokens_per_s": batch / step_s, "floor_ms": floor_ms,
-                    "ratio_to_floor": step_s * 1e3 / floor_ms,
-                    "bandwidth_gbs": roof.read_bandwidth_gbs, "matmul_gflops": roof.matmul_gflops,
-                })
+        for quantization in quantizations:
+            model_config = ModelConfig(model=model, dtype=dtype, quantization=quantization)
+            runner = ModelRunner(load_model(model, torch_dtype(dtype), quantization),
+                                 model_config, CacheConfig(block_size=block_size,
+                                                           num_blocks=num_blocks))
+            cost = DecodeCost.of(runner.model)
+            runs.append({**runner.platform_info(), "weight_bytes": cost.weight_bytes,
+                         "resident_bytes": runner.model.resident_bytes()})
+            rows += time_decode_steps(runner, cost, batch_sizes, threads, context_len, steps)
     finally:
         torch.set_num_threads(saved_threads)
-    return {"model": loaded.name, **runner.platform_info(), "parameters": cost.parameters,
-            "weight_bytes": cost.weight_bytes, "context_len": context_len, "rows": rows,
+    return {"model": resolve_model(model).name, "parameters": cost.parameters, "runs": runs,
+            "context_len": context_len, "rows": rows,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def time_decode_steps(runner: ModelRunner, cost: DecodeCost, batch_sizes: list[int],
+                      threads: list[int], context_len: int, steps: int) -> list[dict]:
+    blocks_per_seq = context_len // runner.block_size + 1
+    rows = []
+    for n_threads in threads:
+        torch.set_num_threads(n_threads)
+        roof = measure_roofline(runner.dtype)
+        for batch in batch_sizes:
+            model_input = ModelInput([
+                ScheduledSequence([100 + i], context_len - 1,
+                                  list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
+                for i in range(batch)])
+            step_s = best_seconds(lambda mi=model_input: runner.execute(mi), repeats=steps)
+            floor_ms = cost.floor_ms(roof, batch, context_len)
+            rows.append({
+                "quantization": runner.quantization, "threads": n_threads, "batch": batch,
+                "ms_per_step": step_s * 1e3, "tokens_per_s": batch / step_s,
+                "floor_ms": floor_ms, "ratio_to_floor": step_s * 1e3 / floor_ms,
+                "bandwidth_gbs": roof.read_bandwidth_gbs, "matmul_gflops": roof.matmul_gflops})
+    return rows
 
 
 def on_off(flag: bool) -> str:
@@ -58,16 +69,21 @@ def on_off(flag: bool) -> str:
 
 
 def format_forward(report: dict) -> str:
-    lines = [f"model {report['model']}  params {report['parameters']:,}"
-             f"  weights {report['weight_bytes'] / 1e6:.0f} MB  context {report['context_len']}",
-             f"dtype {report['dtype']} ({report['dtype_reason']}); {report['isa']}, oneDNN "
-             f"linear {on_off(report['onednn_linear'])}, native attention "
-             f"{on_off(report['native_attention'])}",
-             f"{'threads':>7} {'batch':>5} {'ms/step':>8} {'tok/s':>8} {'floor ms':>8} "
-             f"{'x floor':>7} {'GB/s':>6} {'GFLOP/s':>8}"]
+    lines = [f"model {report['model']}  params {report['parameters']:,}  context "
+             f"{report['context_len']}"]
+    for run in report["runs"]:
+        lines.append(
+            f"quantization {run['quantization']} ({run['quantized_types']}): weights read per "
+            f"step {run['weight_bytes'] / 1e6:.0f} MB, resident {run['resident_bytes'] / 1e6:.0f}"
+            f" MB; dtype {run['dtype']} ({run['dtype_reason']}); "
+            f"{run['isa']}, oneDNN linear {on_off(run['onednn_linear'])}, native attention "
+            f"{on_off(run['native_attention'])}, quantized kernels "
+            f"{on_off(run['quant_kernels'])} (integer path up to rows: {run['gemv_rows']})")
+    lines.append(f"{'quant':>6} {'threads':>7} {'batch':>5} {'ms/step':>8} {'tok/s':>8} "
+                 f"{'floor ms':>8} {'x floor':>7} {'GB/s':>6} {'GFLOP/s':>8}")
     for r in report["rows"]:
-        lines.append(f"{r['threads']:>7} {r['batch']:>5} {r['ms_per_step']:>8.2f} "
-                     f"{r['tokens_per_s']:>8.1f} {r['floor_ms']:>8.2f} "
+        lines.append(f"{r['quantization']:>6} {r['threads']:>7} {r['batch']:>5} "
+                     f"{r['ms_per_step']:>8.2f} {r['tokens_per_s']:>8.1f} {r['floor_ms']:>8.2f} "
                      f"{r['ratio_to_floor']:>7.2f} {r['bandwidth_gbs']:>6.1f} "
                      f"{r['matmul_gflops']:>8.0f}")
     return "\n".join(lines)

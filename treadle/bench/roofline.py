@@ -67,8 +67,7 @@ class DecodeCost:
     @classmethod
     def of(cls, model: LlamaModel) -> DecodeCost:
         spec, itemsize = model.spec, model.dtype.itemsize
-        params = model.num_parameters()
-        return cls(parameters=params, weight_bytes=params * itemsize,
+        return cls(parameters=model.num_parameters(), weight_bytes=model.weight_bytes(),
                    kv_bytes_per_token=2 * spec.num_layers * spec.num_kv_heads * spec.head_dim
                    * itemsize)
 
@@ -83,14 +82,14 @@ class DecodeCost:
 
 
 def bench_roofline(model: str | None, dtype: str, batch_sizes: list[int],
-                   context_len: int = 128) -> dict:
+                   context_len: int = 128, quantization: str = "auto") -> dict:
     """The machine's measured bandwidth and matmul rate (current torch thread count), and the
-    model's decode-step floor at each batch size."""
+    model's decode-step floor at each batch size, from the bytes its weights take as served."""
     from treadle.model.capabilities import resolve_dtype, torch_dtype
     from treadle.model.llama import LlamaModel
     from treadle.model.loader import load_model
 
-    loaded = load_model(model, torch_dtype(dtype))
+    loaded = load_model(model, torch_dtype(dtype), quantization)
     cost = DecodeCost.of(LlamaModel(loaded.spec, loaded.weights, torch_dtype(dtype),
                                     context_len))
     roof = measure_roofline(torch_dtype(dtype))
@@ -104,6 +103,7 @@ def bench_roofline(model: str | None, dtype: str, batch_sizes: list[int],
                      "tokens_per_s": batch / floor_ms * 1e3})
     dtype_name, dtype_reason = resolve_dtype(dtype)
     return {"model": loaded.name, "dtype": dtype_name, "dtype_reason": dtype_reason,
+            "quantization": loaded.quantization,
             "context_len": context_len, **asdict(cost),
             "roofline": roof.as_dict(), "rows": rows,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -116,7 +116,8 @@ def format_roofline(report: dict) -> str:
              f"{roof['threads']} threads",
              f"model {report['model']}  params {report['parameters']:,}  weights "
              f"{report['weight_bytes'] / 1e6:.0f} MB  context {report['context_len']}  dtype "
-             f"{report['dtype']} ({report['dtype_reason']})",
+             f"{report['dtype']} ({report['dtype_reason']})  quantization "
+             f"{report['quantization']}",
              f"{'batch':>5} {'MB read':>8} {'GFLOP':>7} {'floor ms':>9} {'bound':>8} "
              f"{'tok/s max':>10}"]
     for r in report["rows"]:

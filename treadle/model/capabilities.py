@@ -8,8 +8,8 @@ Each fast path has a fallback that gives the same results, and any of them can b
 any machine, so a test run on an AVX-512 machine also covers the AVX2 path and the reverse:
 - `ATEN_CPU_CAPABILITY=avx2` and `ONEDNN_MAX_CPU_ISA=AVX2` (torch's and oneDNN's own switches)
   make this process behave as an AVX2-only CPU: no native bfloat16, no bf16 prepacked weights,
-  the attention kernel built for x86-64-v3;
-- `TREADLE_DISABLE=onednn,native-attention` (or `all`) turns those paths off by name.
+  native kernels built for x86-64-v3;
+- `TREADLE_DISABLE=onednn,native-kernels` (or `all`) turns those paths off by name.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-FAST_PATHS = ("onednn", "native-attention")
+FAST_PATHS = ("onednn", "native-kernels")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 
 
@@ -37,7 +37,8 @@ class Capabilities:
     onednn: bool  # oneDNN present and not disabled: prepacked linear weights
     onednn_bf16: bool  # oneDNN can prepack bf16 weights (needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)
     native_bf16: bool  # bf16 matmuls run natively (AVX-512 BF16 or AMX), not emulated
-    native_attention_allowed: bool  # TREADLE_DISABLE does not name it
+    vnni: bool  # AVX-512 VNNI: int8 dot products in one instruction (quantized kernels)
+    native_kernels_allowed: bool  # TREADLE_DISABLE does not name native-kernels
     disabled: tuple[str, ...]
 
     def as_dict(self) -> dict:
@@ -71,7 +72,8 @@ def probe() -> Capabilities:
         machine=platform.machine(), isa=isa, avx512_bf16=avx512_bf16, amx=amx, onednn=onednn,
         onednn_bf16=onednn_bf16,
         native_bf16=(avx512_bf16 or amx) and torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-        native_attention_allowed="native-attention" not in disabled, disabled=disabled)
+        vnni=avx512 and torch.cpu._is_vnni_supported(),
+        native_kernels_allowed="native-kernels" not in disabled, disabled=disabled)
 
 
 @functools.cache  # once per process: one warning, one answer

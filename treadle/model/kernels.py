@@ -1,13 +1,14 @@
 """Native kernels, compiled on first use with torch's C++ extension builder and cached.
 
-The build folder is keyed by what the library was built for: the machine, the instruction-set
+Each build folder is keyed by what the library was built for: the machine, the instruction-set
 level torch runs at (the capability probe's `isa`), the flags, the source and torch's version.
 A cache shared by two machines (a network home, an image built elsewhere) therefore never hands
 an AVX-512 build to an AVX2 CPU, where it would die with SIGILL. The level maps to a fixed
-`-march` (x86-64-v4/v3), not `-march=native`, so two CPUs of one level share one build.
+`-march` (x86-64-v4/v3, plus VNNI where the probe finds it), not `-march=native`, so two CPUs of
+one level share one build.
 
-`paged_decode_attention()` is None where the build or the load fails (no compiler, say) or the
-probe disables it: attention then takes its pure-torch path, which gives the same results.
+A kernel is None where its build or load fails (no compiler, say) or the probe disables it:
+its caller then takes the pure-torch path, which gives the same results.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -25,11 +27,13 @@ from treadle.model.capabilities import probe
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-NAME = "treadle_paged_attention"
+CSRC = Path(__file__).parent / "csrc"
+# Extension name -> source file.
+KERNELS = {"treadle_paged_attention": CSRC / "paged_attention.cpp",
+           "treadle_quant_linear": CSRC / "quant_linear.cpp"}
 
 
-def build_flags(machine: str, isa: str) -> tuple[list[str], list[str]]:
+def build_flags(machine: str, isa: str, vnni: bool = False) -> tuple[list[str], list[str]]:
     """(compiler flags, linker flags) for this machine and instruction-set level."""
     cflags = ["-O3", "-fopenmp", "-fno-math-errno"]
     ldflags = ["-fopenmp"]
@@ -37,52 +41,69 @@ def build_flags(machine: str, isa: str) -> tuple[list[str], list[str]]:
         march = {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3"}.get(isa)
         if march is not None:
             cflags.append(f"-march={march}")
+        if march == "x86-64-v4" and vnni:
+            cflags.append("-mavx512vnni")  # int8 dot products for the quantized kernels
         ldflags.append("-lmvec")  # glibc's vector math, for the vectorized exp
     return cflags, ldflags
 
 
-def build_folder(machine: str, isa: str, cflags: list[str], ldflags: list[str]) -> Path:
+def build_folder(name: str, machine: str, isa: str, cflags: list[str],
+                 ldflags: list[str]) -> Path:
     from treadle.model.loader import cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes())
+    key = hashlib.sha256(KERNELS[name].read_bytes())
     key.update(" ".join([*cflags, "|", *ldflags, "|", torch.__version__]).encode())
-    return cache_dir() / "kernels" / f"{machine}-{isa.lower()}-{key.hexdigest()[:12]}"
+    return cache_dir() / "kernels" / f"{name}-{machine}-{isa.lower()}-{key.hexdigest()[:12]}"
+
+
+def this_build(name: str) -> tuple[Path, list[str], list[str]]:
+    caps = probe()
+    cflags, ldflags = build_flags(caps.machine, caps.isa, caps.vnni)
+    return build_folder(name, caps.machine, caps.isa, cflags, ldflags), cflags, ldflags
 
 
 def kernel_status() -> dict:
-    """For `treadle env`: where the kernel is built, with which flags, whether it loads. Loads
+    """For `treadle env`: where each kernel is built, with which flags, whether it loads. Loads
     only a kernel already built: building is the first model load's job."""
-    caps = probe()
-    cflags, ldflags = build_flags(caps.machine, caps.isa)
-    folder = build_folder(caps.machine, caps.isa, cflags, ldflags)
-    built = any(folder.glob(f"{NAME}*.so"))
-    return {"folder": str(folder), "cflags": cflags, "ldflags": ldflags,
-            "allowed": caps.native_attention_allowed, "built": built,
-            "loads": (paged_decode_attention() is not None) if built else None}
+    status = {}
+    for name in KERNELS:
+        folder, cflags, ldflags = this_build(name)
+        built = any(folder.glob(f"{name}*.so"))
+        status[name] = {"folder": str(folder), "cflags": cflags, "ldflags": ldflags,
+                        "allowed": probe().native_kernels_allowed, "built": built,
+                        "loads": (load_kernel(name) is not None) if built else None}
+    return status
 
 
 @functools.cache
-def paged_decode_attention() -> Callable | None:
-    caps = probe()
-    if not caps.native_attention_allowed:
+def load_kernel(name: str) -> ModuleType | None:
+    if not probe().native_kernels_allowed:
         return None
     from torch.utils.cpp_extension import load
 
-    cflags, ldflags = build_flags(caps.machine, caps.isa)
-    folder = build_folder(caps.machine, caps.isa, cflags, ldflags)
-    fresh = not any(folder.glob(f"{NAME}*.so"))
+    folder, cflags, ldflags = this_build(name)
+    fresh = not any(folder.glob(f"{name}*.so"))
     if fresh:
-        logger.info("compiling the native paged-attention kernel for %s %s into %s "
-                    "(first start on this CPU class: about a minute)", caps.machine, caps.isa,
-                    folder)
+        logger.info("compiling %s for %s into %s (first start on this CPU class: about a "
+                    "minute)", name, probe().isa, folder)
     start = time.perf_counter()
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        module = load(name=NAME, sources=[str(SOURCE)], extra_cflags=cflags,
+        module = load(name=name, sources=[str(KERNELS[name])], extra_cflags=cflags,
                       extra_ldflags=ldflags, build_directory=str(folder), verbose=False)
     except Exception as e:  # no compiler, a library that fails to load: serve without it
-        logger.warning("native paged attention unavailable, using the torch path: %s", e)
+        logger.warning("native kernel %s unavailable, using the torch path: %s", name, e)
         return None
     if fresh:
-        logger.info("native paged-attention kernel built in %.0f s", time.perf_counter() - start)
-    return module.paged_decode_attention
+        logger.info("%s built in %.0f s", name, time.perf_counter() - start)
+    return module
+
+
+def paged_decode_attention() -> Callable | None:
+    module = load_kernel("treadle_paged_attention")
+    return None if module is None else module.paged_decode_attention
+
+
+def quant_linear_kernels() -> ModuleType | None:
+    """`quant_linear(x, weight, qtype, bias)` and `dequantize(weight, qtype, in_features)`."""
+    return load_kernel("treadle_quant_linear")

@@ -1,4 +1,6 @@
-"""Linear layers with weights prepacked for oneDNN where the capability probe allows it.
+"""Linear layers: float weights prepacked for oneDNN where the capability probe allows it, and
+weight-only quantized ones over GGUF blocks. `make_linear` picks one for a weight (or for
+several stacked along the output axis, as q/k/v and gate/up are).
 
 A prepacked weight runs 1.2-2x faster than `F.linear` at every batch size (decode GEMVs gain
 most) and gives the same results in bfloat16. oneDNN prepacks float32 weights on any x86 CPU but
@@ -8,10 +10,20 @@ disabled, the layer runs `F.linear`.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
 from treadle.model.capabilities import use_onednn_linear
+from treadle.model.kernels import quant_linear_kernels
+from treadle.model.quantization import QuantizedWeight, dequantize
+
+# Above this many rows a quantized layer runs a float GEMM (over its dense copy, or over weights
+# dequantized for the call) instead of integer dot products row by row: the default until
+# `tune_gemv_rows` measures each shape's crossover on this machine.
+QUANT_GEMV_MAX_ROWS = 4
+TUNE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class Linear:
@@ -19,6 +31,7 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.numel = weight.numel() + (0 if bias is None else bias.numel())
+        self.nbytes = weight.numel() * weight.element_size()
         self.bias = bias
         self.prepacked = use_onednn_linear(weight.dtype)
         self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight) if self.prepacked
@@ -28,3 +41,95 @@ class Linear:
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+class QuantizedLinear:
+    """y = x W^T + b with W in GGUF blocks: the native kernel's integer dot products for a few
+    rows (activations quantized to int8 per block); for many rows a float GEMM over `dense` (the
+    same weights dequantized once, prepacked: memory for batch speed) or, without it, over
+    weights dequantized at each call. Without the kernel, always the float path."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+                 dense: Linear | None = None) -> None:
+        self.numel = weight.numel() + (0 if bias is None else bias.numel())
+        self.nbytes = weight.nbytes  # what a decode step reads
+        self.resident_bytes = weight.nbytes + (0 if dense is None else dense.nbytes)
+        self.weight = weight
+        self.bias = bias
+        self.dense = dense
+        self.kernels = quant_linear_kernels()
+        self.max_gemv_rows = QUANT_GEMV_MAX_ROWS
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.shape[0] <= self.max_gemv_rows:
+            return self.integer_path(x)
+        return self.float_path(x)
+
+    def integer_path(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.quant_linear(x, self.weight.data, self.weight.qtype, self.bias)
+
+    def float_path(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None:
+            return self.dense(x)
+        return F.linear(x, dequantize(self.weight).to(x.dtype), self.bias)
+
+    @property
+    def shape_key(self) -> tuple[int, int, str, bool]:
+        return (*self.weight.shape, self.weight.name, self.dense is not None)
+
+
+def tune_gemv_rows(layers: list[QuantizedLinear], dtype: torch.dtype) -> dict[str, int]:
+    """For each distinct shape among `layers`, the most rows (of TUNE_ROWS) for which the
+    integer kernel measured at least as fast as the float path, set on every layer of that
+    shape. Beyond the crossover the float path is assumed to stay ahead (its cost grows slower
+    with rows), so the search stops at the first loss. Returns "out x in type" -> rows."""
+    by_shape: dict[tuple, list[QuantizedLinear]] = {}
+    for layer in layers:
+        if layer.kernels is not None:
+            by_shape.setdefault(layer.shape_key, []).append(layer)
+    chosen = {}
+    for (out_features, in_features, qtype, _), group in by_shape.items():
+        rows = crossover_rows(group[0], dtype)
+        for layer in group:
+            layer.max_gemv_rows = rows
+        chosen[f"{out_features}x{in_features} {qtype}"] = rows
+    return chosen
+
+
+def crossover_rows(layer: QuantizedLinear, dtype: torch.dtype, repeats: int = 5) -> int:
+    rows_ok = 0
+    for rows in TUNE_ROWS:
+        x = torch.randn(rows, layer.weight.in_features).to(dtype)
+        layer.integer_path(x), layer.float_path(x)  # warm up caches
+        # Alternate the two, keeping each one's best: a busy machine slows both alike.
+        integer = floating = float("inf")
+        for _ in range(repeats):
+            integer = min(integer, seconds(layer.integer_path, x))
+            floating = min(floating, seconds(layer.float_path, x))
+        if integer > floating:
+            break
+        rows_ok = rows
+    return rows_ok
+
+
+def seconds(fn, x: torch.Tensor) -> float:
+    start = time.perf_counter()
+    fn(x)
+    return time.perf_counter() - start
+
+
+def make_linear(weights: list[torch.Tensor | QuantizedWeight], bias: torch.Tensor | None = None,
+                dtype: torch.dtype = torch.float32, dense_for_batches: bool = False
+                ) -> Linear | QuantizedLinear:
+    """One layer over `weights` stacked along the output axis. Quantized weights of one type
+    stack as bytes (with a dense copy in `dtype` for batches if asked); a mix of types (or of
+    quantized and float) is served in `dtype`."""
+    first = weights[0]
+    if isinstance(first, QuantizedWeight) and all(
+            isinstance(w, QuantizedWeight) and w.qtype == first.qtype for w in weights):
+        data = torch.cat([w.data for w in weights]) if len(weights) > 1 else first.data
+        weight = QuantizedWeight(first.qtype, data, first.in_features)
+        dense = Linear(dequantize(weight).to(dtype), bias) if dense_for_batches else None
+        return QuantizedLinear(weight, bias, dense)
+    dense = [dequantize(w).to(dtype) if isinstance(w, QuantizedWeight) else w for w in weights]
+    return Linear(torch.cat(dense) if len(dense) > 1 else dense[0], bias)

@@ -7,14 +7,16 @@ Hugging Face names; q/k/v and gate/up are fused into one matmul each.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
 from treadle.model.attention import AttentionMetadata, KVCache, paged_attention
-from treadle.model.linear import Linear
+from treadle.model.linear import Linear, QuantizedLinear, make_linear
 from treadle.model.loader import ModelSpec
+from treadle.model.quantization import QuantizedWeight
 
 
 def rope_inverse_frequencies(spec: ModelSpec) -> torch.Tensor:
@@ -41,14 +43,16 @@ def rope_inverse_frequencies(spec: ModelSpec) -> torch.Tensor:
 class LlamaModel:
     """Weights and the forward pass; holds no per-request state."""
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 max_positions: int) -> None:
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor | QuantizedWeight],
+                 dtype: torch.dtype, max_positions: int, dense_for_batches: bool = False
+                 ) -> None:
         self.spec = spec
         self.dtype = dtype
         self.scale = spec.head_dim ** -0.5
         w = weights
-        self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = Linear(self.embed if spec.tie_word_embeddings else w["lm_head.weight"])
+        linear = functools.partial(make_linear, dtype=dtype, dense_for_batches=dense_for_batches)
+        self.embed = w["model.embed_tokens.weight"]  # a float tensor or quantized blocks
+        self.lm_head = linear([self.embed if spec.tie_word_embeddings else w["lm_head.weight"]])
         self.final_norm = w["model.norm.weight"]
         self.layers = []
         for i in range(spec.num_layers):
@@ -59,14 +63,13 @@ class LlamaModel:
             self.layers.append({
                 "input_norm": w[p + "input_layernorm.weight"],
                 "post_norm": w[p + "post_attention_layernorm.weight"],
-                "qkv": Linear(torch.cat([w[attn + "q_proj.weight"], w[attn + "k_proj.weight"],
-                                         w[attn + "v_proj.weight"]]), qkv_bias),
+                "qkv": linear([w[attn + "q_proj.weight"], w[attn + "k_proj.weight"],
+                               w[attn + "v_proj.weight"]], qkv_bias),
                 "q_norm": w.get(attn + "q_norm.weight"),
                 "k_norm": w.get(attn + "k_norm.weight"),
-                "o": Linear(w[attn + "o_proj.weight"]),
-                "gate_up": Linear(torch.cat([w[p + "mlp.gate_proj.weight"],
-                                             w[p + "mlp.up_proj.weight"]])),
-                "down": Linear(w[p + "mlp.down_proj.weight"]),
+                "o": linear([w[attn + "o_proj.weight"]]),
+                "gate_up": linear([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
+                "down": linear([w[p + "mlp.down_proj.weight"]]),
             })
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inverse_frequencies(spec))
@@ -77,9 +80,37 @@ class LlamaModel:
         """Parameters read by a decode step (a tied embedding counts once, as the LM head)."""
         count = self.lm_head.numel + self.final_norm.numel()
         for layer in self.layers:
-            count += sum(p.numel if isinstance(p, Linear) else p.numel()
+            count += sum(p.numel if isinstance(p, Linear | QuantizedLinear) else p.numel()
                          for p in layer.values() if p is not None)
         return count
+
+    def quantized_layers(self) -> list[QuantizedLinear]:
+        layers = [self.lm_head, *(p for layer in self.layers for p in layer.values())]
+        return [p for p in layers if isinstance(p, QuantizedLinear)]
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights read by a decode step, as stored (quantized blocks as blocks)."""
+        count = self.lm_head.nbytes + self.final_norm.nbytes
+        for layer in self.layers:
+            count += sum(p.nbytes for p in layer.values() if p is not None)
+        return count
+
+    def resident_bytes(self) -> int:
+        """Bytes of weights held in memory: quantized blocks plus their dense copies, if kept,
+        and the embedding (once when tied)."""
+        count = getattr(self.lm_head, "resident_bytes", self.lm_head.nbytes)
+        count += self.final_norm.nbytes
+        if not self.spec.tie_word_embeddings:
+            count += self.embed.nbytes
+        for layer in self.layers:
+            count += sum(getattr(p, "resident_bytes", p.nbytes) for p in layer.values()
+                         if p is not None)
+        return count
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, QuantizedWeight):
+            return self.embed.rows(input_ids).to(self.dtype)
+        return F.embedding(input_ids, self.embed)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """As transformers computes it: in float32, scaled by the weight in the model's dtype.
@@ -103,7 +134,7 @@ class LlamaModel:
         num_q, num_kv, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             residual = hidden
             x = self.rms_norm(hidden, layer["input_norm"])

@@ -14,11 +14,21 @@ import logging
 import os
 import shutil
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from treadle.model.quantization import (
+    AT_LOAD,
+    BLOCK_BYTES,
+    QuantizedWeight,
+    quantizable,
+    quantize,
+    resolve_quantization,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -143,9 +153,16 @@ class ModelSpec:
 @dataclass
 class LoadedModel:
     spec: ModelSpec
-    weights: dict[str, torch.Tensor]  # Hugging Face names, in the requested dtype
+    # Hugging Face names: tensors in the requested dtype, or quantized blocks.
+    weights: dict[str, torch.Tensor | QuantizedWeight]
     folder: Path  # config.json and tokenizer files
     name: str  # what clients call the model
+    quantization: str = "none"  # resolved: none, gguf, int8, int4
+
+    def quantized_types(self) -> dict[str, int]:
+        """How many matrices are served in each quantized type."""
+        return dict(Counter(w.name for w in self.weights.values()
+                            if isinstance(w, QuantizedWeight)))
 
 
 def default_model_path() -> Path:
@@ -187,15 +204,24 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     raise ModelLoadError(f"{str(path)!r} is neither a Hugging Face folder nor a .gguf file")
 
 
-def load_model(model: str | os.PathLike | None, dtype: torch.dtype) -> LoadedModel:
-    """Load `model` (an HF folder, a .gguf file, or None for the default model) in `dtype`."""
+def load_model(model: str | os.PathLike | None, dtype: torch.dtype,
+               quantization: str = "none") -> LoadedModel:
+    """Load `model` (an HF folder, a .gguf file, or None for the default model) in `dtype`,
+    its matrices quantized as `quantization` says (see treadle/model/quantization.py)."""
     source = resolve_model(model)
     spec = read_spec(source.folder)
-    weights = (read_gguf_weights(source.gguf, spec) if source.gguf is not None
-               else read_safetensors_weights(source.folder))
+    quantization = resolve_quantization(quantization, source.gguf is not None)
+    weights = (read_gguf_weights(source.gguf, spec, keep_quantized=quantization == "gguf")
+               if source.gguf is not None else read_safetensors_weights(source.folder))
     check_weights(weights, spec)
-    weights = {k: v.to(dtype) for k, v in weights.items() if k in spec.expected_shapes()}
-    return LoadedModel(spec=spec, weights=weights, folder=source.folder, name=source.name)
+    expected = spec.expected_shapes()
+    at_load = AT_LOAD.get(quantization)
+    weights = {k: v if isinstance(v, QuantizedWeight)
+               else quantize(v, at_load) if at_load is not None and quantizable(k, v.shape)
+               else v.to(dtype)
+               for k, v in weights.items() if k in expected}
+    return LoadedModel(spec=spec, weights=weights, folder=source.folder, name=source.name,
+                       quantization=quantization)
 
 
 def read_spec(folder: Path) -> ModelSpec:
@@ -279,25 +305,38 @@ def unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf_weights(path: Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
+def read_gguf_weights(path: Path, spec: ModelSpec, keep_quantized: bool = False
+                      ) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """Every tensor dequantized to float32, or with `keep_quantized` the matrices in a type the
+    quantized kernels serve kept as their blocks (rows un-permuted as bytes)."""
     import gguf
     from gguf.quants import dequantize
 
     reader = gguf.GGUFReader(str(path))
     # llama.cpp permutes q/k rows for the archs it converts as "llama" (Llama, Mistral).
     permuted = spec.architecture in ("llama", "mistral")
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     for t in reader.tensors:
         if t.name in GGUF_IGNORED_TENSORS:
             continue
         hf_name = hf_name_for_gguf(t.name)
+        shape = tuple(reversed([int(s) for s in t.shape]))
+        if keep_quantized and int(t.tensor_type) in BLOCK_BYTES and quantizable(hf_name, shape):
+            blocks = np.asarray(t.data).reshape(shape[0], -1)
+            if permuted and hf_name.endswith("q_proj.weight"):
+                blocks = unpermute_rope(blocks, spec.num_heads)
+            elif permuted and hf_name.endswith("k_proj.weight"):
+                blocks = unpermute_rope(blocks, spec.num_kv_heads)
+            weights[hf_name] = QuantizedWeight(int(t.tensor_type),
+                                               torch.from_numpy(np.array(blocks)), shape[1])
+            continue
         try:
             array = dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
             raise ModelLoadError(
                 f"GGUF tensor {t.name!r} uses {t.tensor_type.name}, which cannot be dequantized"
             ) from e
-        array = array.reshape(tuple(reversed([int(s) for s in t.shape])))
+        array = array.reshape(shape)
         if permuted and hf_name.endswith("q_proj.weight"):
             array = unpermute_rope(array, spec.num_heads)
         elif permuted and hf_name.endswith("k_proj.weight"):

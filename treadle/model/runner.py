@@ -13,7 +13,8 @@ import torch
 from treadle.config import CacheConfig, ModelConfig
 from treadle.model.attention import AttentionMetadata, KVCache, PrefillChunk
 from treadle.model.capabilities import probe, resolve_dtype, torch_dtype, use_onednn_linear
-from treadle.model.kernels import paged_decode_attention
+from treadle.model.kernels import paged_decode_attention, quant_linear_kernels
+from treadle.model.linear import tune_gemv_rows
 from treadle.model.llama import LlamaModel
 from treadle.model.loader import LoadedModel, load_model
 
@@ -54,22 +55,39 @@ class ModelRunner:
                                                         spec.num_layers, self.block_size,
                                                         spec.num_kv_heads, spec.head_dim,
                                                         self.dtype))
-        self.model = LlamaModel(spec, loaded.weights, self.dtype, self.max_model_len)
+        self.model = LlamaModel(spec, loaded.weights, self.dtype, self.max_model_len,
+                                dense_for_batches=model_config.dense_batch_weights)
+        self.quantization, self.quantized_types = loaded.quantization, loaded.quantized_types()
+        self.gemv_rows = self.choose_gemv_rows(model_config.quant_gemv_max_rows)
         self.kv_cache = KVCache(spec.num_layers, num_blocks, self.block_size, spec.num_kv_heads,
                                 spec.head_dim, self.dtype)
         paged_decode_attention()  # build or load the kernel now, not in the first decode step
 
     @classmethod
     def from_config(cls, model_config: ModelConfig, cache_config: CacheConfig) -> ModelRunner:
-        loaded = load_model(model_config.model, torch_dtype(model_config.dtype))
+        loaded = load_model(model_config.model, torch_dtype(model_config.dtype),
+                            model_config.quantization)
         return cls(loaded, model_config, cache_config)
+
+    def choose_gemv_rows(self, fixed: int | None) -> dict[str, int]:
+        """Up to how many rows each quantized layer shape takes the integer kernel."""
+        layers = self.model.quantized_layers()
+        if fixed is not None:
+            for layer in layers:
+                layer.max_gemv_rows = fixed
+            return {"all": fixed} if layers else {}
+        return tune_gemv_rows(layers, self.dtype)
 
     def platform_info(self) -> dict:
         """The dtype served and why, and which fast paths run: for logs, /v1/models, benches."""
         caps = probe()
         return {"dtype": self.dtype_name, "dtype_reason": self.dtype_reason, "isa": caps.isa,
                 "onednn_linear": use_onednn_linear(self.dtype),
-                "native_attention": paged_decode_attention() is not None}
+                "native_attention": paged_decode_attention() is not None,
+                "quantization": self.quantization,
+                "quantized_types": ", ".join(f"{n} {t}" for t, n in self.quantized_types.items())
+                or "none", "quant_kernels": quant_linear_kernels() is not None,
+                "gemv_rows": ", ".join(f"{k}: {v}" for k, v in self.gemv_rows.items()) or "none"}
 
     @property
     def num_blocks(self) -> int:
