@@ -9,9 +9,12 @@ a request's output is the same however it was batched, chunked, preempted or cac
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from treadle.config import SchedulerConfig
 from treadle.engine.kv_cache import KVCacheManager
-from treadle.engine.policies import FCFSPolicy, SchedulingPolicy
+from treadle.engine.policies import SchedulingPolicy, make_policy
 from treadle.engine.request import Request
 from treadle.engine.sampling_params import SamplingParams
 from treadle.engine.scheduler import Scheduler, SchedulerOutput
@@ -67,13 +70,19 @@ class FakeModel:
 
 def make_scheduler(num_blocks: int, block_size: int, *, max_num_batched_tokens: int = 512,
                    max_num_seqs: int = 128, long_prefill_token_threshold: int = 256,
-                   policy: SchedulingPolicy | None = None, max_model_len: int = 4096,
-                   enable_prefix_caching: bool = True) -> Scheduler:
+                   policy: str | SchedulingPolicy = "fcfs", max_model_len: int = 4096,
+                   enable_prefix_caching: bool = True, clock: Callable[[], float] | None = None,
+                   **config: Any) -> Scheduler:
+    """A scheduler over a fresh cache; `policy` by name or object, `config` more
+    SchedulerConfig fields. The default clock reads 0.0: arrival times in tests are small."""
     config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                              max_num_seqs=max_num_seqs,
-                             long_prefill_token_threshold=long_prefill_token_threshold)
+                             long_prefill_token_threshold=long_prefill_token_threshold, **config)
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-    return Scheduler(config, kv, policy or FCFSPolicy(), max_model_len, eos_token_ids=[EOS])
+    if isinstance(policy, str):
+        policy = make_policy(policy, config)
+    return Scheduler(config, kv, policy, max_model_len, eos_token_ids=[EOS],
+                     clock=clock or (lambda: 0.0))
 
 
 def model_for(scheduler: Scheduler) -> FakeModel:

@@ -1,4 +1,5 @@
-"""Property-based: random add / step / abort / finish sequences over tiny block pools.
+"""Property-based: random add / step / abort / finish / expire sequences over tiny block pools,
+under every queue policy.
 
 After every operation the scheduler's and the KV cache's invariants hold (engine_sim.step checks
 them, and the fake model checks every block table against the tokens). At the end every accepted
@@ -11,19 +12,21 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from engine_sim import VOCAB, make_scheduler, model_for, reference_output, run_until_done, step
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
 from treadle.engine.kv_cache import cdiv
-from treadle.engine.policies import FCFSPolicy, PriorityPolicy
+from treadle.engine.policies import POLICIES
 from treadle.engine.request import Request, RequestStatus
 from treadle.engine.sampling_params import SamplingParams
 from treadle.engine.scheduler import Scheduler, assert_scheduler_empty
 
 # Prompts cut from a few shared stems, so prefix hits are frequent.
 STEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [1, 2, 3, 4, 20, 21]]
-
+TENANTS = ["a", "b", "c"]
+OBJECTIVES = [None, None, 2.0, 8.0, 30.0]  # seconds on the test's clock: one op, one second
 
 
 def prompts(min_size: int = 0) -> st.SearchStrategy[list[int]]:
@@ -33,22 +36,42 @@ def prompts(min_size: int = 0) -> st.SearchStrategy[list[int]]:
 
 
 add_op = st.tuples(st.just("add"), prompts(), st.integers(1, 8), st.integers(0, 2),
-                   st.booleans(), st.sampled_from([None, None, "tenant"]))
+                   st.booleans(), st.sampled_from([None, None, "tenant"]),
+                   st.sampled_from(TENANTS), st.sampled_from(OBJECTIVES),
+                   st.sampled_from(OBJECTIVES))
 step_op = st.tuples(st.just("step"))
 end_op = st.tuples(st.sampled_from(["abort", "error"]), st.integers(0, 99))
-ops = st.lists(st.one_of(add_op, add_op, add_op, step_op, step_op, step_op, end_op),
+expire_op = st.tuples(st.just("expire"))
+ops = st.lists(st.one_of(add_op, add_op, add_op, step_op, step_op, step_op, end_op, expire_op),
                min_size=5, max_size=60)
 
 
+class Clock:
+    """The test's clock: it moves one second per operation."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @st.composite
-def schedulers(draw: st.DrawFn) -> Scheduler:
-    return make_scheduler(num_blocks=draw(st.integers(4, 12)), block_size=draw(st.integers(1, 4)),
-                          max_num_batched_tokens=draw(st.integers(1, 16)),
-                          max_num_seqs=draw(st.integers(1, 4)),
-                          long_prefill_token_threshold=draw(st.integers(1, 16)),
-                          policy=draw(st.sampled_from([FCFSPolicy(), PriorityPolicy()])),
-                          max_model_len=draw(st.integers(8, 32)),
-                          enable_prefix_caching=draw(st.booleans()))
+def schedulers(draw: st.DrawFn, policy: str) -> Scheduler:
+    s = make_scheduler(num_blocks=draw(st.integers(4, 12)), block_size=draw(st.integers(1, 4)),
+                       max_num_batched_tokens=draw(st.integers(1, 16)),
+                       max_num_seqs=draw(st.integers(1, 4)),
+                       long_prefill_token_threshold=draw(st.integers(1, 16)),
+                       policy=policy, max_model_len=draw(st.integers(8, 32)),
+                       enable_prefix_caching=draw(st.booleans()), clock=Clock(),
+                       max_num_partial_prefills=draw(st.integers(1, 3)),
+                       max_queue_wait=draw(st.sampled_from([None, 3.0, 10.0])),
+                       max_policy_preemptions=draw(st.integers(0, 2)),
+                       max_kv_blocks_per_tenant=draw(st.sampled_from([None, 2, 5])),
+                       tenant_weights=draw(st.dictionaries(st.sampled_from(TENANTS),
+                                                           st.sampled_from([0.5, 1.0, 4.0]))))
+    s.step_time.seconds_per_token = draw(st.sampled_from([None, 0.05, 1.0]))
+    return s
 
 
 def fits(s: Scheduler, prompt: list[int], max_tokens: int) -> bool:
@@ -65,18 +88,22 @@ def check_output(request: Request) -> None:
         assert request.output_token_ids == expected[:request.num_output_tokens], request
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(s=schedulers(), ops=ops)
-def test_random_operations_keep_invariants_and_end_each_request_once(s: Scheduler, ops):
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), ops=ops)
+def test_random_operations_keep_invariants_and_end_each_request_once(policy: str, data, ops):
+    s = data.draw(schedulers(policy))
     model = model_for(s)
     accepted: dict[str, Request] = {}
     ended: Counter[str] = Counter()
     for op in ops:
+        s.clock.now += 1
         if op[0] == "add":
-            _, prompt, max_tokens, priority, ignore_eos, salt = op
+            _, prompt, max_tokens, priority, ignore_eos, salt, tenant, ttft, tpot = op
             request = Request(f"r{len(accepted)}-{len(ended)}-{s.num_waiting}", prompt,
                               SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
-                              priority=priority, arrival_time=len(accepted), cache_salt=salt)
+                              priority=priority, arrival_time=s.clock.now, cache_salt=salt,
+                              tenant=tenant, ttft=ttft, tpot=tpot)
             if request.request_id in accepted:
                 continue
             try:
@@ -88,6 +115,13 @@ def test_random_operations_keep_invariants_and_end_each_request_once(s: Schedule
             accepted[request.request_id] = request
         elif op[0] == "step":
             ended.update(r.request_id for r in step(s, model)[1])
+        elif op[0] == "expire":
+            expired = s.expire_waiting(s.clock.now)
+            assert all(r.status is RequestStatus.FINISHED_QUEUE_TIMEOUT and r.num_output_tokens
+                       == 0 and s.clock.now - r.arrival_time >= s.config.max_queue_wait
+                       for r in expired)
+            ended.update(r.request_id for r in expired)
+            s.check_invariants()
         elif accepted:
             request_id = list(accepted)[op[1] % len(accepted)]
             status = (RequestStatus.FINISHED_ABORTED if op[0] == "abort"
@@ -108,26 +142,29 @@ def test_random_operations_keep_invariants_and_end_each_request_once(s: Schedule
     assert_scheduler_empty(s)
 
 
-requests_specs = st.lists(st.tuples(prompts(min_size=1), st.integers(1, 8), st.booleans()),
+requests_specs = st.lists(st.tuples(prompts(min_size=1), st.integers(1, 8), st.booleans(),
+                                    st.integers(0, 2), st.sampled_from(TENANTS),
+                                    st.sampled_from(OBJECTIVES)),
                           min_size=1, max_size=8)
 
 
-@settings(max_examples=150, deadline=None)
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@settings(max_examples=100, deadline=None)
 @given(specs=requests_specs, num_blocks=st.integers(4, 8), block_size=st.integers(1, 4),
        budget=st.integers(1, 16), caching=st.booleans())
-def test_outputs_under_preemption_equal_outputs_without_pressure(specs, num_blocks, block_size,
-                                                                 budget, caching):
+def test_outputs_under_preemption_equal_outputs_without_pressure(policy, specs, num_blocks,
+                                                                 block_size, budget, caching):
     outputs = []
     for blocks in (num_blocks, 1000):
         s = make_scheduler(num_blocks=blocks, block_size=block_size,
                            max_num_batched_tokens=budget, long_prefill_token_threshold=budget,
-                           enable_prefix_caching=caching)
-        for i, (prompt, max_tokens, ignore_eos) in enumerate(specs):
+                           enable_prefix_caching=caching, policy=policy)
+        for i, (prompt, max_tokens, ignore_eos, priority, tenant, ttft) in enumerate(specs):
             if cdiv(len(prompt) + max_tokens - 1, block_size) > num_blocks:
                 continue
             s.add_request(Request(str(i), prompt, SamplingParams(max_tokens=max_tokens,
                                                                  ignore_eos=ignore_eos),
-                                  arrival_time=i))
+                                  arrival_time=i, priority=priority, tenant=tenant, ttft=ttft))
         outputs.append({r.request_id: r.output_token_ids for r in run_until_done(s)})
         if blocks == num_blocks:
             target(float(s.num_preemptions))

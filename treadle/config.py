@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16")
 # auto: bfloat16 where the CPU computes it natively, else float32; the model's capability probe
 # (treadle/model/capabilities.py) decides, at load.
 DEFAULT_DTYPE = "auto"
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -17,10 +19,22 @@ class ModelConfig:
     model: str | None = None
     dtype: str = DEFAULT_DTYPE
     max_model_len: int | None = None  # None: the model's own context length
+    # auto: a GGUF's quantized matrices served as stored; see treadle/model/quantization.py.
+    quantization: str = "auto"
+    # With quantization: also keep each quantized matrix dequantized and prepacked, for steps of
+    # many rows (a float GEMM beats the row-by-row integer kernel there). False: the least
+    # memory, and such steps dequantize their weights each time.
+    dense_batch_weights: bool = True
+    # Most rows a step may have for a quantized layer to take the integer kernel; None: measured
+    # per layer shape when the model loads (the crossover depends on the CPU).
+    quant_gemv_max_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, "
+                             f"got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
@@ -45,12 +59,30 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Per-step limits: tokens in one model pass, sequences in one pass, prefill per request."""
+    """Per-step limits (tokens and sequences in one pass, prefill per request and at once), the
+    queue time limit, and the queue policies' settings."""
 
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 128
     # Cap on one request's prefill tokens per step, so a long prompt cannot starve short ones.
     long_prefill_token_threshold: int = 256
+    # Requests mid-prefill (more than one token left to compute) that get a chunk in one step:
+    # long prompts cannot hold every prefill slot (vLLM's name).
+    max_num_partial_prefills: int = 4
+    # Seconds a request may wait without ever being scheduled; then it finishes with
+    # finish_reason "queue_timeout". None: no limit.
+    max_queue_wait: float | None = None
+    # A request preempted this many times (for any reason) is no longer displaced by a waiting
+    # request under the priority or fair policy; running short of blocks may still preempt it.
+    max_policy_preemptions: int = 2
+    # Fair share (the Virtual Token Counter): a tenant's service is w_p per prompt token plus
+    # w_q per output token, divided by its weight (tenant -> weight; absent: 1).
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    fair_prompt_token_weight: float = 1.0
+    fair_output_token_weight: float = 2.0
+    # The most KV cache blocks one tenant's running requests may hold when another of its
+    # requests is admitted (under every policy). None: no cap.
+    max_kv_blocks_per_tenant: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -59,3 +91,16 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.long_prefill_token_threshold < 1:
             raise ValueError("long_prefill_token_threshold must be >= 1")
+        if self.max_num_partial_prefills < 1:
+            raise ValueError("max_num_partial_prefills must be >= 1")
+        if self.max_queue_wait is not None and not self.max_queue_wait > 0:
+            raise ValueError("max_queue_wait must be > 0 seconds (or None: no limit)")
+        if self.max_policy_preemptions < 0:
+            raise ValueError("max_policy_preemptions must be >= 0")
+        bad = {t: w for t, w in self.tenant_weights.items() if not w > 0}
+        if bad:
+            raise ValueError(f"tenant weights must be > 0, got {bad}")
+        if not (self.fair_prompt_token_weight >= 0 and self.fair_output_token_weight >= 0):
+            raise ValueError("fair token weights must be >= 0")
+        if self.max_kv_blocks_per_tenant is not None and self.max_kv_blocks_per_tenant < 1:
+            raise ValueError("max_kv_blocks_per_tenant must be >= 1 (or None: no cap)")

@@ -14,8 +14,8 @@ import torch
 
 from treadle.config import CacheConfig, ModelConfig, SchedulerConfig
 from treadle.engine.kv_cache import KVCacheManager
-from treadle.engine.policies import FCFSPolicy, PriorityPolicy, SchedulingPolicy
-from treadle.engine.request import Request, RequestStatus
+from treadle.engine.policies import make_policy
+from treadle.engine.request import DEFAULT_TENANT, Request, RequestStatus
 from treadle.engine.sampling_params import SamplingParams
 from treadle.engine.scheduler import Scheduler, SchedulerOutput, assert_scheduler_empty
 from treadle.model.loader import LoadedModel
@@ -23,8 +23,6 @@ from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence
 from treadle.model.sampler import Sampler, SamplingOptions, TokenLogprobs, gather_logprobs
 
 logger = logging.getLogger(__name__)
-
-POLICIES: dict[str, type[SchedulingPolicy]] = {"fcfs": FCFSPolicy, "priority": PriorityPolicy}
 
 
 @dataclass
@@ -34,7 +32,7 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None  # stop, length, abort, error
+    finish_reason: str | None = None  # stop, length, abort, error, queue_timeout
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
     # On the finishing output: seconds queued, in prefill (first schedule to first token) and in
@@ -74,14 +72,14 @@ class EngineCore:
     def __init__(self, loaded: LoadedModel, model_config: ModelConfig,
                  cache_config: CacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, policy: str = "fcfs") -> None:
+        """`policy`: a name in policies.POLICIES (fcfs, priority, fair, deadline)."""
         cache_config = cache_config or CacheConfig()
         scheduler_config = scheduler_config or SchedulerConfig()
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
+        scheduling_policy = make_policy(policy, scheduler_config)  # ValueError before the load
         self.runner = ModelRunner(loaded, model_config, cache_config)
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, POLICIES[policy](),
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, scheduling_policy,
                                    self.runner.max_model_len, loaded.spec.eos_token_ids)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}  # per-request seeded generators
@@ -91,10 +89,18 @@ class EngineCore:
     def max_model_len(self) -> int:
         return self.runner.max_model_len
 
+    @property
+    def num_queue_timeouts(self) -> int:
+        """Requests ended with finish_reason "queue_timeout" so far (a counter, for metrics)."""
+        return self.scheduler.num_queue_timeouts
+
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, priority: int = 0,
-                    cache_salt: str | None = None) -> None:
-        """Queue a request; ValueError (the client's fault) if it can never run."""
+                    cache_salt: str | None = None, *, tenant: str | None = None,
+                    ttft: float | None = None, tpot: float | None = None) -> None:
+        """Queue a request; ValueError (the client's fault) if it can never run. `tenant`: whose
+        share it uses under the fair policy (None: "default"); `ttft`, `tpot`: objectives in
+        seconds for the deadline policy (None: none)."""
         vocab = self.runner.spec.vocab_size
         for field, ids in (("prompt token ids", prompt_token_ids),
                            ("stop_token_ids", sampling_params.stop_token_ids),
@@ -103,10 +109,21 @@ class EngineCore:
             if bad:
                 raise ValueError(f"{field} must be in [0, {vocab}); got {bad[0]}")
         request = Request(request_id, prompt_token_ids, sampling_params, priority=priority,
-                          cache_salt=cache_salt)
+                          cache_salt=cache_salt, tenant=tenant or DEFAULT_TENANT, ttft=ttft,
+                          tpot=tpot)
         self.scheduler.add_request(request)
         if sampling_params.seed is not None:
             self.generators[request_id] = torch.Generator().manual_seed(sampling_params.seed)
+
+    def can_meet_ttft(self, num_prompt_tokens: int, ttft: float, *, priority: int = 0,
+                      tenant: str | None = None) -> bool:
+        """Admission under deadlines: whether a request of `num_prompt_tokens` arriving now would
+        get its first token within `ttft` seconds, given the queue ahead of it and the measured
+        seconds per token (an EWMA over steps). False: refuse it now (429, reason deadline)
+        rather than serve it late. True until a step has been measured."""
+        probe = Request("", [0] * num_prompt_tokens, priority=priority,
+                        tenant=tenant or DEFAULT_TENANT, ttft=ttft)
+        return self.scheduler.can_meet_ttft(probe)
 
     def abort_request(self, request_id: str) -> bool:
         """True if the request was still unfinished (and is now aborted, its blocks freed)."""
@@ -117,10 +134,12 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        """Outputs of the step's requests, and of those that waited past max_queue_wait."""
         start, started = time.time(), time.perf_counter()
+        expired = [self._expired(r) for r in self.scheduler.expire_waiting(time.monotonic())]
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
-            return []
+            return expired
         decode_tokens = sum(1 for s in scheduler_output.scheduled if is_decode(s.request,
                                                                                s.num_new_tokens))
         now = time.monotonic()
@@ -129,12 +148,14 @@ class EngineCore:
             if s.request.scheduled_time is None:
                 s.request.scheduled_time = now
         outputs = self._run(scheduler_output)
+        duration = time.perf_counter() - started
+        self.scheduler.step_time.update(duration, scheduler_output.num_batched_tokens)
         self.last_step_stats = StepStats(
-            start, time.perf_counter() - started, len(scheduler_output.scheduled),
+            start, duration, len(scheduler_output.scheduled),
             scheduler_output.num_batched_tokens - decode_tokens, decode_tokens,
             sum(len(o.new_token_ids) for o in outputs), len(scheduler_output.preempted),
             self.kv_cache_manager.block_pool.usage)
-        return outputs
+        return expired + outputs
 
     def _run(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
         sequences = [ScheduledSequence(s.token_ids, s.num_computed_tokens, s.block_ids,
@@ -229,6 +250,14 @@ class EngineCore:
         targets = torch.tensor(request.prompt_token_ids[first + 1:end + 1])
         collected += gather_logprobs(rows[first - start:end - start], targets,
                                      [request.sampling_params.prompt_logprobs] * len(targets))
+
+    def _expired(self, request: Request) -> EngineCoreOutput:
+        self.generators.pop(request.request_id, None)
+        now = time.monotonic()
+        request.events.append((now, "finished", 0))
+        return EngineCoreOutput(request.request_id, [], True, request.finish_reason,
+                                timings=(now - request.arrival_time, 0.0, 0.0),
+                                events=request.events)
 
     def _fail(self, request: Request) -> EngineCoreOutput:
         self.generators.pop(request.request_id, None)

@@ -220,6 +220,16 @@ class KVCacheManager:
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
 
+    def num_free_blocks_needed(self, request: Request, num_new_tokens: int,
+                               new_computed_blocks: Sequence[KVBlock] = (),
+                               num_new_computed_tokens: int = 0) -> int:
+        """Free blocks that allocate_slots with the same arguments would take: new ones, and hit
+        blocks that sit in the free list (touching them takes them out of it)."""
+        num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_held = len(self.block_tables.get(request.request_id, ()))
+        num_new = cdiv(num_tokens, self.block_size) - num_held - len(new_computed_blocks)
+        return num_new + sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[KVBlock] = (),
                        num_new_computed_tokens: int = 0) -> list[int] | None:
@@ -227,14 +237,13 @@ class KVCacheManager:
         prefix hit `new_computed_blocks` (from get_computed_blocks, on the first allocation).
         Returns the whole table's block ids, or None, allocating nothing, when too few blocks
         are free."""
+        if self.num_free_blocks_needed(request, num_new_tokens, new_computed_blocks,
+                                       num_new_computed_tokens) > self.num_free_blocks:
+            return None
         table = self.block_tables.get(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens = num_computed + num_new_tokens
         num_needed = cdiv(num_tokens, self.block_size) - len(table) - len(new_computed_blocks)
-        # Hit blocks that sit in the free list leave it when touched: they are not free for us.
-        num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if num_needed > self.block_pool.num_free_blocks - num_revived:
-            return None
 
         if self.enable_prefix_caching and request.num_computed_tokens == 0:
             self.prefix_cache_queries += request.num_tokens

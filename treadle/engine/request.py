@@ -21,6 +21,7 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_ERROR = enum.auto()
+    FINISHED_QUEUE_TIMEOUT = enum.auto()  # waited past max_queue_wait, never scheduled
 
     @property
     def is_finished(self) -> bool:
@@ -32,18 +33,30 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_QUEUE_TIMEOUT: "queue_timeout",
 }
+
+DEFAULT_TENANT = "default"
 
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams | None = None, *, priority: int = 0,
-                 arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+                 arrival_time: float | None = None, cache_salt: str | None = None,
+                 tenant: str = DEFAULT_TENANT, ttft: float | None = None,
+                 tpot: float | None = None) -> None:
+        for name, objective in (("ttft", ttft), ("tpot", tpot)):
+            if objective is not None and not objective > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {objective}")
         self.request_id = request_id
         self.sampling_params = sampling_params or SamplingParams()
         self.priority = priority  # lower runs first under the priority policy
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt  # requests share cached blocks only under the same salt
+        self.tenant = tenant  # whose share of the server it uses, under the fair policy
+        # Objectives in seconds (None: none): time to first token, time per output token.
+        self.ttft = ttft
+        self.tpot = tpot
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.status = RequestStatus.WAITING
@@ -82,7 +95,8 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        """The finish reason reported to clients (stop, length, abort, error); None until then."""
+        """The finish reason reported to clients (stop, length, abort, error, queue_timeout);
+        None until then."""
         return FINISH_REASONS.get(self.status)
 
     def append_output_token(self, token_id: int) -> None:

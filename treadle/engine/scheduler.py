@@ -4,18 +4,31 @@ One mechanism: a request's `num_computed_tokens` trails its `num_tokens`, and ea
 tokens to close the gap within the step's token budget. A new prompt, a prefill chunk, a prefix
 hit (tokens counted computed at admission), a decode step and a recompute after preemption are
 all that one rule.
+
+A step, each part in the queue policy's order (policies.py): the waiting queue's head may
+displace running requests the policy ranks below it (priority, fair share); running requests get
+a decode token or a prefill chunk, preempting the policy's victim when blocks run short; then
+waiting requests are admitted, unless blocks ran short, within the token budget, batch slots and
+max_num_partial_prefills.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from bisect import insort
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from treadle.config import SchedulerConfig
 from treadle.engine.kv_cache import KVCacheManager, assert_kv_cache_empty, cdiv
-from treadle.engine.policies import SchedulingPolicy
+from treadle.engine.policies import (
+    SchedulingPolicy,
+    StepTimeEstimator,
+    WaitingQueue,
+    predict_ttft,
+    uncomputed_tokens,
+)
 from treadle.engine.request import Request, RequestStatus
 
 # A waiting request passed over this many times for lack of blocks reserves the queue: nothing
@@ -23,6 +36,9 @@ from treadle.engine.request import Request, RequestStatus
 # max_tokens) and free their blocks, so it cannot starve; until then, smaller requests behind it
 # may go, so it does not block the line either.
 MAX_SKIPS = 8
+# Waiting requests one step passes over (they do not fit) before it stops looking: a step's
+# admission work stays bounded however long the queue.
+MAX_LOOKAHEAD = 32
 
 
 @dataclass
@@ -54,16 +70,23 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  policy: SchedulingPolicy, max_model_len: int,
-                 eos_token_ids: Iterable[int] = ()) -> None:
+                 eos_token_ids: Iterable[int] = (),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = scheduler_config
         self.kv_cache_manager = kv_cache_manager
         self.policy = policy
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.clock = clock  # the clock of requests' arrival times (deadlines, slack)
         self.requests: dict[str, Request] = {}  # every unfinished request
-        self.waiting: list[Request] = []  # sorted by the policy's key
+        self.waiting: WaitingQueue = policy.new_queue()
         self.running: list[Request] = []  # sorted by the policy's key
+        self.step_time = StepTimeEstimator()  # the engine feeds it each step's measured time
         self.num_preemptions = 0
+        self.num_queue_timeouts = 0
+        # With max_queue_wait: (arrival, id, request) of each request queued, oldest on top;
+        # those scheduled or ended meanwhile are dropped as they surface.
+        self.unscheduled: list[tuple[float, int, Request]] = []
 
     @property
     def num_waiting(self) -> int:
@@ -95,62 +118,134 @@ class Scheduler:
                              f"{num_blocks} KV cache blocks of {kv.block_size} tokens; the "
                              f"whole cache has {kv.num_blocks}")
         self.requests[request.request_id] = request
-        insort(self.waiting, request, key=self.policy.sort_key)
+        self.waiting.add(request)
+        if self.config.max_queue_wait is not None:
+            heapq.heappush(self.unscheduled, (request.arrival_time, id(request), request))
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
+        self.waiting.refresh(self.clock(), self.step_time.seconds_per_token)
+        self._displace_for_waiting_head(output)
+        num_displaced = len(output.preempted)
+        budget = self._schedule_running(output)
+        if len(output.preempted) == num_displaced:  # blocks ran short: admit nobody this step
+            self._schedule_waiting(output, budget)
+        return output
+
+    def _displace_for_waiting_head(self, output: SchedulerOutput) -> None:
+        """Under priority and fair share, the waiting queue's head may take the batch slot and
+        blocks of running requests the policy ranks below it (recompute). Before anything is
+        scheduled this step, so no victim's blocks were handed out for it. The guard: a request
+        preempted max_policy_preemptions times is no longer a victim here."""
+        head = self.waiting.peek()
+        if head is None or self._over_tenant_cap(head):
+            return
+        while not self._fits(head):
+            limit = self.config.max_policy_preemptions
+            victim = self.policy.displace(
+                head, [r for r in self.running if r.num_preemptions < limit])
+            if victim is None:
+                return
+            self._preempt(victim, output)
+
+    def _fits(self, request: Request) -> bool:
+        """A batch slot and the blocks for a first chunk of a full step's budget are free."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        hit_blocks, num_hit = self._prefix_hit(request)
+        num_new = min(request.num_tokens - num_hit, self.config.long_prefill_token_threshold,
+                      self.config.max_num_batched_tokens)
+        kv = self.kv_cache_manager
+        return kv.num_free_blocks_needed(request, num_new, hit_blocks, num_hit) <= \
+            kv.num_free_blocks
+
+    def _schedule_running(self, output: SchedulerOutput) -> int:
+        """Running requests first, in policy order: one decode token each, or a prefill chunk.
+        When blocks run short, the policy's victim (never one scheduled this step) is preempted.
+        Returns the token budget left."""
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
         kv = self.kv_cache_manager
-
-        # Running requests first, in policy order: one decode token each, or a prefill chunk.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, threshold, budget)
+            num_new = min(uncomputed_tokens(request), threshold, budget)
             block_ids = kv.allocate_slots(request, num_new)
             while block_ids is None:
-                victim = self.running.pop()  # sorts last, so not yet scheduled this step
-                self._preempt(victim)
-                output.preempted.append(victim)
+                victim = self.policy.victim(self.running[i:])  # those before i are scheduled
+                self._preempt(victim, output)
                 if victim is request:
                     break
                 block_ids = kv.allocate_slots(request, num_new)
-            if block_ids is None:  # it was the last running request, now preempted
-                break
+            if block_ids is None:  # it preempted itself: running[i] is now the next one
+                continue
             output.scheduled.append(self._scheduled(request, num_new, block_ids))
             budget -= num_new
             i += 1
+        return budget
 
-        # Then waiting requests, unless blocks ran short this step.
-        if output.preempted:
-            return output
-        admitted = False
-        for request in self.waiting:
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        """Then waiting requests, in policy order, while the token budget, batch slots and
+        prefill slots (max_num_partial_prefills) last. One short of blocks is passed over, so
+        smaller ones behind it may go, until it has been passed over MAX_SKIPS times."""
+        kv = self.kv_cache_manager
+        threshold = self.config.long_prefill_token_threshold
+        # Requests still mid-prefill after this step's chunks.
+        chunks = {x.request.request_id: x.num_new_tokens for x in output.scheduled}
+        num_prefills = sum(1 for r in self.running
+                           if uncomputed_tokens(r) - chunks.get(r.request_id, 0) > 1)
+        passed_over: list[Request] = []
+        while budget > 0 and len(self.running) < self.config.max_num_seqs \
+                and num_prefills < self.config.max_num_partial_prefills:
+            request = self.waiting.peek()
+            if request is None:
                 break
-            # Prompt logprobs need logits at every prompt position: no cached prefix.
-            hit_blocks, num_hit = (kv.get_computed_blocks(request)
-                                   if request.sampling_params.prompt_logprobs is None
-                                   else ([], 0))
+            hit_blocks, num_hit = self._prefix_hit(request)
             num_new = min(request.num_tokens - num_hit, threshold, budget)
-            block_ids = kv.allocate_slots(request, num_new, hit_blocks, num_hit)
-            if block_ids is None:  # try the ones behind it, unless it now reserves (MAX_SKIPS)
-                request.num_skips += 1
-                if request.num_skips >= MAX_SKIPS:
+            capped = self._over_tenant_cap(request)
+            block_ids = None if capped else kv.allocate_slots(request, num_new, hit_blocks,
+                                                              num_hit)
+            if block_ids is None:
+                if not capped:  # a tenant's own cap must not hold up the others
+                    request.num_skips += 1
+                    if request.num_skips >= MAX_SKIPS:
+                        break
+                if len(passed_over) >= MAX_LOOKAHEAD:
                     break
+                passed_over.append(self.waiting.pop())
                 continue
+            self.waiting.pop()
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit
+                self.policy.on_admitted(request)
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             insort(self.running, request, key=self.policy.sort_key)
             output.scheduled.append(self._scheduled(request, num_new, block_ids))
             budget -= num_new
-            admitted = True
-        if admitted:
-            self.waiting = [r for r in self.waiting if r.status is not RequestStatus.RUNNING]
-        return output
+            num_prefills += uncomputed_tokens(request) - num_new > 1
+        for request in passed_over:
+            self.waiting.restore(request)
+
+    def _prefix_hit(self, request: Request) -> tuple[list, int]:
+        # Prompt logprobs need logits at every prompt position: no cached prefix.
+        if request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        return self.kv_cache_manager.get_computed_blocks(request)
+
+    def _over_tenant_cap(self, request: Request) -> bool:
+        """Admitting it would take its tenant past max_kv_blocks_per_tenant: the blocks its
+        running requests hold plus those of this request's tokens so far. Decode growth after
+        admission is not capped. A tenant holding nothing is never over, or a request larger
+        than the cap could never run."""
+        cap = self.config.max_kv_blocks_per_tenant
+        if cap is None:
+            return False
+        tables = self.kv_cache_manager.block_tables
+        held = sum(len(tables.get(r.request_id, ())) for r in self.running
+                   if r.tenant == request.tenant)
+        needed = cdiv(request.num_tokens, self.kv_cache_manager.block_size)
+        return held > 0 and held + needed > cap
 
     def update_from_output(self, output: SchedulerOutput,
                            sampled: Mapping[str, int]) -> list[Request]:
@@ -166,6 +261,7 @@ class Scheduler:
                 continue
             token = sampled[request.request_id]
             request.append_output_token(token)
+            self.policy.on_tokens_generated(request, 1)
             status = self._stop_status(request, token)
             if status is not None:
                 self._end(request, status)
@@ -173,6 +269,36 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if not r.is_finished]
         return finished
+
+    def expire_waiting(self, now: float) -> list[Request]:
+        """End with FINISHED_QUEUE_TIMEOUT each request never scheduled max_queue_wait seconds
+        after it arrived (on the clock of its arrival_time); returns them."""
+        expired = []
+        while self.unscheduled:
+            arrival, _, request = self.unscheduled[0]
+            never_scheduled = request.status is RequestStatus.WAITING
+            if never_scheduled and now - arrival < self.config.max_queue_wait:
+                break
+            heapq.heappop(self.unscheduled)
+            if never_scheduled:
+                self.finish_request(request.request_id, RequestStatus.FINISHED_QUEUE_TIMEOUT)
+                expired.append(request)
+        self.num_queue_timeouts += len(expired)
+        return expired
+
+    def can_meet_ttft(self, probe: Request) -> bool:
+        """Whether a request like `probe` (not queued; its ttft set), arriving now, would get its
+        first token within its ttft: the prefill work ahead of it (running prefills, waiting
+        requests the policy puts first) and its prompt, at the measured seconds per token.
+        True until a step has been measured."""
+        seconds_per_token = self.step_time.seconds_per_token
+        if seconds_per_token is None or probe.ttft is None:
+            return True
+        ahead = self.waiting.tokens_ahead(probe) + sum(
+            uncomputed_tokens(r) - 1 for r in self.running if is_prefill(r))
+        num_decoding = sum(1 for r in self.running if not is_prefill(r))
+        return predict_ttft(ahead, probe.num_tokens, num_decoding,
+                            self.config.max_num_batched_tokens, seconds_per_token) <= probe.ttft
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request in any state, freeing its blocks. Returns it, or None when it has
@@ -182,8 +308,10 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        queue = self.running if request.status is RequestStatus.RUNNING else self.waiting
-        queue.remove(request)
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
         self._end(request, status)
         return request
 
@@ -195,16 +323,18 @@ class Scheduler:
         return ScheduledRequest(request, start, num_new, block_ids,
                                 produces_token=start + num_new == request.num_tokens)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         """Preempt by recompute: drop its KV; it re-prefills prompt and outputs when readmitted,
         from the prefix cache where its blocks survive."""
+        self.running.remove(request)
         self.kv_cache_manager.free(request)
         request.events.append((time.monotonic(), "preempted", 0))
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        insort(self.waiting, request, key=self.policy.sort_key)
+        self.waiting.add(request)
+        output.preempted.append(request)
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -225,14 +355,18 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Raise AssertionError unless queues, request states and the KV cache agree."""
         self.kv_cache_manager.check_invariants()
-        key = self.policy.sort_key
-        assert self.waiting == sorted(self.waiting, key=key), "waiting queue out of order"
-        assert self.running == sorted(self.running, key=key), "running list out of order"
-        waiting_ids = [r.request_id for r in self.waiting]
+        self.waiting.check_invariants()
+        assert self.running == sorted(self.running, key=self.policy.sort_key), \
+            "running list out of order"
+        waiting = list(self.waiting)
+        assert len(waiting) == len(self.waiting)
+        waiting_ids = [r.request_id for r in waiting]
         running_ids = [r.request_id for r in self.running]
         assert sorted(waiting_ids + running_ids) == sorted(self.requests), "queues != requests"
         assert len(self.running) <= self.config.max_num_seqs
-        for request in self.waiting:
+        assert sum(1 for r in self.running if is_prefill(r)) <= \
+            self.config.max_num_partial_prefills, "too many requests mid-prefill"
+        for request in waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
             assert request.num_computed_tokens == 0, request
         for request in self.running:
@@ -244,6 +378,11 @@ class Scheduler:
         for request in self.running:
             assert len(tables[request.request_id]) == cdiv(request.num_computed_tokens,
                                                            block_size), request
+
+
+def is_prefill(request: Request) -> bool:
+    """More than the last token left to compute: a prompt, or a recompute after preemption."""
+    return uncomputed_tokens(request) > 1
 
 
 def assert_scheduler_empty(scheduler: Scheduler) -> None:

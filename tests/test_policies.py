@@ -1,0 +1,473 @@
+"""Queue policies: priority preemption and its guard, fair share (the Virtual Token Counter and
+its bound), deadlines and admission, the partial-prefill limit, the queue time limit, tenant
+caps; and schedule()'s cost at a thousand waiting requests (printed, not asserted)."""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections import Counter
+
+import pytest
+import torch
+from engine_sim import make_scheduler, model_for, reference_output, run_until_done, step
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from model_utils import build_tiny_model
+
+from treadle.config import CacheConfig, ModelConfig, SchedulerConfig
+from treadle.engine.core import EngineCore, assert_engine_empty
+from treadle.engine.policies import (
+    POLICIES,
+    FairPolicy,
+    StepTimeEstimator,
+    make_policy,
+    predict_ttft,
+)
+from treadle.engine.request import Request, RequestStatus
+from treadle.engine.sampling_params import SamplingParams
+from treadle.engine.scheduler import Scheduler, assert_scheduler_empty
+from treadle.model.loader import load_model
+
+
+def req(request_id: str, prompt: int, max_tokens: int = 8, *, arrival: float = 0.0,
+        **fields: object) -> Request:
+    """A prompt of `prompt` tokens of its own (no shared prefix), EOS ignored."""
+    first = 100 + zlib.crc32(request_id.encode())
+    return Request(request_id, [first, *range(1, prompt)],
+                   SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=arrival,
+                   **fields)
+
+
+def ids(requests) -> list[str]:
+    return [r.request_id for r in requests]
+
+
+def scheduled_ids(output) -> list[str]:
+    return [s.request.request_id for s in output.scheduled]
+
+
+def check_outputs(requests) -> None:
+    for request in requests:
+        expected = reference_output(request.prompt_token_ids, request.sampling_params)
+        assert request.output_token_ids == expected, request
+
+
+# Priority
+
+
+def test_a_better_priority_takes_the_worst_running_requests_place():
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=2, policy="priority")
+    model = model_for(s)
+    s.add_request(req("low_old", 6, max_tokens=20, arrival=0, priority=5))
+    s.add_request(req("low_new", 6, max_tokens=20, arrival=1, priority=5))
+    step(s, model)
+    s.add_request(req("equal", 4, arrival=2, priority=5))  # not strictly better: waits
+    output, _ = step(s, model)
+    assert output.preempted == [] and scheduled_ids(output) == ["low_old", "low_new"]
+    s.add_request(req("high", 4, arrival=3, priority=0))
+    output, _ = step(s, model)
+    assert ids(output.preempted) == ["low_new"]  # the worst: lowest priority, newest
+    assert scheduled_ids(output) == ["low_old", "high"]  # first token in this very step
+    assert s.requests["low_new"].status is RequestStatus.PREEMPTED
+    check_outputs(run_until_done(s, model))  # the preempted one recomputes to the same output
+    assert_scheduler_empty(s)
+
+
+def test_priority_preemption_guard():
+    """max_policy_preemptions=1: a request preempted once is never displaced again; a waiting
+    request of better priority then waits for a slot."""
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=2, policy="priority",
+                       max_policy_preemptions=1)
+    model = model_for(s)
+    s.add_request(req("low1", 4, max_tokens=30, arrival=0, priority=5))
+    s.add_request(req("low2", 4, max_tokens=30, arrival=1, priority=5))
+    step(s, model)
+    for i in range(2):  # each displaces one low request: low2 first, then low1
+        s.add_request(req(f"high{i}", 4, max_tokens=2, arrival=2 + i, priority=0))
+        output, _ = step(s, model)
+        assert ids(output.preempted) == [f"low{2 - i}"]
+    while s.requests.get("high1"):
+        step(s, model)
+    step(s, model)  # the lows are back
+    assert {r.request_id for r in s.running} == {"low1", "low2"}
+    s.add_request(req("high2", 4, max_tokens=2, arrival=9, priority=0))
+    for _ in range(5):  # both were preempted once: the guard holds, high2 waits
+        output, _ = step(s, model)
+        assert output.preempted == [] and "high2" not in scheduled_ids(output)
+    finished = run_until_done(s, model)
+    assert ids(finished)[0].startswith("low")  # high2 got in when a low one finished
+    check_outputs(finished)
+    assert all(r.num_preemptions == 1 for r in finished if r.request_id.startswith("low"))
+
+
+def test_priority_preemption_when_blocks_bind():
+    s = make_scheduler(num_blocks=8, block_size=4, policy="priority")
+    model = model_for(s)
+    s.add_request(req("low", 24, max_tokens=8, arrival=0, priority=3))  # 6 blocks, then 7, 8
+    step(s, model)
+    s.add_request(req("high", 12, max_tokens=2, arrival=1, priority=1))  # needs 3: 2 free
+    output, _ = step(s, model)
+    assert ids(output.preempted) == ["low"] and scheduled_ids(output) == ["high"]
+    check_outputs(run_until_done(s, model))
+    assert_scheduler_empty(s)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "deadline"])
+def test_other_policies_never_displace(policy):
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=1, policy=policy)
+    model = model_for(s)
+    s.add_request(req("first", 4, max_tokens=5, arrival=0, priority=5))
+    step(s, model)
+    s.add_request(req("second", 4, arrival=1, priority=0, ttft=0.5))
+    for _ in range(4):
+        output, _ = step(s, model)
+        assert output.preempted == [] and scheduled_ids(output) == ["first"]
+
+
+# Fair share
+
+
+def admission_order(s: Scheduler) -> list[str]:
+    model, order = model_for(s), []
+    while s.has_unfinished_requests():
+        output, _ = step(s, model)
+        order += [x.request.request_id for x in output.scheduled
+                  if x.num_computed_tokens == 0 and x.request.request_id not in order]
+    return order
+
+
+def test_fair_serves_the_least_served_tenant_first():
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=1, policy="fair")
+    for i in range(3):
+        s.add_request(req(f"heavy{i}", 4, max_tokens=4, arrival=i, tenant="heavy"))
+    for i in range(3):
+        s.add_request(req(f"light{i}", 4, max_tokens=4, arrival=10 + i, tenant="light"))
+    # FCFS would serve heavy0..2 first. Each request costs 4 + 2 * 4 = 12 either way.
+    assert admission_order(s) == ["heavy0", "light0", "heavy1", "light1", "heavy2", "light2"]
+    assert s.policy.counters == {"heavy": 36.0, "light": 36.0}
+
+
+def test_fair_weights():
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=1, policy="fair",
+                       tenant_weights={"gold": 2.0})
+    for tenant in ("basic", "gold"):
+        for i in range(4):
+            s.add_request(req(f"{tenant}{i}", 4, max_tokens=4, arrival=i, tenant=tenant))
+    order = admission_order(s)
+    # gold pays half per token: it gets two requests for each of basic's while both wait.
+    assert order[:6] == ["basic0", "gold0", "gold1", "basic1", "gold2", "gold3"]
+
+
+def test_a_newly_backlogged_tenant_is_lifted_to_the_least_backlogged_counter():
+    policy = FairPolicy()
+    queue = policy.new_queue()
+    queue.add(req("a0", 4, tenant="a"))
+    queue.add(req("b0", 4, tenant="b"))
+    policy.counters.update({"a": 100.0, "b": 40.0, "idle": 5.0})  # served meanwhile
+    queue.add(req("new0", 4, tenant="new"))  # 0 -> 40: it banked nothing while away
+    queue.add(req("idle0", 4, tenant="idle"))  # 5 -> 40
+    assert policy.counters == {"a": 100.0, "b": 40.0, "new": 40.0, "idle": 40.0}
+    queue.add(req("a1", 4, tenant="a"))  # already backlogged: no change, even upward
+    assert policy.counters["a"] == 100.0
+    assert ids(queue.pop() for _ in range(4)) == ["b0", "idle0", "new0", "a0"]
+    queue.pop()
+    # Nobody backlogged: a returning tenant starts at the last served tenant's counter.
+    queue.add(req("late0", 4, tenant="late"))
+    assert policy.counters["late"] == 100.0
+    queue.check_invariants()
+
+
+def test_fair_share_holds_when_the_kv_cache_binds():
+    """Long prompts of one tenant fill the cache; the other tenant's request preempts the
+    newest of them (recompute), and the pair does not then preempt each other in turn."""
+    s = make_scheduler(num_blocks=16, block_size=4, policy="fair",
+                       max_num_batched_tokens=64, long_prefill_token_threshold=64)
+    model = model_for(s)
+    for i in range(3):
+        s.add_request(req(f"heavy{i}", 20, max_tokens=12, arrival=i, tenant="heavy"))
+    step(s, model)  # heavy0..2 hold 15 of 16 blocks
+    assert s.num_running == 3
+    s.add_request(req("light", 12, max_tokens=4, arrival=5, tenant="light"))
+    output, _ = step(s, model)
+    assert ids(output.preempted) == ["heavy2"] and "light" in scheduled_ids(output)
+    finished = run_until_done(s, model)
+    check_outputs(finished)
+    assert [r.num_preemptions for r in finished if r.request_id.startswith("heavy")] \
+        in ([0, 0, 1], [0, 1, 0], [1, 0, 0])
+    assert s.num_preemptions == 1
+    assert_scheduler_empty(s)
+
+
+def test_kv_block_cap_per_tenant():
+    s = make_scheduler(num_blocks=64, block_size=4, policy="fair", max_kv_blocks_per_tenant=6)
+    model = model_for(s)
+    for i in range(3):
+        s.add_request(req(f"big{i}", 12, max_tokens=4, arrival=i, tenant="big"))
+    s.add_request(req("small", 4, max_tokens=4, arrival=9, tenant="small"))
+    output, _ = step(s, model)
+    # big0 holds 3 blocks; big1 would make 6 + 1 for its next token: over; small still goes.
+    assert sorted(scheduled_ids(output)) == ["big0", "big1", "small"]
+    output, _ = step(s, model)
+    assert "big2" not in scheduled_ids(output)
+    check_outputs(run_until_done(s, model))
+    assert_scheduler_empty(s)
+
+
+@st.composite
+def backlogged_runs(draw: st.DrawFn):
+    num_blocks = draw(st.integers(8, 24))
+    block_size = draw(st.integers(1, 4))
+    max_prompt = draw(st.integers(2, 12))
+    requests = st.tuples(st.integers(1, max_prompt), st.integers(1, 8))
+    return (num_blocks, block_size, draw(st.integers(4, 32)), draw(st.integers(1, 6)),
+            draw(st.lists(requests, min_size=4, max_size=4)),
+            draw(st.lists(requests, min_size=4, max_size=4)))
+
+
+def max_service_gap(policy: str, num_blocks: int, block_size: int, budget: int,
+                    max_num_seqs: int, specs: dict[str, list[tuple[int, int]]],
+                    steps: int = 150) -> tuple[float, float]:
+    """Drive two tenants, each kept backlogged (more waiting than a step can admit, so neither
+    queue empties), for `steps` steps. Returns the largest difference in weighted tokens
+    served seen after any step, measured from what the scheduler ran, and the paper's bound."""
+    w_p, w_q = 1.0, 2.0
+    s = make_scheduler(num_blocks=num_blocks, block_size=block_size, policy=policy,
+                       max_num_batched_tokens=budget, long_prefill_token_threshold=budget,
+                       max_num_seqs=max_num_seqs, enable_prefix_caching=False)
+    model = model_for(s)
+    capacity = num_blocks * block_size  # M: tokens the KV cache holds
+    specs = {tenant: [(min(p, capacity), m if p + m - 1 <= capacity else 1) for p, m in fifo]
+             for tenant, fifo in specs.items()}
+    l_in = max(p for tenant_specs in specs.values() for p, _ in tenant_specs)
+    bound = 2 * max(w_p * l_in, w_q * capacity)
+    served: Counter[str] = Counter()
+    added: Counter[str] = Counter()
+    gap = 0.0
+    for _ in range(steps):
+        for tenant, tenant_specs in specs.items():
+            while sum(1 for r in s.waiting if r.tenant == tenant) <= max_num_seqs:
+                prompt, max_tokens = tenant_specs[added[tenant] % len(tenant_specs)]
+                added[tenant] += 1
+                s.add_request(req(f"{tenant}{added[tenant]}", prompt, max_tokens,
+                                  arrival=added[tenant], tenant=tenant))
+        output, _ = step(s, model)
+        for x in output.scheduled:
+            if x.num_computed_tokens == 0 and x.request.num_preemptions == 0:
+                served[x.request.tenant] += w_p * x.request.num_prompt_tokens
+            if x.produces_token:
+                served[x.request.tenant] += w_q
+        gap = max(gap, abs(served["a"] - served["b"]))
+    return gap, bound
+
+
+tenant_specs = st.lists(st.tuples(st.integers(1, 12), st.integers(1, 8)), min_size=1,
+                        max_size=4)
+
+
+@settings(max_examples=50, deadline=None)
+@given(num_blocks=st.integers(8, 24), block_size=st.integers(1, 4), budget=st.integers(4, 32),
+       max_num_seqs=st.integers(1, 6), specs_a=tenant_specs, specs_b=tenant_specs)
+def test_service_difference_between_backlogged_tenants_stays_bounded(
+        num_blocks, block_size, budget, max_num_seqs, specs_a, specs_b):
+    """The Virtual Token Counter's bound (Sheng et al., OSDI 2024): while two tenants are both
+    backlogged, the weighted tokens each was served differ by at most
+    2 * max(w_p * L_in, w_q * M), L_in the longest prompt, M the tokens the KV cache holds."""
+    gap, bound = max_service_gap("fair", num_blocks, block_size, budget, max_num_seqs,
+                                 {"a": specs_a, "b": specs_b})
+    assert gap <= bound
+
+
+def test_without_fair_share_the_difference_grows():
+    specs = {"a": [(2, 1)], "b": [(12, 8)]}  # b's requests are ten times a's
+    assert max_service_gap("fair", 16, 2, 16, 4, specs)[0] <= 64
+    gap, bound = max_service_gap("fcfs", 16, 2, 16, 4, specs)
+    assert gap > 5 * bound
+
+
+# Deadlines
+
+
+def test_deadline_orders_by_ttft_deadline_then_objectiveless():
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=1, policy="deadline")
+    s.add_request(req("none", 4, arrival=0))
+    s.add_request(req("tpot", 4, arrival=1, tpot=0.1))
+    s.add_request(req("loose", 4, arrival=2, ttft=50.0))
+    s.add_request(req("tight", 4, arrival=3, ttft=5.0))  # deadline 8 < loose's 52
+    assert ids(s.waiting) == ["tight", "loose", "tpot", "none"]
+    assert admission_order(s) == ["tight", "loose", "tpot", "none"]
+
+
+def test_a_request_that_can_no_longer_meet_its_deadline_yields():
+    now = [0.0]
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=1, policy="deadline",
+                       clock=lambda: now[0])
+    s.step_time.seconds_per_token = 0.1
+    s.add_request(req("hopeless", 40, arrival=0, ttft=3.0))  # 40 tokens take 4 s
+    s.add_request(req("feasible", 10, arrival=0, ttft=6.0))
+    s.add_request(req("none", 4, arrival=0))
+    assert ids(s.waiting) == ["hopeless", "feasible", "none"]
+    assert admission_order(s) == ["feasible", "none", "hopeless"]
+
+
+def test_predict_ttft():
+    # 300 tokens ahead + 100 own, 50 decodes per step in a 250-token budget: 2 steps of
+    # prefill, each also running 50 decode tokens: 500 tokens at 1 ms.
+    assert predict_ttft(300, 100, 50, 250, 0.001) == pytest.approx(0.5)
+    assert predict_ttft(0, 10, 0, 512, 0.01) == pytest.approx(0.1)
+
+
+def test_step_time_estimator_is_an_ewma_per_token():
+    estimator = StepTimeEstimator(alpha=0.5)
+    assert estimator.seconds_per_token is None
+    estimator.update(1.0, 100)
+    estimator.update(3.0, 100)
+    estimator.update(5.0, 0)  # an empty step says nothing
+    assert estimator.seconds_per_token == pytest.approx(0.02)
+
+
+def test_admission_prediction_counts_the_queue_ahead():
+    s = make_scheduler(num_blocks=256, block_size=4, max_num_batched_tokens=100,
+                       policy="deadline")
+    probe = req("probe", 100, arrival=0, ttft=1.5)
+    assert s.can_meet_ttft(probe)  # nothing measured yet: admit
+    s.step_time.seconds_per_token = 0.01  # 100 tokens a second
+    assert s.can_meet_ttft(probe)  # 100 tokens: 1 s
+    s.add_request(req("later", 200, arrival=0, ttft=10.0))  # its deadline is after probe's
+    s.add_request(req("none", 200, arrival=0))
+    assert s.can_meet_ttft(probe)  # EDF: neither is ahead of it
+    s.add_request(req("sooner", 100, arrival=0, ttft=1.0))
+    assert not s.can_meet_ttft(probe)  # 200 tokens: 2 s > 1.5 s
+    assert s.can_meet_ttft(req("patient", 100, arrival=0, ttft=2.5))
+
+
+# Long requests, queue time limit
+
+
+def test_partial_prefill_limit():
+    s = make_scheduler(num_blocks=128, block_size=4, max_num_batched_tokens=64,
+                       long_prefill_token_threshold=16, max_num_partial_prefills=1)
+    model = model_for(s)
+    s.add_request(req("short", 2, max_tokens=10, arrival=0))
+    step(s, model)  # short: one token left to compute, decoding from now on
+    for i in range(3):
+        s.add_request(req(f"long{i}", 40, arrival=1 + i))
+    chunks = []
+    for _ in range(4):
+        output, _ = step(s, model)
+        chunks.append({x.request.request_id: x.num_new_tokens for x in output.scheduled})
+    # One long prompt at a time, in 16-token chunks; the decode goes on beside it.
+    assert chunks == [{"short": 1, "long0": 16}, {"short": 1, "long0": 16},
+                      {"short": 1, "long0": 8, "long1": 16}, {"short": 1, "long0": 1,
+                                                               "long1": 16}]
+    check_outputs(run_until_done(s, model))
+    assert_scheduler_empty(s)
+
+
+def test_queue_timeout_ends_never_scheduled_requests_and_frees_them():
+    s = make_scheduler(num_blocks=8, block_size=4, max_queue_wait=5.0)
+    model = model_for(s)
+    s.add_request(req("running", 20, max_tokens=8, arrival=0))  # 5 of 8 blocks, growing
+    step(s, model)
+    s.add_request(req("big", 16, arrival=1))  # no room: passed over, its prompt hashed
+    step(s, model)
+    assert s.requests["big"].num_skips == 1 and "big" in s.kv_cache_manager.block_hashes
+    assert s.expire_waiting(5.9) == []
+    expired = s.expire_waiting(6.0)
+    assert ids(expired) == ["big"] and expired[0].finish_reason == "queue_timeout"
+    assert "big" not in s.kv_cache_manager.block_hashes and s.num_queue_timeouts == 1
+    assert s.expire_waiting(100.0) == []  # running, never expires
+    check_outputs(run_until_done(s, model))
+    assert_scheduler_empty(s)
+
+
+def test_queue_timeout_spares_preempted_requests():
+    s = make_scheduler(num_blocks=4, block_size=2, max_queue_wait=1.0)
+    model = model_for(s)
+    s.add_request(req("a", 3, max_tokens=6, arrival=0))
+    s.add_request(req("b", 3, max_tokens=6, arrival=0))
+    step(s, model)
+    step(s, model)
+    output, _ = step(s, model)
+    assert ids(output.preempted) == ["b"]
+    assert s.expire_waiting(100.0) == []
+    check_outputs(run_until_done(s, model))
+
+
+def test_make_policy():
+    assert sorted(POLICIES) == ["deadline", "fair", "fcfs", "priority"]
+    with pytest.raises(ValueError, match="policy must be one of"):
+        make_policy("lottery")
+
+
+# EngineCore: tenants and objectives on add_request, the queue-timeout sweep, admission
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    build_tiny_model("llama", folder)
+    return folder
+
+
+def test_engine_core_tenants_objectives_queue_timeout_and_admission(tiny_model):
+    model_config = ModelConfig(model=str(tiny_model), dtype="float32")
+    engine = EngineCore(load_model(model_config.model, torch.float32), model_config,
+                        CacheConfig(block_size=4, num_blocks=64),
+                        SchedulerConfig(max_num_seqs=1, max_queue_wait=0.2), policy="deadline")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("first", [5, 6, 7], params, tenant="acme", ttft=10.0, tpot=1.0)
+    engine.add_request("second", [8, 9], params)
+    first, second = engine.scheduler.requests["first"], engine.scheduler.requests["second"]
+    assert (first.tenant, first.ttft, first.tpot) == ("acme", 10.0, 1.0)
+    assert (second.tenant, second.ttft, second.tpot) == ("default", None, None)
+    with pytest.raises(ValueError, match="ttft must be > 0"):
+        engine.add_request("bad", [5], params, ttft=0.0)
+    assert engine.can_meet_ttft(10, 1e-9)  # nothing measured yet
+    engine.step()  # first runs; second waits for the one batch slot
+    time.sleep(0.2)
+    outputs = engine.step()
+    timed_out = [o for o in outputs if o.request_id == "second"]
+    assert len(timed_out) == 1 and timed_out[0].finished and timed_out[0].new_token_ids == []
+    assert timed_out[0].finish_reason == "queue_timeout" and timed_out[0].timings[0] >= 0.2
+    assert engine.num_queue_timeouts == 1
+    assert engine.scheduler.step_time.seconds_per_token > 0
+    assert engine.can_meet_ttft(10, 60.0) and not engine.can_meet_ttft(10, 1e-9)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_engine_empty(engine)
+
+
+# Cost
+
+
+def mean_schedule_time(policy: str, num_waiting: int, steps: int = 100) -> float:
+    """Overload: up to 64 running, requests finishing and admitted every step, the queue topped
+    up to `num_waiting` over 50 tenants (a quarter with TTFT objectives). Returns the mean
+    seconds of schedule() per step, after 50 steps of warm-up."""
+    s = make_scheduler(num_blocks=8192, block_size=16, max_num_seqs=64, policy=policy)
+    model = model_for(s)
+    added, spent = 0, 0.0
+    for i in range(50 + steps):
+        while s.num_waiting < num_waiting:
+            s.add_request(req(f"r{added}", 32, max_tokens=20 + added % 40, arrival=added,
+                              priority=added % 3, tenant=f"t{added % 50}",
+                              ttft=None if added % 4 else 1e6))
+            added += 1
+        started = time.perf_counter()
+        output = s.schedule()
+        if i >= 50:
+            spent += time.perf_counter() - started
+        s.update_from_output(output, model.execute(output))
+    s.check_invariants()
+    return spent / steps
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_schedule_time_at_a_thousand_waiting(policy, capsys):
+    """Prints schedule()'s mean time per step at 1,000 and 10,000 waiting; asserts nothing
+    about time."""
+    timings = [f"{mean_schedule_time(policy, n) * 1e6:.0f} us at {n} waiting"
+               for n in (1000, 10_000)]
+    with capsys.disabled():
+        print(f"\n{policy}: schedule() per step, up to 64 running: {', '.join(timings)}")
