@@ -1,0 +1,283 @@
+"""`treadle sim`: the production scheduler in virtual time. The sim forms the same batches as
+EngineCore on a tiny model; its clock only moves forward; every request ends once; replicas
+split load; the step-time fit recovers known coefficients; traces and bench-serve reports
+convert; the CLI compares policies side by side. Speed at 10,000 requests is printed."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from model_utils import build_tiny_model
+
+from treadle.bench.metrics import RequestRecord
+from treadle.bench.workloads import sharegpt_lengths
+from treadle.cli import main
+from treadle.config import CacheConfig, ModelConfig
+from treadle.engine.core import EngineCore, assert_engine_empty
+from treadle.engine.sampling_params import SamplingParams
+from treadle.model.loader import load_model
+from treadle.sim.profile import FEATURES, StepProfile, fit_profile, step_features
+from treadle.sim.report import jain_index, summarize
+from treadle.sim.settings import SimSettings
+from treadle.sim.simulator import simulate
+from treadle.sim.workload import (
+    SimRequest,
+    from_bench_serve,
+    read_trace,
+    unique_prompt,
+    write_trace,
+)
+
+PROFILE = StepProfile({"const": 0.01, "prefill_tokens": 1e-4, "decode_seqs": 5e-4,
+                       "decode_context": 1e-6, "prefill_attention": 1e-6})
+
+
+def workload(n: int, rate: float, seed: int = 0, tenants: int = 1) -> list[SimRequest]:
+    rng = random.Random(seed)
+    hist = sharegpt_lengths()
+    t, requests = 0.0, []
+    for i in range(n):
+        prompt_len, output_len = hist.sample(rng)
+        requests.append(SimRequest(t, unique_prompt(i, prompt_len), output_len,
+                                   tenant=f"t{i % tenants}", priority=i % 3, ttft=2.0))
+        t += rng.expovariate(rate)
+    return requests
+
+
+# Sim against the engine
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    build_tiny_model("llama", folder)
+    return folder
+
+
+def engine_requests() -> list[SimRequest]:
+    """Shared prefixes (prefix hits), long prompts (chunked prefill), tenants and priorities.
+    Arrivals before the first step, increasing (so keys never tie), as the engine's
+    time.monotonic() arrival times of requests added before it steps."""
+    rng = random.Random(1)
+    system = [rng.randrange(3, 256) for _ in range(12)]
+    requests = []
+    for i in range(12):
+        own = [rng.randrange(3, 256) for _ in range(rng.randint(2, 40))]
+        prompt = system + own if i % 3 == 0 else own
+        requests.append(SimRequest(-1.0 + i * 1e-6, prompt, rng.randint(1, 24),
+                                   tenant=f"t{i % 2}", priority=rng.randint(0, 2)))
+    return requests
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
+def test_sim_forms_the_engines_batches(tiny_model, policy):
+    """The same requests through EngineCore (the tiny model) and through the sim: the same
+    batches step for step (who, from which position, how many tokens), the same preemptions.
+    A small cache forces preemption; a small budget forces chunked prefill."""
+    requests = engine_requests()
+    settings = SimSettings(policy=policy, max_num_batched_tokens=24, max_num_seqs=6,
+                           long_prefill_token_threshold=16, max_num_partial_prefills=2,
+                           block_size=4, num_blocks=40, max_model_len=256)
+    model_config = ModelConfig(model=str(tiny_model), dtype="float32")
+    engine = EngineCore(load_model(model_config.model, torch.float32), model_config,
+                        CacheConfig(block_size=4, num_blocks=40),
+                        settings.scheduler_config(), policy=policy)
+    engine_batches = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        output = schedule()
+        engine_batches.append([(s.request.request_id, s.num_computed_tokens, s.num_new_tokens)
+                               for s in output.scheduled])
+        return output
+
+    engine.scheduler.schedule = recording_schedule
+    for i, r in enumerate(requests):
+        engine.add_request(str(i), r.prompt_token_ids,
+                           SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+                           priority=r.priority, tenant=r.tenant)
+    outputs: dict[str, int] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outputs[o.request_id] = outputs.get(o.request_id, 0) + len(o.new_token_ids)
+    assert_engine_empty(engine)
+
+    result = simulate(requests, settings, StepProfile.constant(0.01), record_batches=True,
+                      check_invariants=True)
+    sim_batches = result.batches[0]
+    engine_batches = [b for b in engine_batches if b]
+    assert len(sim_batches) == len(engine_batches)
+    assert sim_batches == engine_batches
+    assert result.num_preemptions == engine.scheduler.num_preemptions
+    assert policy != "fcfs" or result.num_preemptions > 0  # the cache was tight
+    assert any(n > 1 and start > 0 for b in sim_batches for _, start, n in b)  # chunks, hits
+    assert [t.num_output_tokens for t in result.timelines] == \
+        [outputs[str(i)] for i in range(len(requests))] == [r.output_len for r in requests]
+    print(f"\n{policy}: {len(sim_batches)} identical steps, "
+          f"{sum(n for b in sim_batches for *_, n in b)} tokens, "
+          f"{result.num_preemptions} preemptions")
+
+
+# The virtual clock and the requests' lives
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair", "deadline"])
+def test_clock_moves_forward_and_every_request_ends_once(policy):
+    requests = workload(300, rate=40.0, tenants=3)
+    settings = SimSettings(policy=policy, num_blocks=600, max_queue_wait=30.0)
+    result = simulate(requests, settings, PROFILE, check_invariants=True)
+    steps = result.steps[0]
+    for a, b in zip(steps, steps[1:], strict=False):
+        assert a.duration > 0 and a.start + a.duration <= b.start + 1e-12
+    assert sorted(t.index for t in result.timelines) == list(range(len(requests)))
+    for r, t in zip(requests, result.timelines, strict=True):
+        assert t.finished is not None and t.finished >= r.arrival
+        if t.finish_reason == "length":
+            assert r.arrival <= t.scheduled < t.first_token <= t.finished
+            assert t.num_output_tokens == r.output_len and len(t.itl) == r.output_len - 1
+        else:
+            assert t.finish_reason == "queue_timeout" and t.scheduled is None
+    report = summarize(result, {"ttft": 2000})
+    assert report["successful"] + report["failed"] == len(requests)
+    assert report["preemptions"] == result.num_preemptions > 0
+    assert set(report["tenants"]) == {"t0", "t1", "t2"} and 0 < report["jain_index"] <= 1
+    assert 0 < report["kv_usage"]["peak"] <= 1 and len(report["kv_usage"]["over_time"]) == 50
+
+
+def test_requests_the_engine_would_refuse_fail_alone():
+    requests = [SimRequest(0.0, unique_prompt(0, 100), 10),
+                SimRequest(0.0, unique_prompt(1, 5000), 10)]  # more than the cache holds
+    result = simulate(requests, SimSettings(num_blocks=64), PROFILE)
+    assert [t.finish_reason for t in result.timelines] == ["length", "rejected"]
+    assert "KV cache blocks" in result.rejected[1]
+
+
+def test_replicas_split_the_load():
+    requests = workload(400, rate=200.0)
+    one = summarize(simulate(requests, SimSettings(num_blocks=800), PROFILE))
+    rr = summarize(simulate(requests, SimSettings(num_blocks=800, replicas=4), PROFILE))
+    least = summarize(simulate(requests, SimSettings(num_blocks=800, replicas=4,
+                                                     router="least-load"), PROFILE))
+    assert rr["per_replica_requests"] == [100] * 4
+    assert sum(least["per_replica_requests"]) == 400 and min(least["per_replica_requests"]) > 60
+    assert rr["duration_s"] < one["duration_s"] / 2  # overloaded alone: four drain it faster
+    assert rr["ttft_ms"]["median"] < one["ttft_ms"]["median"]
+    # Prefix affinity: requests sharing a first block meet on one replica.
+    shared = [SimRequest(i * 0.01, [5] * 32 + unique_prompt(i, 8), 4) for i in range(20)]
+    result = simulate(shared, SimSettings(replicas=3, router="prefix"), PROFILE)
+    assert len({t.replica for t in result.timelines}) == 1
+    assert summarize(result)["cached_prompt_tokens"] > 0
+
+
+# The step-time profile
+
+
+def test_profile_fit_recovers_known_coefficients(tmp_path):
+    rng = np.random.default_rng(0)
+    truth = dict(zip(FEATURES, [0.02, 3e-4, 1e-3, 2e-6, 5e-5], strict=True))
+
+    def sample():
+        p, d, c = rng.integers(0, 512), rng.integers(0, 64), rng.integers(16, 1024)
+        chunks = ([(c, int(p))] if p > 1 else []) + [(int(c), 1)] * int(d) or [(0, 2)]
+        features = step_features(chunks)
+        seconds = sum(truth[f] * x for f, x in zip(FEATURES, features, strict=True))
+        return features, seconds * (1 + rng.normal(0, 0.01))
+
+    profile = fit_profile([sample() for _ in range(200)], [sample() for _ in range(50)],
+                          model="synthetic")
+    for name, value in truth.items():
+        assert profile.coefficients[name] == pytest.approx(value, rel=0.1), name
+    assert profile.fit["held_out_error"]["mean_rel"] < 0.02
+    profile.save(tmp_path / "p.json")
+    loaded = StepProfile.load(tmp_path / "p.json")
+    assert loaded.coefficients == profile.coefficients and loaded.model == "synthetic"
+
+
+def test_the_shipped_default_profile_loads():
+    profile = StepProfile.load()
+    assert profile.machine["cpu"] and profile.fit["held_out_error"]["mean_rel"] < 1
+    decode_32 = profile.predict_chunks([(256, 1)] * 32)
+    assert 0 < profile.predict_chunks([(256, 1)]) < decode_32 < \
+        profile.predict_chunks([(0, 512)] + [(256, 1)] * 32)
+
+
+# Workload inputs
+
+
+def test_trace_jsonl_round_trip(tmp_path):
+    requests = workload(20, rate=5.0, tenants=2)
+    requests[3].tpot, requests[4].priority = 0.05, 7
+    write_trace(requests, tmp_path / "t.jsonl")
+    assert read_trace(tmp_path / "t.jsonl") == requests
+    write_trace(requests, tmp_path / "lengths.jsonl", with_ids=False)
+    back = read_trace(tmp_path / "lengths.jsonl")
+    assert [(r.arrival, r.prompt_len, r.output_len, r.tenant) for r in back] == \
+        [(r.arrival, r.prompt_len, r.output_len, r.tenant) for r in requests]
+    (tmp_path / "bad.jsonl").write_text('{"arrival": 0, "output_len": 3}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        read_trace(tmp_path / "bad.jsonl")
+
+
+def bench_report() -> dict:
+    records = [RequestRecord(start=0.5, prompt_tokens=40, success=True, output_tokens=8,
+                             ttft=0.1, e2e=0.5),
+               RequestRecord(start=0.0, prompt_tokens=30, success=True, output_tokens=16,
+                             ttft=0.1, e2e=0.9),
+               RequestRecord(start=0.7, prompt_tokens=20, error="HTTP 400: no")]
+    return {"model": "m", "runs": [{"request_rate": 4.0,
+                                    "requests": [r.as_dict() for r in records]}]}
+
+
+def test_bench_serve_report_converts_to_a_replay(tmp_path, capsys):
+    requests = from_bench_serve(bench_report())
+    assert [(r.arrival, r.prompt_len, r.output_len) for r in requests] == \
+        [(0.0, 30, 16), (0.5, 40, 8)]  # by send time; the failed one left out
+    assert requests[0].prompt_token_ids[0] != requests[1].prompt_token_ids[0]
+    with pytest.raises(ValueError, match="run 3"):
+        from_bench_serve(bench_report(), run=3)
+    (tmp_path / "report.json").write_text(json.dumps(bench_report()))
+    out = tmp_path / "sim.json"
+    assert main(["sim", "--workload", "bench-json", "--trace", str(tmp_path / "report.json"),
+                 "--policy", "fcfs,fair", "--json", str(out), "--per-request",
+                 "--save-trace", str(tmp_path / "replay.jsonl")]) == 0
+    printed = capsys.readouterr().out
+    assert "fcfs" in printed and "fair" in printed and "TTFT p99 (ms)" in printed
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["label"] for r in runs] == ["fcfs", "fair"]
+    assert runs[0]["successful"] == 2 and len(runs[0]["requests"]) == 2
+    assert len(read_trace(tmp_path / "replay.jsonl")) == 2
+
+
+def test_cli_sweeps_a_setting(tmp_path, capsys):
+    write_trace(workload(60, rate=20.0), tmp_path / "t.jsonl")
+    assert main(["sim", "--workload", "trace", "--trace", str(tmp_path / "t.jsonl"),
+                 "--sweep", "max_num_batched_tokens=128,1024", "--replicas", "2",
+                 "--router", "least-load", "--json", str(tmp_path / "o.json")]) == 0
+    runs = json.loads((tmp_path / "o.json").read_text())["runs"]
+    assert [r["settings"]["max_num_batched_tokens"] for r in runs] == [128, 1024]
+    assert "max_num_batched_tokens=128" in capsys.readouterr().out
+    assert main(["sim", "--workload", "trace", "--trace", str(tmp_path / "t.jsonl"),
+                 "--sweep", "nope=1"]) == 2
+
+
+def test_jain_index():
+    assert jain_index([5, 5, 5]) == pytest.approx(1.0)
+    assert jain_index([1, 0, 0, 0]) == pytest.approx(0.25)
+    assert jain_index([]) is None
+
+
+# Speed (printed, not asserted)
+
+
+def test_speed_of_ten_thousand_requests():
+    requests = workload(10_000, rate=8.0, tenants=4)
+    result = simulate(requests, SimSettings(policy="fair"), StepProfile.load())
+    report = summarize(result)
+    assert report["successful"] == 10_000
+    print(f"\n10,000 requests (synthetic-chat lengths, 8 req/s, fair, default profile): "
+          f"{result.wall_s:.1f} s to simulate {report['duration_s']:.0f} virtual s "
+          f"({report['speedup_vs_real_time']:.0f}x real time), {report['steps']} steps")

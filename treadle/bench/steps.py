@@ -1,0 +1,154 @@
+"""`treadle bench steps`: time mixed prefill + decode model passes over a grid and fit the
+simulator's step-time profile (treadle/sim/profile.py) to them.
+
+Each grid point is one pass of the model runner: a prefill chunk of P tokens (after C tokens of
+context) and D decode sequences at context C, for P x D x C over the grid (P = D = 0 skipped).
+A point's time is the least of `repeats` passes after one warm-up: on a shared machine the
+others' interference only ever adds time, and is not the step's own. The fit is checked on
+`held_out` passes at random (P, D, C) within the grid's range, not used in the fit. Only the
+model pass is timed: the scheduler's and sampler's per-step work is not in the profile.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import time
+
+import torch
+
+from treadle.config import CacheConfig, ModelConfig
+from treadle.model.capabilities import torch_dtype
+from treadle.model.loader import load_model, resolve_model
+from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence
+from treadle.sim.profile import FEATURES, StepProfile, fit_profile, step_features
+
+BLOCK_SIZE = 16
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def step_input(prefill: int, decode: int, context: int) -> ModelInput:
+    """A prefill chunk of `prefill` tokens after `context` tokens (when prefill > 0) and
+    `decode` one-token sequences at `context`, each on blocks of its own."""
+    per_seq = -(-(context + prefill) // BLOCK_SIZE)
+    seqs = []
+    if prefill:
+        seqs.append(ScheduledSequence([100 + i % 50 for i in range(prefill)], context,
+                                      list(range(per_seq))))
+    for i in range(1, decode + 1):
+        seqs.append(ScheduledSequence([100 + i % 50], context - 1,
+                                      list(range(i * per_seq, (i + 1) * per_seq))))
+    return ModelInput(seqs)
+
+
+def chunks_of(model_input: ModelInput) -> list[tuple[int, int]]:
+    return [(s.num_computed_tokens, len(s.token_ids)) for s in model_input.sequences]
+
+
+def time_step(runner: ModelRunner, model_input: ModelInput, repeats: int) -> float:
+    runner.execute(model_input)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.execute(model_input)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def bench_steps(model: str | None, dtype: str, quantization: str, prefill_tokens: list[int],
+                decode_seqs: list[int], context_lens: list[int], repeats: int = 3,
+                held_out: int = 12, seed: int = 0, progress: bool = True) -> dict:
+    began = time.perf_counter()
+    num_blocks = (max(decode_seqs) + 2) * -(-(max(context_lens) + max(prefill_tokens))
+                                            // BLOCK_SIZE)
+    runner = ModelRunner(load_model(model, torch_dtype(dtype), quantization),
+                         ModelConfig(model=model, dtype=dtype, quantization=quantization),
+                         CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks))
+    grid = [(p, d, c) for p in prefill_tokens for d in decode_seqs for c in context_lens
+            if p or d]
+    rng = random.Random(seed)
+    extra = [(rng.randint(0, max(prefill_tokens)), rng.randint(0, max(decode_seqs)),
+              rng.randint(min(context_lens), max(context_lens))) for _ in range(held_out)]
+    extra = [(p, d, c) if p or d else (p, 1, c) for p, d, c in extra]
+    rows = []
+    for kind, points in (("fit", grid), ("held_out", extra)):
+        for p, d, c in points:
+            model_input = step_input(p, d, c)
+            seconds = time_step(runner, model_input, repeats)
+            rows.append({"set": kind, "prefill_tokens": p, "decode_seqs": d, "context": c,
+                         "features": step_features(chunks_of(model_input)),
+                         "seconds": seconds})
+            if progress:
+                print(f"{kind:>8} P={p:<5} D={d:<4} C={c:<5} {seconds * 1e3:8.2f} ms",
+                      flush=True)
+    train = [(r["features"], r["seconds"]) for r in rows if r["set"] == "fit"]
+    test = [(r["features"], r["seconds"]) for r in rows if r["set"] == "held_out"]
+    source = resolve_model(model)
+    profile = fit_profile(
+        train, test, model=source.name,
+        machine={"cpu": cpu_name(), "cores": os.cpu_count(),
+                 "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                 **runner.platform_info()},
+        notes="")
+    profile.fit.update({"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                        "grid": {"prefill_tokens": prefill_tokens, "decode_seqs": decode_seqs,
+                                 "context_lens": context_lens}, "repeats": repeats,
+                        "seconds_taken": round(time.perf_counter() - began, 1)})
+    for r in rows:
+        r["predicted"] = profile.predict(r["features"])
+    return {"profile": profile, "rows": rows}
+
+
+def format_steps(report: dict) -> str:
+    profile: StepProfile = report["profile"]
+    lines = [f"model {profile.model}  {profile.machine.get('cpu')}  threads "
+             f"{profile.machine.get('torch_threads')}  dtype {profile.machine.get('dtype')}",
+             "step_s = " + " + ".join(f"{profile.coefficients[f]:.3g}*{f}" for f in FEATURES),
+             f"{'set':>8} {'P':>5} {'D':>4} {'C':>5} {'ms':>8} {'pred ms':>8} {'err':>6}"]
+    for r in report["rows"]:
+        err = (r["predicted"] - r["seconds"]) / r["seconds"]
+        lines.append(f"{r['set']:>8} {r['prefill_tokens']:>5} {r['decode_seqs']:>4} "
+                     f"{r['context']:>5} {r['seconds'] * 1e3:>8.2f} {r['predicted'] * 1e3:>8.2f} "
+                     f"{err:>6.0%}")
+    for key in ("train_error", "held_out_error"):
+        if key in profile.fit:
+            e = profile.fit[key]
+            lines.append(f"{key}: mean {e['mean_rel']:.1%}, median {e['median_rel']:.1%}, "
+                         f"max {e['max_rel']:.1%}")
+    return "\n".join(lines)
+
+
+def add_steps_args(parser) -> None:
+    def ints(text: str) -> list[int]:
+        return [int(x) for x in text.split(",") if x]
+
+    parser.add_argument("--prefill-tokens", type=ints, default=[0, 32, 128, 512])
+    parser.add_argument("--decode-seqs", type=ints, default=[0, 1, 8, 32])
+    parser.add_argument("--context-lens", type=ints, default=[64, 512])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--held-out", type=int, default=12)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default="step_profile.json", help="the profile JSON")
+    parser.add_argument("--notes", default="", help="kept in the profile (e.g. the machine's load)")
+
+
+def run_steps(args) -> int:
+    report = bench_steps(args.model, args.dtype, args.quantization, args.prefill_tokens,
+                         args.decode_seqs, args.context_lens, args.repeats, args.held_out,
+                         args.seed)
+    report["profile"].notes = args.notes
+    report["profile"].save(args.output)
+    print(format_steps(report))
+    print(f"wrote {args.output}")
+    return 0

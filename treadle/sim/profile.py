@@ -1,0 +1,119 @@
+"""The step-time model: a step's seconds as a linear function of what the step computes.
+
+    step_s = const + b * prefill_tokens + c * decode_seqs + d * decode_context
+             + e * prefill_attention
+
+prefill_tokens: tokens of chunks longer than one token (the runner's prefill path);
+decode_seqs: one-token chunks (its decode path); decode_context: the context lengths those read;
+prefill_attention: sum over chunks of n * (start + n) / 1000 (the query x key products). Fitted
+by least squares (numpy) to measured steps (`treadle bench steps`), saved as a small JSON profile
+that names the machine and model it came from. `fit_profile` reports the relative error on
+held-out steps.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+FEATURES = ("const", "prefill_tokens", "decode_seqs", "decode_context", "prefill_attention")
+DEFAULT_PROFILE = Path(__file__).parent / "data" / "default_profile.json"
+
+
+def step_features(chunks: Iterable[tuple[int, int]]) -> list[float]:
+    """Features of one step from its chunks: (tokens already computed, new tokens) each."""
+    prefill = decode = decode_context = attention = 0
+    for start, n in chunks:
+        if n == 1:
+            decode += 1
+            decode_context += start + 1
+        else:
+            prefill += n
+            attention += n * (start + n)
+    return [1.0, float(prefill), float(decode), float(decode_context), attention / 1000.0]
+
+
+@dataclass
+class StepProfile:
+    coefficients: dict[str, float]  # seconds per unit of each feature
+    model: str = "unknown"
+    machine: dict = field(default_factory=dict)
+    fit: dict = field(default_factory=dict)  # how it was fitted and its error
+    notes: str = ""
+
+    def predict(self, features: Sequence[float]) -> float:
+        c = self.coefficients
+        seconds = sum(c.get(name, 0.0) * x for name, x in zip(FEATURES, features, strict=True))
+        return max(seconds, 1e-6)  # a step always takes some time: the clock must advance
+
+    def predict_chunks(self, chunks: Iterable[tuple[int, int]]) -> float:
+        return self.predict(step_features(chunks))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> StepProfile:
+        """A profile from a JSON file; None: the default model's, shipped with the package."""
+        data = json.loads(Path(path or DEFAULT_PROFILE).read_text())
+        unknown = set(data.get("coefficients", {})) - set(FEATURES)
+        if unknown:
+            raise ValueError(f"profile {path}: unknown features {sorted(unknown)}")
+        return cls(**{k: data[k] for k in ("coefficients", "model", "machine", "fit", "notes")
+                      if k in data})
+
+    @classmethod
+    def constant(cls, seconds: float) -> StepProfile:
+        """Every step takes `seconds` (tests; a deterministic clock)."""
+        return cls({"const": seconds}, model="constant")
+
+
+def fit_coefficients(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    """Least squares of relative error: each step's row divided by its seconds, so a 20 ms
+    decode step counts as much as a 2 s prefill (plain least squares fits the big steps and
+    misses small ones by half). Coefficients stay >= 0 (a negative cost per token is noise,
+    and would let large steps predict negative times): negative columns are dropped and the
+    rest refitted, until none is negative."""
+    x, y = features / seconds[:, None], np.ones_like(seconds)
+    keep = np.ones(features.shape[1], dtype=bool)
+    while True:
+        sub, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+        if (sub >= 0).all():
+            break
+        keep[np.flatnonzero(keep)[sub < 0]] = False
+    coef = np.zeros(features.shape[1])
+    coef[keep] = sub
+    return coef
+
+
+def fit_profile(train: Sequence[tuple[Sequence[float], float]],
+                held_out: Sequence[tuple[Sequence[float], float]] = (), **meta) -> StepProfile:
+    """A profile fitted to (features, seconds) pairs; its error on `held_out` (and on the
+    training steps) in `fit`."""
+    x = np.asarray([f for f, _ in train], dtype=float)
+    y = np.asarray([s for _, s in train], dtype=float)
+    coef = fit_coefficients(x, y)
+    profile = StepProfile(dict(zip(FEATURES, map(float, coef), strict=True)), **meta)
+    profile.fit = {"method": "least squares of relative error on measured steps; negative "
+                             "coefficients dropped and the rest refitted",
+                   "train_steps": len(train),
+                   "train_error": prediction_error(profile, train)}
+    if held_out:
+        profile.fit["held_out_steps"] = len(held_out)
+        profile.fit["held_out_error"] = prediction_error(profile, held_out)
+    return profile
+
+
+def prediction_error(profile: StepProfile, steps: Sequence[tuple[Sequence[float], float]]
+                     ) -> dict[str, float]:
+    """Relative errors |predicted - measured| / measured over `steps`: mean, median, max."""
+    rel = np.asarray([abs(profile.predict(f) - s) / s for f, s in steps])
+    return {"mean_rel": float(rel.mean()), "median_rel": float(np.median(rel)),
+            "max_rel": float(rel.max())}
