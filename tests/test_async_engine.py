@@ -19,14 +19,16 @@ pytestmark = pytest.mark.default_model
 
 
 def scrape(text: bytes) -> dict[str, float]:
-    """Sample name (with labels other than model_name) -> value."""
-    values = {}
+    """Sample name (with labels other than model_name and tenant) -> value, summed over
+    tenants."""
+    values: dict[str, float] = {}
     for family in text_string_to_metric_families(text.decode()):
         for sample in family.samples:
-            labels = {k: v for k, v in sample.labels.items() if k != "model_name"}
+            labels = {k: v for k, v in sample.labels.items() if k not in ("model_name", "tenant")}
             suffix = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()) if k != "le")
             if "le" not in labels:
-                values[sample.name + (f"{{{suffix}}}" if suffix else "")] = sample.value
+                name = sample.name + (f"{{{suffix}}}" if suffix else "")
+                values[name] = values.get(name, 0.0) + sample.value
     return values
 
 
@@ -41,13 +43,13 @@ async def wait_idle(engine: AsyncEngine, timeout: float = 10.0) -> dict:
 
 
 def test_streams_equal_offline_and_aborts_free_blocks(tmp_path):
-    offline = LLM(dtype="float32", kv_cache_memory_bytes=64 << 20)
+    offline = LLM(dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20)
     prompts = [offline.chat_prompt(q) for q in ("Why is the sky blue?", "Name three fruits.")]
     params = SamplingParams(max_tokens=24, temperature=0.0)
     expected = [o.outputs[0] for o in offline.generate(prompts, params, use_tqdm=False)]
 
     async def scenario():
-        engine = AsyncEngine(dtype="float32", kv_cache_memory_bytes=64 << 20,
+        engine = AsyncEngine(dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20,
                              trace_file=str(tmp_path / "trace.json"))
         await engine.start()
         try:
@@ -121,7 +123,7 @@ def test_streams_equal_offline_and_aborts_free_blocks(tmp_path):
 
 def test_a_full_queue_refuses_then_serves_again():
     async def scenario():
-        engine = AsyncEngine(dtype="float32", kv_cache_memory_bytes=64 << 20,
+        engine = AsyncEngine(dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20,
                              max_queued_requests=1)
         await engine.start()
         try:

@@ -292,7 +292,8 @@ def live_grpc():
 
     async def serve() -> None:
         try:
-            engine = AsyncEngine(dtype="float32", kv_cache_memory_bytes=64 << 20)
+            engine = AsyncEngine(dtype="float32", quantization="none",
+                                 kv_cache_memory_bytes=64 << 20)
             await engine.start()
             server, state["port"] = await start_grpc_server(engine, port=0)
         except Exception as e:

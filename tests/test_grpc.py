@@ -38,14 +38,14 @@ def chat(question: str) -> pb.ChatMessages:
 @pytest.fixture(scope="module")
 def offline_sample():
     """The same seeded request through the offline API: an independent path to the engine."""
-    llm = LLM(dtype="float32", kv_cache_memory_bytes=64 << 20)
+    llm = LLM(dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20)
     params = SamplingParams(max_tokens=24, temperature=0.8, seed=1234, ignore_eos=True)
     return llm.generate([llm.chat_prompt(QUESTION)], params, use_tqdm=False)[0].outputs[0]
 
 
 def test_grpc_frontend(offline_sample):
     async def scenario():
-        engine = AsyncEngine(dtype="float32", kv_cache_memory_bytes=64 << 20)
+        engine = AsyncEngine(dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20)
         await engine.start()
         server, port = await start_grpc_server(engine, port=0, api_keys=["sekrit"])
         auth = (("authorization", "Bearer sekrit"),)

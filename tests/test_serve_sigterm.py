@@ -1,7 +1,8 @@
 """`treadle serve` on SIGTERM, as a process manager stops it: the server stops accepting at once,
-lets the in-flight stream run to its end within --shutdown-timeout (or cuts it off past it), and
-exits 0. Each case starts the real CLI in a subprocess and streams over raw HTTP, so that the
-SSE stream's end ([DONE] or none) is seen as sent."""
+lets the in-flight stream run to its end within --shutdown-timeout (or, past it, ends it with a
+server_shutdown error event and [DONE]), and exits 0 within the timeout and a second. Each case
+starts the real CLI in a subprocess and streams over raw HTTP, so that the SSE stream's end is
+seen as sent."""
 
 from __future__ import annotations
 
@@ -94,26 +95,27 @@ class Stream:
         return [json.loads(e) for e in self.events if e != "[DONE]"]
 
     def finish_reasons(self) -> list[str]:
-        return [c["finish_reason"] for chunk in self.chunks() for c in chunk["choices"]
+        return [c["finish_reason"] for chunk in self.chunks() for c in chunk.get("choices", ())
                 if c["finish_reason"] is not None]
 
 
 def sigterm_mid_stream(proc: subprocess.Popen, url: str, max_tokens: int
-                       ) -> tuple[Stream, threading.Thread]:
+                       ) -> tuple[Stream, threading.Thread, float]:
     """Start a stream, SIGTERM the server once its first token arrived, and return once a new
-    connection is refused."""
+    connection is refused: the stream, its reader, when the signal was sent."""
     stream = Stream(url, max_tokens)
     reader = threading.Thread(target=stream.read, daemon=True)
     reader.start()
     assert stream.first.wait(60) and stream.error is None, stream.error
     proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 5
+    sent = time.monotonic()
+    deadline = sent + 5
     while True:
         # uvicorn notices the signal on its next tick (0.1 s), then closes its listener.
         try:
             httpx.get(f"{url}/health", timeout=1)
         except httpx.ConnectError:
-            return stream, reader
+            return stream, reader, sent
         assert time.monotonic() < deadline, "new connections were still accepted after SIGTERM"
         time.sleep(0.05)
 
@@ -121,7 +123,7 @@ def sigterm_mid_stream(proc: subprocess.Popen, url: str, max_tokens: int
 def test_sigterm_lets_the_in_flight_stream_finish(tmp_path: Path) -> None:
     max_tokens = 60
     with serve(shutdown_timeout=10, log=tmp_path / "server.log") as (proc, url):
-        stream, reader = sigterm_mid_stream(proc, url, max_tokens)
+        stream, reader, _ = sigterm_mid_stream(proc, url, max_tokens)
         assert reader.is_alive(), "the stream ended before the listener closed"
         reader.join(15)
         assert not reader.is_alive() and stream.error is None, stream.error
@@ -131,13 +133,15 @@ def test_sigterm_lets_the_in_flight_stream_finish(tmp_path: Path) -> None:
         assert proc.wait(15) == 0, (tmp_path / "server.log").read_text()
 
 
-def test_sigterm_past_the_timeout_cuts_the_stream_off(tmp_path: Path) -> None:
+def test_sigterm_past_the_timeout_ends_the_stream_with_server_shutdown(tmp_path: Path) -> None:
     # Far more tokens than a second of decoding makes: still running when the timeout ends.
     max_tokens = MAX_MODEL_LEN - 16
-    with serve(shutdown_timeout=1, log=tmp_path / "server.log") as (proc, url):
-        stream, reader = sigterm_mid_stream(proc, url, max_tokens)
-        # The timeout, then the engine's shutdown: seconds, not the stream's full length.
+    timeout = 1.0
+    with serve(shutdown_timeout=timeout, log=tmp_path / "server.log") as (proc, url):
+        stream, reader, sent = sigterm_mid_stream(proc, url, max_tokens)
         assert proc.wait(10) == 0, (tmp_path / "server.log").read_text()
+        assert time.monotonic() - sent < timeout + 1, "exited past the timeout and a second"
         reader.join(15)
-        assert not reader.is_alive()
-        assert "[DONE]" not in stream.events and "length" not in stream.finish_reasons()
+        assert not reader.is_alive() and stream.error is None, stream.error
+        assert stream.events[-1] == "[DONE]" and "length" not in stream.finish_reasons()
+        assert json.loads(stream.events[-2])["error"]["type"] == "server_shutdown"

@@ -36,7 +36,7 @@ CONFIG = schemathesis.Config.from_dict({
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    engine = AsyncEngine(dtype="float32", kv_cache_memory_bytes=64 << 20,
+    engine = AsyncEngine(dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20,
                          max_model_len=MAX_MODEL_LEN)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -52,6 +52,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
                         help="SLOs, e.g. ttft:500 tpot:50 (ttft, tpot, e2el)")
+    parser.add_argument("--tenants", default=None, metavar="NAME:SHARE,...",
+                        help="draw each request's tenant in proportion to the shares; sent as "
+                             "`user` (or the tenant's --tenant-key); reports per-tenant "
+                             "statistics and Jain's fairness index")
+    parser.add_argument("--tenant-key", action="append", default=[], metavar="NAME=KEY",
+                        help="send that tenant's requests with this API key (repeatable)")
+    parser.add_argument("--slo", default=None, metavar="ttft:MS,tpot:MS",
+                        help="objectives set on every request (ttft_ms, tpot_ms) and reported "
+                             "as goodput")
     parser.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
                         help="send prompts as token ids or as text")
     parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
@@ -89,18 +98,27 @@ def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
 
 def run_serve(args: argparse.Namespace) -> int:
     from treadle.bench.metrics import parse_goodput
-    from treadle.bench.serve import bench_serve, format_serve
+    from treadle.bench.serve import bench_serve, format_serve, parse_slo, parse_tenants
     from treadle.bench.workloads import summarize
 
     try:
         slos = parse_goodput(args.goodput)
+        tenants = parse_tenants(args.tenants) if args.tenants else None
+        tenant_keys = {}
+        for item in args.tenant_key:
+            name, sep, key = item.partition("=")
+            if not (sep and name and key):
+                raise ValueError(f"--tenant-key {item!r} is not NAME=KEY")
+            tenant_keys[name] = key
+        objectives = parse_slo(args.slo) if args.slo else None
         requests = build_workload(args)
         report = bench_serve(args.base_url, args.model, requests, args.request_rate,
                              burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                              slos=slos, prompt_format=args.prompt_format,
                              ignore_eos=args.ignore_eos, seed=args.seed,
                              backend=args.backend, api_key=args.api_key,
-                             progress=args.progress)
+                             progress=args.progress, tenants=tenants,
+                             tenant_keys=tenant_keys, objectives=objectives)
     except (ValueError, OSError) as e:
         print(f"treadle: {e}", file=sys.stderr)
         return 2
@@ -129,6 +147,7 @@ def add_roofline_args(parser: argparse.ArgumentParser) -> None:
 def run_roofline(args: argparse.Namespace) -> int:
     from treadle.bench.roofline import bench_roofline, format_roofline
 
-    report = bench_roofline(args.model, args.dtype, args.batch_sizes, args.context_len)
+    report = bench_roofline(args.model, args.dtype, args.batch_sizes, args.context_len,
+                            args.quantization)
     print(json.dumps(report, indent=2) if args.json else format_roofline(report))
     return 0

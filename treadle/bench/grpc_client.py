@@ -25,8 +25,8 @@ FAILED = (pb.FINISH_REASON_ABORT, pb.FINISH_REASON_ERROR)
 
 async def send_grpc_request(stub: pb_grpc.GenerationStub, message: pb.GenerateRequest,
                             prompt_len: int, start: float, metadata: tuple = (),
-                            clock: Clock = time.perf_counter) -> RequestRecord:
-    record = RequestRecord(start=start, prompt_tokens=prompt_len)
+                            clock: Clock = time.perf_counter, tenant: str = "") -> RequestRecord:
+    record = RequestRecord(start=start, prompt_tokens=prompt_len, tenant=tenant)
     timer = StreamTimer(record, clock)
     tokens = 0
     usage: pb.Usage | None = None
@@ -52,15 +52,23 @@ class GrpcBackend:
     """Streaming Generate on `target` (host:port; a scheme before it is dropped)."""
 
     def __init__(self, target: str, model: str, requests: list[BenchRequest],
-                 prompt_format: str, ignore_eos: bool, api_key: str | None = None) -> None:
+                 prompt_format: str, ignore_eos: bool, api_key: str | None = None,
+                 tenants: list[str] | None = None, tenant_keys: dict[str, str] | None = None,
+                 objectives: dict[str, float] | None = None) -> None:
         self.target = target.split("://", 1)[-1].rstrip("/")
-        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self.tenants = tenants or [""] * len(requests)
+        tenant_keys = tenant_keys or {}
+        self.metadata = [(("authorization", f"Bearer {tenant_keys[t]}"),) if t in tenant_keys
+                         else metadata for t in self.tenants]
         self.prompt_lens = [r.prompt_len for r in requests]
+        extra = {f"{name}_ms": ms for name, ms in (objectives or {}).items()}
         self.messages = [pb.GenerateRequest(
             model=model, sampling=pb.SamplingParameters(temperature=0.0),
             stop=pb.StopCriteria(max_tokens=r.output_len, ignore_eos=ignore_eos),
+            user=tenant if tenant not in tenant_keys else "", **extra,
             **({"token_ids": pb.TokenIds(ids=r.prompt_token_ids)} if prompt_format == "ids"
-               else {"text": r.prompt})) for r in requests]
+               else {"text": r.prompt})) for r, tenant in zip(requests, self.tenants, strict=True)]
 
     @asynccontextmanager
     async def connect(self, max_connections: int | None) -> AsyncIterator[Send]:
@@ -68,4 +76,5 @@ class GrpcBackend:
         async with grpc.aio.insecure_channel(self.target) as channel:
             stub = pb_grpc.GenerationStub(channel)
             yield lambda i, start: send_grpc_request(stub, self.messages[i],
-                                                     self.prompt_lens[i], start, self.metadata)
+                                                     self.prompt_lens[i], start,
+                                                     self.metadata[i], tenant=self.tenants[i])

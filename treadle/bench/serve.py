@@ -10,6 +10,12 @@ follow vLLM's: gaps drawn from a gamma distribution with shape `burstiness` and 
 once), optionally capped at `max_concurrency` requests in flight. A request's clock starts when
 it is sent, after any wait for a concurrency slot, as in vLLM. `metrics` says how each number is
 defined.
+
+Tenants (`--tenants NAME:SHARE,...`): each request is drawn for a tenant in proportion to the
+shares (seeded), so each tenant's arrivals are its share of the request rate; it is sent with the
+tenant's API key where one is given (`--tenant-key NAME=KEY`), else with `user` set to the
+tenant's name. Objectives (`--slo ttft:MS,tpot:MS`) go on every request (`ttft_ms`, `tpot_ms`;
+over gRPC the fields of those names) and are the goodput SLOs.
 """
 
 from __future__ import annotations
@@ -27,10 +33,45 @@ from typing import Protocol
 import httpx
 from tqdm import tqdm
 
-from treadle.bench.metrics import PERCENTILES, RequestRecord, compute_metrics
+from treadle.bench.metrics import PERCENTILES, RequestRecord, compute_metrics, tenant_metrics
 from treadle.bench.workloads import BenchRequest
 
 Clock = Callable[[], float]
+
+
+def assign_tenants(n: int, shares: dict[str, float], seed: int = 0) -> list[str]:
+    """Each of `n` requests' tenant, drawn in proportion to `shares` (seeded)."""
+    if not shares or any(not share > 0 for share in shares.values()):
+        raise ValueError(f"tenant shares must be > 0, got {shares}")
+    rng = random.Random(seed + 1)
+    names = list(shares)
+    return rng.choices(names, weights=[shares[t] for t in names], k=n)
+
+
+def parse_tenants(text: str) -> dict[str, float]:
+    """"heavy:10,light1:1" -> {"heavy": 10.0, "light1": 1.0}."""
+    shares = {}
+    for item in text.split(","):
+        name, sep, share = item.strip().rpartition(":")
+        try:
+            value = float(share) if sep and name else float("nan")
+        except ValueError:
+            value = float("nan")
+        if not (value > 0 and not math.isinf(value)):
+            raise ValueError(f"--tenants item {item!r} is not NAME:SHARE with SHARE > 0")
+        shares[name] = value
+    return shares
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """"ttft:500,tpot:50" -> {"ttft": 500.0, "tpot": 50.0} (milliseconds)."""
+    from treadle.bench.metrics import parse_goodput
+
+    slos = parse_goodput([x.strip() for x in text.split(",") if x.strip()])
+    if "e2el" in slos:
+        raise ValueError("--slo takes ttft and tpot (objectives the server knows); use "
+                         "--goodput e2el:MS for an end-to-end SLO")
+    return slos
 
 
 def arrival_times(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0
@@ -101,13 +142,15 @@ def error_message(body: bytes, status: int) -> str:
 
 
 async def send_request(client: httpx.AsyncClient, url: str, payload: dict, prompt_len: int,
-                       start: float, clock: Clock = time.perf_counter) -> RequestRecord:
+                       start: float, clock: Clock = time.perf_counter,
+                       headers: dict[str, str] | None = None, tenant: str = ""
+                       ) -> RequestRecord:
     """Stream one completion; `start` is the send time relative to the run's start."""
-    record = RequestRecord(start=start, prompt_tokens=prompt_len)
+    record = RequestRecord(start=start, prompt_tokens=prompt_len, tenant=tenant)
     timer = StreamTimer(record, clock)
     usage: dict = {}
     try:
-        async with client.stream("POST", url, json=payload) as response:
+        async with client.stream("POST", url, json=payload, headers=headers) as response:
             if response.status_code != 200:
                 record.error = error_message(await response.aread(), response.status_code)
                 return record
@@ -139,18 +182,28 @@ class OpenAIBackend:
     """Streaming POST {base_url}/v1/completions."""
 
     def __init__(self, base_url: str, model: str, requests: list[BenchRequest],
-                 prompt_format: str, ignore_eos: bool, api_key: str | None = None) -> None:
+                 prompt_format: str, ignore_eos: bool, api_key: str | None = None,
+                 tenants: list[str] | None = None, tenant_keys: dict[str, str] | None = None,
+                 objectives: dict[str, float] | None = None) -> None:
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.prompt_lens = [r.prompt_len for r in requests]
+        self.tenants = tenants or [""] * len(requests)
+        tenant_keys = tenant_keys or {}
+        self.request_headers = [{"Authorization": f"Bearer {tenant_keys[t]}"}
+                                if t in tenant_keys else None for t in self.tenants]
         self.payloads = []
-        for r in requests:
+        for r, tenant in zip(requests, self.tenants, strict=True):
             payload = {"model": model,
                        "prompt": r.prompt_token_ids if prompt_format == "ids" else r.prompt,
                        "max_tokens": r.output_len, "temperature": 0.0, "stream": True,
                        "stream_options": {"include_usage": True}}
             if ignore_eos:
                 payload["ignore_eos"] = True
+            if tenant and tenant not in tenant_keys:
+                payload["user"] = tenant
+            for name, ms in (objectives or {}).items():
+                payload[f"{name}_ms"] = ms
             self.payloads.append(payload)
 
     @asynccontextmanager
@@ -163,7 +216,9 @@ class OpenAIBackend:
                                 max_keepalive_connections=max_connections))
         async with client:
             yield lambda i, start: send_request(client, self.url, self.payloads[i],
-                                                self.prompt_lens[i], start)
+                                                self.prompt_lens[i], start,
+                                                headers=self.request_headers[i],
+                                                tenant=self.tenants[i])
 
 
 async def run_requests(backend: Backend, times: list[float], max_concurrency: int | None,
@@ -202,9 +257,13 @@ def bench_serve(base_url: str, model: str, requests: list[BenchRequest],
                 max_concurrency: int | None = None, slos: dict[str, float] | None = None,
                 prompt_format: str = "ids", ignore_eos: bool = True, seed: int = 0,
                 backend: str = "openai", api_key: str | None = None,
-                progress: bool = True) -> dict:
+                progress: bool = True, tenants: dict[str, float] | None = None,
+                tenant_keys: dict[str, str] | None = None,
+                objectives: dict[str, float] | None = None) -> dict:
     """One run per request rate, after one untimed request that checks the server answers.
-    `backend` "openai" takes an http(s) base URL; "grpc" a host:port of Treadle's gRPC API."""
+    `backend` "openai" takes an http(s) base URL; "grpc" a host:port of Treadle's gRPC API.
+    `tenants`: name -> share of the requests; `tenant_keys`: name -> API key; `objectives`:
+    ttft / tpot in ms, set on every request and counted as goodput SLOs."""
     if not requests:
         raise ValueError("the workload has no requests")
     if max_concurrency is not None and max_concurrency < 1:
@@ -212,13 +271,18 @@ def bench_serve(base_url: str, model: str, requests: list[BenchRequest],
     if prompt_format == "text" and any(r.prompt is None for r in requests):
         raise ValueError("prompt format text needs the workload's prompt text")
     times = [arrival_times(len(requests), rate, burstiness, seed) for rate in request_rates]
+    names = assign_tenants(len(requests), tenants, seed) if tenants else None
+    if objectives:
+        slos = {**(slos or {}), **objectives}
     client: Backend
     if backend == "grpc":
         from treadle.bench.grpc_client import GrpcBackend
 
-        client = GrpcBackend(base_url, model, requests, prompt_format, ignore_eos, api_key)
+        client = GrpcBackend(base_url, model, requests, prompt_format, ignore_eos, api_key,
+                             names, tenant_keys, objectives)
     else:
-        client = OpenAIBackend(base_url, model, requests, prompt_format, ignore_eos, api_key)
+        client = OpenAIBackend(base_url, model, requests, prompt_format, ignore_eos, api_key,
+                               names, tenant_keys, objectives)
     first = asyncio.run(probe(client))
     if not first.success:
         raise RuntimeError(f"the first request to {base_url} failed: {first.error}")
@@ -230,6 +294,7 @@ def bench_serve(base_url: str, model: str, requests: list[BenchRequest],
         runs.append({"request_rate": rate, "burstiness": burstiness,
                      "max_concurrency": max_concurrency,
                      **compute_metrics(records, duration, slos),
+                     **(tenant_metrics(records, duration, slos) if names else {}),
                      "errors": dict(errors.most_common()),
                      "requests": [r.as_dict() for r in records]})
     return {"base_url": base_url, "backend": backend, "model": model,
@@ -270,9 +335,30 @@ def format_run(run: dict) -> str:
         lines.append(f"{' ' + title + ' ':-^50}")
         for stat in ("mean", "median", *(f"p{p}" for p in PERCENTILES)):
             lines.append(f"{stat.capitalize() + ' ' + short + ' (ms)':<36}{_ms(stats[stat]):>14}")
+    if run.get("tenants"):
+        lines.append(format_tenants(run))
     for message, count in list(run["errors"].items())[:5]:
         lines.append(f"{count} failed: {message}")
     lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def format_tenants(run: dict) -> str:
+    """One row per tenant, then Jain's index."""
+    head = (f"{'tenant':<12}{'ok':>5}{'fail':>5}{'out tok/s':>10}{'TTFT p50':>9}{'p99':>8}"
+            f"{'TPOT p50':>9}{'p99':>7}{'good':>6}{'norm':>6}")
+    lines = [f"{' Tenants (ms) ':-^82}", head]
+    for name, t in run["tenants"].items():
+        good = t["goodput"]["good_requests"] if t["goodput"] else None
+        norm = t.get("normalised_service")
+        lines.append(
+            f"{name[:12]:<12}{t['successful']:>5}{t['failed']:>5}{t['output_throughput']:>10.1f}"
+            f"{_ms(t['ttft_ms']['median']):>9}{_ms(t['ttft_ms']['p99']):>8}"
+            f"{_ms(t['tpot_ms']['median']):>9}{_ms(t['tpot_ms']['p99']):>7}"
+            f"{'-' if good is None else good:>6}{'-' if norm is None else f'{norm:.2f}':>6}")
+    jain = run.get("jain_fairness")
+    lines.append(f"{'Jain fairness index (normalised service)':<68}"
+                 f"{'-' if jain is None else f'{jain:.3f}':>14}")
     return "\n".join(lines)
 
 

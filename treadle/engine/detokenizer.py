@@ -6,7 +6,9 @@ Two hold-backs keep what a client sees final:
   to, its text is held; the next tokens complete the character, or `flush()` releases it as is.
 - stop strings: the longest tail of the text that is a prefix of some stop string is held until
   later text completes a stop (cut there) or rules it out (released), so no fragment of a stop
-  string ever reaches the stream.
+  string ever reaches the stream. That tail is tracked per stop string as a Knuth-Morris-Pratt
+  matcher state, advanced over new text only: work linear in the stop strings' total length
+  (once per request: the tables are cached) and in the output, never in their product.
 
 Decoding keeps a short window of ids (vLLM's prefix/read offsets): the ids since the last release
 plus the new ones are decoded, and the text past the window's old part is new. That is one decode
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from transformers import PreTrainedTokenizerFast
 
@@ -66,11 +69,11 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop)
         self.include_stop_str_in_output = include_stop_str_in_output
-        # Every proper prefix of a stop string: a tail of the text in here may still become one.
-        self._stop_prefixes = {s[:i] for s in self.stop for i in range(1, len(s))}
-        # Their characters: a text ending in none of them holds nothing back, found in one lookup.
-        self._stop_prefix_chars = set("".join(self._stop_prefixes))
-        self._max_hold = max((len(s) - 1 for s in self.stop), default=0)
+        self._matchers = [_matcher(s) for s in self.stop]
+        self._stop_chars = frozenset().union(*(chars for chars, _ in self._matchers))
+        # Per stop string: the length of the longest tail of the text that is a prefix of it.
+        self._matched = self._unmatched = (0,) * len(self.stop)
+        self._held = 0  # the longest of them: how much of the text to hold back
 
         # The decode window: _ids[:_read] decoded last time (to _prefix_text), _ids[_read:] not yet.
         self._ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
@@ -136,11 +139,25 @@ class IncrementalDetokenizer:
             text, self._pending = pending[:end], ""
             self.stopped, self.stop_reason = True, stop
         else:
-            cut = len(pending) - (0 if final else self._held_tail_len(pending))
+            if new_text:
+                self._advance(new_text)
+            cut = len(pending) - (0 if final else self._held)
             text, self._pending = pending[:cut], pending[cut:]
         if text:
             self._emitted.append(text)
         return DetokenizerDelta(text, self.stopped, self.stop_reason)
+
+    def _advance(self, new_text: str) -> None:
+        """Advance each stop string's matcher over text in which no stop is complete: no state
+        reaches a whole stop string, and the held tail lies in the pending text."""
+        if new_text[-1] not in self._stop_chars:  # most tokens: nothing can be held
+            self._matched, self._held = self._unmatched, 0
+            return
+        self._matched = tuple(
+            _advance_matcher(stop, matcher, matched, new_text) if new_text[-1] in matcher[0] else 0
+            for stop, matcher, matched in zip(self.stop, self._matchers, self._matched,
+                                              strict=True))
+        self._held = max(self._matched)
 
     def _first_stop(self, text: str) -> tuple[int, str] | None:
         """(start, stop string) of the stop that is complete first in the text."""
@@ -153,11 +170,38 @@ class IncrementalDetokenizer:
                     best = key
         return None if best is None else (best[1], best[2])
 
-    def _held_tail_len(self, text: str) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        if not text or text[-1] not in self._stop_prefix_chars:
-            return 0
-        for n in range(min(len(text), self._max_hold), 0, -1):
-            if text[-n:] in self._stop_prefixes:
-                return n
-        return 0
+
+@lru_cache(maxsize=256)  # 256 stop strings of at most MAX_STOP_CHARS characters each
+def _matcher(stop: str) -> tuple[frozenset[str], tuple[int, ...]]:
+    """A stop string's characters and KMP failure table: fail[i] is the length of the longest
+    proper prefix of stop[:i + 1] that is also its suffix. Cached: n samples share one."""
+    fail = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = fail[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        fail[i] = k
+    return frozenset(stop), tuple(fail)
+
+
+def _advance_matcher(stop: str, matcher: tuple[frozenset[str], tuple[int, ...]], matched: int,
+             text: str) -> int:
+    """The matcher state after `text`: the length of the longest tail of (the text so far, whose
+    state was `matched`) + `text` that is a prefix of `stop`. The caller knows that no whole
+    stop string occurs there."""
+    chars, fail = matcher
+    # A tail that is a prefix of the stop consists of its characters: start past the last other
+    # character (usually at once: text seldom ends in a run of a stop string's characters).
+    start = len(text)
+    while start and text[start - 1] in chars:
+        start -= 1
+    if start:
+        matched = 0
+    for c in text[start:]:
+        while matched and stop[matched] != c:
+            matched = fail[matched - 1]
+        if stop[matched] == c:
+            matched += 1
+    return matched

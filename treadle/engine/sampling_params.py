@@ -3,6 +3,9 @@
 Field names, defaults and ranges follow vLLM's `SamplingParams` (vllm/sampling_params.py,
 `_verify_args`), so that a client of either engine means the same thing. Every error is a
 `ValueError` worded "<field> must be <range>, got <value>"; the frontend turns it into a 400.
+
+The MAX_* constants bound what one request may ask for (README, "Limits"): each is a size a
+client chooses and the server pays for, on the event loop, in the engine loop or in memory.
 """
 
 from __future__ import annotations
@@ -19,6 +22,16 @@ MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes at most a 64-bit value
 # vLLM (vllm/sampling_params.py, _MAX_TEMP) raises temperatures in (0, 0.01) to 0.01: a tinier one
 # drives logits / temperature toward float32 overflow, and an inf logit turns the softmax to NaN.
 MIN_TEMPERATURE = 1e-2
+# Stop strings are searched in every sample's text after every token: their number and length
+# (times n, the samples searching them) bound that work. vLLM sets no bound; OpenAI allows 4.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096  # all stop strings together
+MAX_N_STOP_CHARS = 32768  # n x MAX_STOP_CHARS would be 512K characters searched per token
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit; the sampler applies every entry at every step
+# A prompt's characters are checked before it is tokenized: more than this many per token of the
+# context cannot fit it (natural text has about 4), so the tokenizer never sees a huge body.
+MAX_PROMPT_CHARS_PER_TOKEN = 32
 
 
 @dataclass
@@ -77,10 +90,17 @@ class SamplingParams:
         self.min_tokens = _check_int("min_tokens", self.min_tokens, 0, self.max_tokens,
                                      f"in [0, max_tokens={self.max_tokens}]")
         self.stop = _check_stop(self.stop)
+        stop_chars = sum(len(s) for s in self.stop)
+        if self.n * stop_chars > MAX_N_STOP_CHARS:
+            raise ValueError(f"stop must be at most {MAX_N_STOP_CHARS} characters times n, got "
+                             f"{stop_chars} characters and n={self.n}")
         self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids, got "
+                             f"{len(self.stop_token_ids)}")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be a bool, got {_short(getattr(self, name))}")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 setattr(self, name, _check_int(name, getattr(self, name), 0, MAX_LOGPROBS,
@@ -93,10 +113,19 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
+def _short(value: Any, limit: int = 100) -> str:
+    """repr(value), cut to `limit` characters."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int of more digits than Python converts to a string
+        return f"an int of about {int(value.bit_length() * 0.30103)} digits"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _check_int(name: str, value: Any, low: int, high: int | None, allowed: str) -> int:
     """`value` as an int, which must lie in [low, high] (high None: no upper bound)."""
     if not _is_int(value) or value < low or (high is not None and value > high):
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        raise ValueError(f"{name} must be {allowed}, got {_short(value)}")
     return int(value)
 
 
@@ -106,7 +135,7 @@ def _check_float(name: str, value: Any, low: float, high: float | None, allowed:
     ok = (isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
           and (value > low if open_low else value >= low) and (high is None or value <= high))
     if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        raise ValueError(f"{name} must be {allowed}, got {_short(value)}")
     return float(value)
 
 
@@ -116,7 +145,14 @@ def _check_stop(stop: Any) -> list[str]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
-        raise ValueError(f"stop must be a string or a list of non-empty strings, got {stop!r}")
+        # Only the start of a huge value: the message must stay small.
+        raise ValueError(f"stop must be a string or a list of non-empty strings, got "
+                         f"{_short(stop)}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop must be at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+    chars = sum(len(s) for s in stop)
+    if chars > MAX_STOP_CHARS:
+        raise ValueError(f"stop must be at most {MAX_STOP_CHARS} characters in all, got {chars}")
     return list(stop)
 
 
@@ -124,7 +160,7 @@ def _check_token_ids(name: str, ids: Any) -> list[int]:
     if ids is None:
         return []
     if not isinstance(ids, list | tuple) or not all(_is_int(t) and t >= 0 for t in ids):
-        raise ValueError(f"{name} must be a list of token ids (ints >= 0), got {ids!r}")
+        raise ValueError(f"{name} must be a list of token ids (ints >= 0), got {_short(ids)}")
     return [int(t) for t in ids]
 
 
@@ -132,12 +168,15 @@ def _check_logit_bias(bias: Any) -> dict[int, float]:
     if bias is None:
         return {}
     if not isinstance(bias, dict):
-        raise ValueError(f"logit_bias must be a dict of token id to bias, got {bias!r}")
+        raise ValueError(f"logit_bias must be a dict of token id to bias, got {_short(bias)}")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got "
+                         f"{len(bias)}")
     normalized: dict[int, float] = {}
     for key, value in bias.items():
         token = int(key) if isinstance(key, str) and key.isdecimal() else key
         if not _is_int(token) or token < 0:
-            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {key!r}")
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {_short(key)}")
         normalized[token] = _check_float(
             f"logit_bias[{token}]", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS,
             f"in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")

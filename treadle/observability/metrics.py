@@ -3,9 +3,16 @@
 The frontend owns them: the engine process reports each step's stats and its cumulative cache
 counters; request latencies come from the frontend's clock (TTFT, ITL, E2E: what a client sees)
 and from the engine's (queue, prefill, decode time: where the time went).
+
+Request-level counters and histograms carry a `tenant` label (the API key's name, the `user`
+field, or "default"). Its values are bounded: the first `max_tenant_labels` tenants seen get a
+label of their own, every later one shares "other", so no client-chosen `user` can grow the
+series without bound.
 """
 
 from __future__ import annotations
+
+import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -14,13 +21,22 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                7.5, 10.0, 20.0, 40.0, 80.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+DEFAULT_MAX_TENANT_LABELS = 32
+OTHER_TENANT = "other"
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_tenant_labels: int = DEFAULT_MAX_TENANT_LABELS
+                 ) -> None:
+        if max_tenant_labels < 0:
+            raise ValueError("max_tenant_labels must be >= 0")
         self.registry = CollectorRegistry()  # one per server: tests run several in a process
         self.model_name = model_name
+        self.max_tenant_labels = max_tenant_labels
+        self.tenant_labels: set[str] = set()
+        self.tenant_lock = threading.Lock()  # the reader thread and the event loop both label
         label = ["model_name"]
+        tenant = ("tenant",)
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(f"treadle:{name}", doc, label, registry=self.registry)
@@ -28,23 +44,35 @@ class ServerMetrics:
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(f"treadle:{name}", doc, label + list(extra), registry=self.registry)
 
-        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
-            return Histogram(f"treadle:{name}", doc, label, buckets=buckets,
-                             registry=self.registry)
+        def histogram(name: str, doc: str, buckets: tuple, per_tenant: bool = True
+                      ) -> Histogram:
+            return Histogram(f"treadle:{name}", doc, label + list(tenant if per_tenant else ()),
+                             buckets=buckets, registry=self.registry)
 
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.kv_blocks = gauge("kv_cache_num_blocks", "KV cache blocks in the engine's pool.")
         self.prefix_queries = counter("prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted (by recompute).")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started.",
+                                     tenant)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.", tenant)
         self.request_success = counter("request_success", "Requests finished, by reason.",
-                                       ("finished_reason",))
+                                       ("finished_reason", *tenant))
         self.rejections = counter("admission_rejections", "Requests refused before queuing.",
-                                  ("reason",))
+                                  ("reason", *tenant))
+        self.queue_timeouts = counter("request_queue_timeouts",
+                                      "Requests that waited past --max-queue-wait, never run.",
+                                      tenant)
+        self.with_objectives = counter("requests_with_objectives",
+                                       "Finished samples that carried a TTFT or TPOT objective.",
+                                       tenant)
+        self.goodput = counter("request_goodput",
+                               "Finished samples (stop or length) that met every objective they "
+                               "carried (TTFT, TPOT), on the frontend's clock.", tenant)
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.",
                               LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between streamed tokens.",
@@ -59,11 +87,22 @@ class ServerMetrics:
                                      "First token to the last.", LATENCY_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total",
                                           "Tokens computed per engine step.",
-                                          ITERATION_TOKEN_BUCKETS)
+                                          ITERATION_TOKEN_BUCKETS, per_tenant=False)
         self._cache_counts = (0, 0, 0)  # last cumulative (queries, hits, preemptions) seen
 
     def labels(self, metric, **extra):
         return metric.labels(model_name=self.model_name, **extra)
+
+    def tenant_label(self, tenant: str) -> str:
+        """The label value for `tenant`: its own name for the first max_tenant_labels tenants
+        seen, "other" for the rest."""
+        if tenant in self.tenant_labels:
+            return tenant
+        with self.tenant_lock:
+            if len(self.tenant_labels) < self.max_tenant_labels and tenant != OTHER_TENANT:
+                self.tenant_labels.add(tenant)
+                return tenant
+        return tenant if tenant in self.tenant_labels else OTHER_TENANT
 
     def observe_engine(self, running: int, waiting: int, kv_usage: float,
                        cumulative: tuple[int, int, int], iteration_tokens: int | None) -> None:

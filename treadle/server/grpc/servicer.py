@@ -1,26 +1,52 @@
 """gRPC frontend (grpc.aio) over the AsyncEngine: streaming Generate, standard health, reflection.
 
-Status codes: INVALID_ARGUMENT for a request the client got wrong (the message names the field),
-RESOURCE_EXHAUSTED when the queue is full, NOT_FOUND for another model, UNAUTHENTICATED without a
-valid key when keys are set. A cancelled call or one past its deadline cancels the handler, which
-closes the engine stream: that aborts the request and frees its blocks.
+Status codes: INVALID_ARGUMENT for a request the client got wrong (the message names the field;
+the checks are the REST frontend's, in treadle.server.validation), or one that does not parse,
+RESOURCE_EXHAUSTED when the queue is full, the tenant is over a limit or (deadline policy) its
+TTFT objective cannot be met (the message names the limit; trailing metadata `treadle-reason`
+says which: queue_full, queued_tokens_full, tenant_requests, tenant_queued_tokens, deadline),
+DEADLINE_EXCEEDED when it waited past the server's --max-queue-wait without being scheduled,
+NOT_FOUND for another model, UNAUTHENTICATED without a valid key when keys are set, UNAVAILABLE
+when the engine is down or dies (it restarts; retry) or the server is shutting down.
+
+A cancelled call or one past its deadline cancels the handler, which closes the engine stream:
+that aborts the request and frees its blocks.
+
+Tenants: a call's tenant is its API key's name, else its `user` field, else "default"; its
+`cache_salt`, `ttft_ms` and `tpot_ms` are the REST fields'.
+
+Ids: a client's `request_id` is a label, unique among its calls in flight on its connection
+(peer) with its API key; the engine request gets an id of the server's own. `Abort` finds the
+caller's request by (peer, key, label) only, so no client can abort or collide with another's,
+nor with a REST request. (The key counts too because a proxy multiplexes many clients onto one
+connection.)
+
+An aborted Generate ends at once and cleanly: a Complete with FINISH_REASON_ABORT for each
+unfinished sample (with the usage so far), then OK, as a finish_reason "abort" ends an aborted
+request in vLLM. The caller asked for it, so it is not an error status; and a client that reads
+the stream to its end needs no special case.
+
+Health: grpc.health.v1 says SERVING while the engine's status is ok, NOT_SERVING otherwise
+(stalled, restarting, dead, stopping).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from treadle.engine.async_engine import AsyncEngine, EngineOverloaded
+from treadle.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
 from treadle.engine.sampling_params import SamplingParams
+from treadle.server.auth import APIKey, APIKeys, bearer_token
 from treadle.server.grpc import treadle_pb2 as pb
 from treadle.server.grpc import treadle_pb2_grpc as pb_grpc
+from treadle.server.validation import apply_chat_template, check_prompt_text, objective_seconds
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
@@ -49,25 +75,34 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
         logit_bias=dict(request.sampling.logit_bias))
 
 
-def chat_messages(chat: pb.ChatMessages) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
+async def overloaded(context: grpc.aio.ServicerContext, error: EngineOverloaded) -> None:
+    context.set_trailing_metadata((("treadle-reason", error.reason),))
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, api_keys: Sequence[str | APIKey] = ()) -> None:
         self.engine = engine
+        self.keys = APIKeys(api_keys) if api_keys else None
+        # (peer, API key, client's request_id) -> the engine's request id, while the call runs.
+        self.calls: dict[tuple[str, str, str], str] = {}
 
     async def prompt_token_ids(self, request: pb.GenerateRequest | pb.TokenizeRequest,
                                context: grpc.aio.ServicerContext) -> list[int]:
-        tokenizer = self.engine.tokenizer
+        tokenizer, max_model_len = self.engine.tokenizer, self.engine.max_model_len
         kind = request.WhichOneof("input")
-        if kind == "text":
-            encoded = await asyncio.to_thread(tokenizer, request.text, add_special_tokens=False)
-            return encoded["input_ids"]
-        if kind == "chat":
-            return await asyncio.to_thread(
-                tokenizer.apply_chat_template, chat_messages(request.chat), tokenize=True,
-                add_generation_prompt=True, return_dict=False)
+        try:
+            if kind == "text":
+                check_prompt_text("text", request.text, max_model_len)
+                encoded = await asyncio.to_thread(tokenizer, request.text,
+                                                  add_special_tokens=False)
+                return encoded["input_ids"]
+            if kind == "chat":
+                messages = [(m.role, m.content) for m in request.chat.messages]
+                return await asyncio.to_thread(apply_chat_template, tokenizer, messages,
+                                               max_model_len)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if kind == "token_ids":
             return list(request.token_ids.ids)
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -76,22 +111,64 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            self.engine.check_available()  # first: a down engine answers at once
+        except EngineUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         if request.model and request.model != self.engine.model_name:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"model {request.model!r} is not served here; "
                                 f"this server serves {self.engine.model_name!r}")
         try:
             params = sampling_params(request)
-            self.engine.check_capacity()  # before tokenizing: refuse cheaply
+            tenant = self.engine.resolve_tenant(self.key_name(context), request.user)
+            ttft = objective_seconds("ttft_ms", request.ttft_ms
+                                     if request.HasField("ttft_ms") else None)
+            tpot = objective_seconds("tpot_ms", request.tpot_ms
+                                     if request.HasField("tpot_ms") else None)
+            self.engine.cache_salt(tenant, request.cache_salt)  # its length
+            self.engine.check_capacity(tenant=tenant)  # before tokenizing: refuse cheaply
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineOverloaded as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            await overloaded(context, e)
+        options = {"tenant": tenant, "cache_salt": request.cache_salt or None, "ttft": ttft,
+                   "tpot": tpot}
+        label = caller(context, request.request_id)
+        if request.request_id:
+            if label in self.calls:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"request_id {request.request_id!r} is already in use by a "
+                                    f"call in flight on this connection")
+            self.calls[label] = request_id = f"grpc-{uuid.uuid4().hex}"
+        else:
+            request_id = f"grpc-{uuid.uuid4().hex}"
+        try:
+            async for response in self.generate(request, context, request_id, params, options):
+                yield response
+        finally:
+            if request.request_id:
+                self.calls.pop(label, None)
+
+    def key_name(self, context: grpc.aio.ServicerContext) -> str | None:
+        """The name of the caller's API key (the interceptor has let only valid ones in)."""
+        if self.keys is None:
+            return None
+        return self.keys.match(dict(context.invocation_metadata() or ()).get("authorization"))
+
+    async def generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                       request_id: str, params: SamplingParams, options: dict
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        """Generate's stream, under the engine's request id."""
         prompt = await self.prompt_token_ids(request, context)
-        request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
-        stream = self.engine.generate(request_id, prompt, params, priority=request.priority)
+        stream = self.engine.generate(request_id, prompt, params, priority=request.priority,
+                                      **options)
+        timed_out = False
         try:
             async for update in stream:
+                if any(d.finish_reason == "queue_timeout" for d in update.deltas):
+                    timed_out = True
+                    break
                 for delta in update.deltas:
                     if delta.token_ids or delta.text:
                         yield pb.GenerateResponse(chunk=pb.Chunk(
@@ -105,15 +182,22 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineOverloaded as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            await overloaded(context, e)
+        except EngineUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
             await stream.aclose()  # on cancellation or a deadline: aborts the request
+        if timed_out:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                "the request waited longer than the server's queue time limit "
+                                "(max_queue_wait) without being scheduled; retry later")
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> pb.AbortResponse:
-        known = bool(self.engine.processor.engine_ids(request.request_id))
-        await self.engine.abort(request.request_id)
-        return pb.AbortResponse(aborted=known)
+        """Abort the caller's own call with this request_id, on this connection."""
+        request_id = self.calls.get(caller(context, request.request_id))
+        aborted = request_id is not None and await self.engine.abort(request_id)
+        return pb.AbortResponse(aborted=aborted)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
                        ) -> pb.TokenizeResponse:
@@ -141,6 +225,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return pb.Load(**self.engine.load())
 
 
+def caller(context: grpc.aio.ServicerContext, label: str) -> tuple[str, str, str]:
+    """A client's request_id, qualified by who sent it: its connection and its API key."""
+    metadata = dict(context.invocation_metadata() or ())
+    # The key, not the header's spelling: `Bearer k` and `bearer k` are one caller.
+    return context.peer(), bearer_token(metadata.get("authorization")) or "", label
+
+
 def token_logprobs(logprobs) -> list[pb.TokenLogprob]:
     return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank, top=[
         pb.TopLogprob(token_id=t, logprob=v)
@@ -162,20 +253,49 @@ def complete(index: int, finish_reason: str | None, stop_reason: str | int | Non
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """`authorization: Bearer <key>` on the Generation service when keys are set; health and
-    reflection stay open. Keys are compared in constant time."""
+    """`authorization: Bearer <key>` on the Generation service when keys are set, checked as
+    the REST frontend checks it; health and reflection stay open."""
 
     def __init__(self, api_keys: Sequence[str]) -> None:
-        self.api_keys = [k.encode() for k in api_keys]
+        self.keys = APIKeys(api_keys)
 
     async def intercept_service(self, continuation, handler_call_details):
         if not handler_call_details.method.startswith(f"/{SERVICE_NAME}/"):
             return await continuation(handler_call_details)
         metadata = dict(handler_call_details.invocation_metadata or ())
-        given = metadata.get("authorization", "").removeprefix("Bearer ").encode()
-        if any(hmac.compare_digest(given, key) for key in self.api_keys):
+        if self.keys.authorized(metadata.get("authorization")):
             return await continuation(handler_call_details)
         return unauthenticated_handler(await continuation(handler_call_details))
+
+
+class ParseErrorInterceptor(grpc.aio.ServerInterceptor):
+    """A Generation request that does not parse (corrupt bytes, a string that is not UTF-8) is
+    INVALID_ARGUMENT; grpc answers UNKNOWN when the deserializer raises. So the handler gets the
+    raw bytes and parses them itself."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        parse = handler.request_deserializer
+
+        async def parsed(raw: bytes, context: grpc.aio.ServicerContext):
+            try:
+                return parse(raw)
+            except DecodeError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"the request does not parse: {e}")
+
+        if handler.response_streaming:
+            async def stream(raw, context):
+                async for response in handler.unary_stream(await parsed(raw, context), context):
+                    yield response
+            return grpc.unary_stream_rpc_method_handler(stream, None,
+                                                        handler.response_serializer)
+
+        async def unary(raw, context):
+            return await handler.unary_unary(await parsed(raw, context), context)
+        return grpc.unary_unary_rpc_method_handler(unary, None, handler.response_serializer)
 
 
 def unauthenticated_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -194,15 +314,32 @@ def unauthenticated_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHan
 
 
 async def start_grpc_server(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 50051,
-                            api_keys: Sequence[str] = ()) -> tuple[grpc.aio.Server, int]:
+                            api_keys: Sequence[str | APIKey] = ()
+                            ) -> tuple[grpc.aio.Server, int]:
     """Serve Generation, grpc.health.v1 and reflection; returns the server and its port."""
+    # The key first: without one, the request is not even parsed.
     interceptors = [ApiKeyInterceptor(api_keys)] if api_keys else []
+    interceptors.append(ParseErrorInterceptor())
     server = grpc.aio.server(interceptors=interceptors)
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, api_keys), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def set_health(status: str) -> None:
+        serving = health_pb2.HealthCheckResponse.SERVING if status == "ok" \
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, serving)
+
+    await set_health(engine.status)
+    updates: set[asyncio.Task] = set()  # referenced until done
+
+    def on_status(status: str) -> None:
+        task = asyncio.create_task(set_health(status))
+        updates.add(task)
+        task.add_done_callback(updates.discard)
+
+    engine.add_listener(on_status)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)

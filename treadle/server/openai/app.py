@@ -4,7 +4,22 @@ A client request becomes one engine request per prompt (a completions batch has 
 runs its n samples), whose updates merge into one stream. Tokenizing, chat templates and
 detokenizing run in threads: the event loop only moves data. A request is refused (4xx) before
 the response starts when the frontend or the engine rejects it; an error after a stream began is
-its last SSE event. A client that disconnects, streaming or not, has its requests aborted.
+its last SSE event, then `[DONE]`. A client that disconnects, streaming or not, has its requests
+aborted.
+
+Health: /health and /ready answer {"status": ...}, the engine's status (ok, stalled, restarting,
+dead, stopping), 503 unless ok; a stalled engine is not restarted here, so liveness failing is
+what lets an orchestrator restart a stuck server. Shutdown (`run`): on SIGTERM new connections
+are refused at once; requests still running when the grace period ends get a last error of their
+own (an SSE `server_shutdown` event and `[DONE]`, gRPC UNAVAILABLE), so no stream is cut off.
+
+Tenants and objectives: a request's tenant is its API key's name, else its `user` field, else
+"default" (AsyncEngine.resolve_tenant); `cache_salt` is vLLM's field; TTFT and TPOT objectives
+come from the `ttft_ms` / `tpot_ms` fields, else the `X-Treadle-TTFT-Ms` / `X-Treadle-TPOT-Ms`
+headers. A tenant over its limits, or (deadline policy) a TTFT the engine cannot meet, is a 429
+whose code names the limit (tenant_requests, tenant_queued_tokens, deadline). A request that
+waits past --max-queue-wait is a 503 of type queue_timeout before its stream starts, else that
+error as its last SSE event, then `[DONE]`.
 """
 
 from __future__ import annotations
@@ -16,16 +31,24 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+from types import FrameType
 from typing import Any, TypeVar
 
+import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from treadle.engine.async_engine import AsyncEngine, EngineOverloaded, RequestUpdate
+from treadle.engine.async_engine import (
+    UNAVAILABLE,
+    AsyncEngine,
+    EngineOverloaded,
+    EngineUnavailable,
+    RequestUpdate,
+)
 from treadle.engine.output_processor import RequestState, SampleDelta
 from treadle.engine.sampling_params import SamplingParams
 from treadle.server.grpc.servicer import start_grpc_server
@@ -63,6 +86,12 @@ from treadle.server.openai.protocol import (
     TokenizeResponse,
     Usage,
 )
+from treadle.server.validation import (
+    apply_chat_template,
+    check_batch,
+    check_prompt_text,
+    objective_seconds,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,8 +104,22 @@ CHAT_PARAMS = {**{name: name for name in ChatCompletionRequest.model_fields},
                "logprobs": "top_logprobs", "prompt": "messages"}
 
 
+TTFT_HEADER = "x-treadle-ttft-ms"
+TPOT_HEADER = "x-treadle-tpot-ms"
+
+
 class ClientDisconnected(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """Who a request is for and what it asks of the schedule, beside its sampling."""
+
+    tenant: str
+    cache_salt: str | None
+    ttft: float | None  # seconds
+    tpot: float | None
 
 
 async def merge(streams: list[AsyncIterator[RequestUpdate]]) -> Updates:
@@ -150,12 +193,17 @@ ENGINE_ERRORS = (ValueError, EngineOverloaded, RuntimeError)
 
 def engine_error(error: Exception, params: dict[str, str]) -> APIError:
     """The engine refused a request: the client's fault (ValueError), a full queue, or an engine
-    that is not running."""
+    that is down or died (type engine_error) or a server shutting down (server_shutdown)."""
+    if isinstance(error, EngineUnavailable):
+        return APIError(503, str(error), error_type=error.kind)
     if isinstance(error, ValueError):
         return from_value_error(error, params)
     if isinstance(error, EngineOverloaded):
-        return APIError(429, str(error), code="rate_limit_exceeded",
-                        error_type="rate_limit_error",
+        # The server-wide queue's limits keep OpenAI's code; the others name theirs.
+        code = error.reason if error.reason in ("tenant_requests", "tenant_queued_tokens",
+                                                "deadline") else "rate_limit_exceeded"
+        return APIError(429, str(error), code=code, param="ttft_ms" if code == "deadline"
+                        else None, error_type="rate_limit_error",
                         headers={"Retry-After": str(error.retry_after)})
     if isinstance(error, RuntimeError):
         return APIError(503, str(error), error_type="service_unavailable")
@@ -163,12 +211,24 @@ def engine_error(error: Exception, params: dict[str, str]) -> APIError:
     return APIError(500, "internal server error")
 
 
+QUEUE_TIMEOUT_MESSAGE = ("the request waited longer than the server's queue time limit "
+                         "(max_queue_wait) without being scheduled; retry later")
+
+
+def queue_timeout_error() -> APIError:
+    return APIError(503, QUEUE_TIMEOUT_MESSAGE, code="queue_timeout", error_type="queue_timeout",
+                    headers={"Retry-After": "1"})
+
+
 def check_finish(finish_reason: str | None) -> None:
-    """Only stop and length reach a client; an engine failure or abort becomes an error."""
+    """Only stop and length reach a client; an engine failure, abort or queue timeout becomes an
+    error."""
     if finish_reason == "error":
         raise APIError(500, "the engine failed while running this request")
     if finish_reason == "abort":
         raise APIError(503, "the request was aborted", error_type="service_unavailable")
+    if finish_reason == "queue_timeout":
+        raise queue_timeout_error()
 
 
 def usage(prompts: list[list[int]], states: list[RequestState]) -> Usage:
@@ -181,7 +241,8 @@ def usage(prompts: list[list[int]], states: list[RequestState]) -> Usage:
 
 
 async def sse(chunks: AsyncIterator[BaseModel], params: dict[str, str]) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's format: chunks, then `[DONE]`, or an error event last."""
+    """Server-sent events in OpenAI's format: chunks, or chunks and an error event, then
+    `[DONE]`: a client reading to `[DONE]` always sees the stream end (as vLLM's do)."""
     try:
         async with aclosing(chunks):
             async for chunk in chunks:
@@ -189,7 +250,6 @@ async def sse(chunks: AsyncIterator[BaseModel], params: dict[str, str]) -> Async
     except Exception as e:
         error = e if isinstance(e, APIError) else engine_error(e, params)
         yield f"data: {json.dumps(error.body())}\n\n"
-        return
     yield "data: [DONE]\n\n"
 
 
@@ -217,14 +277,36 @@ class OpenAIServer:
         assert self.tokens is not None, "the server has not started"
         return self.tokens
 
-    def admit(self, model: str | None) -> None:
-        """Refuse a request for another model, or one the full queue cannot take, before any
-        costly work."""
-        self.check_model(model)
+    def admit(self, body: CompletionRequest | ChatCompletionRequest, request: Request
+              ) -> RequestContext:
+        """Refuse a request for another model, or one the full queue or its tenant's limits
+        cannot take, before any costly work; its tenant, salt and objectives."""
+        self.check_model(body.model)
         try:
-            self.engine.check_capacity()
-        except EngineOverloaded as e:
+            context = self.request_context(body, request)
+        except ValueError as e:
+            raise from_value_error(e, {"user": "user", "ttft_ms": "ttft_ms",
+                                       "tpot_ms": "tpot_ms", "cache_salt": "cache_salt"}) from e
+        try:
+            self.engine.check_available()
+            self.engine.check_capacity(tenant=context.tenant)
+        except (EngineUnavailable, EngineOverloaded) as e:
             raise engine_error(e, {}) from e
+        return context
+
+    def request_context(self, body: CompletionRequest | ChatCompletionRequest,
+                        request: Request) -> RequestContext:
+        """ValueError names the bad field."""
+        key_name = getattr(request.state, "api_key_name", None)
+        tenant = self.engine.resolve_tenant(key_name, body.user)
+        headers = request.headers
+        ttft = objective_seconds("ttft_ms", body.ttft_ms if body.ttft_ms is not None
+                                 else headers.get(TTFT_HEADER))
+        tpot = objective_seconds("tpot_ms", body.tpot_ms if body.tpot_ms is not None
+                                 else headers.get(TPOT_HEADER))
+        if body.cache_salt is not None:
+            self.engine.cache_salt(tenant, body.cache_salt)  # its length: a 400 now
+        return RequestContext(tenant, body.cache_salt, ttft, tpot)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.engine.model_name:
@@ -253,21 +335,28 @@ class OpenAIServer:
 
     async def apply_template(self, messages: list[ChatMessage],
                              add_generation_prompt: bool = True) -> list[int]:
-        # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
-        conversation = [{"role": "system" if m.role == "developer" else m.role,
-                         "content": m.text()} for m in messages]
         try:
             return await asyncio.to_thread(
-                self.engine.tokenizer.apply_chat_template, conversation, tokenize=True,
-                add_generation_prompt=add_generation_prompt, return_dict=False)
-        except (ValueError, TemplateError) as e:  # no template, or one that refuses the roles
-            raise APIError(400, f"messages: {e}", param="messages") from e
+                apply_chat_template, self.engine.tokenizer,
+                [(m.role, m.text()) for m in messages], self.engine.max_model_len,
+                add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+
+    def check_prompt_texts(self, texts: list[str]) -> None:
+        for text in texts:
+            try:
+                check_prompt_text("prompt", text, self.engine.max_model_len)
+            except ValueError as e:
+                raise APIError(400, str(e), param="prompt") from e
 
     def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                 priority: int) -> Updates:
+                 priority: int, context: RequestContext) -> Updates:
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
                                                       for i in range(len(prompts))]
-        return merge([self.engine.generate(i, p, params, priority)
+        return merge([self.engine.generate(i, p, params, priority, tenant=context.tenant,
+                                           cache_salt=context.cache_salt, ttft=context.ttft,
+                                           tpot=context.tpot)
                       for i, p in zip(ids, prompts, strict=True)])
 
     async def run(self, request: Request, updates: Updates, num_prompts: int,
@@ -289,13 +378,17 @@ class OpenAIServer:
             first = await unless_disconnected(request, anext(updates))
         except ENGINE_ERRORS as e:
             raise engine_error(e, params) from e
+        if any(d.finish_reason == "queue_timeout" for d in first[1].deltas):
+            await updates.aclose()  # aborts the request's other prompts and samples
+            raise queue_timeout_error()
         return prepend(first, updates)
 
     # Routes.
 
-    async def health(self) -> dict:
-        """Liveness: the HTTP server answers."""
-        return {}
+    async def health(self) -> JSONResponse:
+        """Liveness: the engine's status, 503 unless ok."""
+        status = self.engine.status
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
     async def metrics(self) -> Response:
         """Prometheus text format."""
@@ -304,7 +397,7 @@ class OpenAIServer:
     async def ready(self) -> JSONResponse:
         """Readiness: the engine is alive and making progress."""
         ready = self.engine.is_ready()
-        return JSONResponse({"ready": ready, **self.engine.load()},
+        return JSONResponse({"ready": ready, "status": self.engine.status, **self.engine.load()},
                             status_code=200 if ready else 503)
 
     async def models(self) -> ModelList:
@@ -330,6 +423,7 @@ class OpenAIServer:
         if body.messages is not None:
             tokens = await self.apply_template(body.messages, body.add_generation_prompt)
         else:
+            self.check_prompt_texts([body.prompt])
             tokens = (await self.encode([body.prompt], body.add_special_tokens))[0]
         return TokenizeResponse(count=len(tokens), max_model_len=self.engine.max_model_len,
                                 tokens=tokens)
@@ -346,7 +440,7 @@ class OpenAIServer:
 
     async def completions(self, body: CompletionRequest,
                           request: Request) -> CompletionResponse | Response:
-        self.admit(body.model)
+        context = self.admit(body, request)
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options needs stream", param="stream_options")
         fields = {**body.sampling_fields(), "max_tokens": body.max_tokens}
@@ -355,11 +449,11 @@ class OpenAIServer:
             if body.echo:  # the echoed prompt carries its logprobs too
                 fields.setdefault("prompt_logprobs", body.logprobs)
         params = sampling_params(fields, COMPLETION_PARAMS)
-        prompts, texts = await self.completion_prompts(body)
+        prompts, texts = await self.completion_prompts(body, params)
         for prompt in prompts:
             self.check_context(len(prompt), body.max_tokens, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        updates = self.generate(request_id, prompts, params, body.priority)
+        updates = self.generate(request_id, prompts, params, body.priority, context)
         if body.stream:
             updates = await self.start_stream(request, updates, COMPLETION_PARAMS)
             chunks = self.completion_chunks(body, request_id, prompts, texts, params.n, updates)
@@ -370,17 +464,26 @@ class OpenAIServer:
         return await asyncio.to_thread(self.completion_response, body, request_id, prompts,
                                        texts, states)
 
-    async def completion_prompts(self, body: CompletionRequest
+    async def completion_prompts(self, body: CompletionRequest, params: SamplingParams
                                  ) -> tuple[list[list[int]], list[str] | None]:
         """Token ids of each prompt, and with echo, each prompt's text."""
         prompt = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
-        if isinstance(prompt[0], str):
-            texts = prompt
-            prompts = await self.encode(prompt, body.add_special_tokens)
+        batch = [prompt] if isinstance(prompt[0], int) else prompt
+        # Before any work proportional to the prompts' number or size.
+        try:
+            check_batch(len(batch), params)
+        except ValueError as e:
+            raise from_value_error(e, COMPLETION_PARAMS) from e
+        if isinstance(batch[0], str):
+            texts = batch
+            self.check_prompt_texts(texts)
+            prompts = await self.encode(texts, body.add_special_tokens)
         else:
-            prompts = [prompt] if isinstance(prompt[0], int) else prompt
+            prompts = batch
+            for p in prompts:
+                self.check_context(len(p), body.max_tokens, "prompt")
             try:  # before echo decodes them
                 self.engine.check_prompt_token_ids([t for p in prompts for t in p])
             except ValueError as e:
@@ -453,7 +556,7 @@ class OpenAIServer:
 
     async def chat(self, body: ChatCompletionRequest,
                    request: Request) -> ChatCompletionResponse | Response:
-        self.admit(body.model)
+        context = self.admit(body, request)
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options needs stream", param="stream_options")
         if body.top_logprobs is not None and not body.logprobs:
@@ -472,7 +575,7 @@ class OpenAIServer:
         fields["max_tokens"] = self.check_context(len(prompt), max_tokens, "messages")
         params = sampling_params(fields, names)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        updates = self.generate(request_id, [prompt], params, body.priority)
+        updates = self.generate(request_id, [prompt], params, body.priority, context)
         if body.stream:
             updates = await self.start_stream(request, updates, names)
             chunks = self.chat_chunks(body, request_id, prompt, params.n, updates)
@@ -523,15 +626,17 @@ def build_app(engine: AsyncEngine, api_keys: list[str] | None = None,
               allowed_origins: list[str] | None = None,
               max_request_bytes: int = MAX_REQUEST_BYTES,
               grpc_address: tuple[str, int] | None = None,
-              enable_debug_endpoints: bool = False) -> FastAPI:
+              enable_debug_endpoints: bool = False,
+              metrics_without_auth: bool = False) -> FastAPI:
     """The app; its lifespan starts the engine (the model loads) and shuts it down.
-    `api_keys`: Bearer keys for /v1/* and tokenizing (none: open); `allowed_origins`: CORS;
+    `api_keys`: Bearer keys for every route but /health and /ready (none: open), and /metrics
+    unless `metrics_without_auth`; `allowed_origins`: CORS;
     `grpc_address`: (host, port) where the gRPC frontend serves the same engine (None: none);
     `enable_debug_endpoints`: GET /debug/requests/{id}, each request's timeline."""
     server = OpenAIServer(engine)
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         grpc_server = None
         try:
@@ -539,6 +644,7 @@ def build_app(engine: AsyncEngine, api_keys: list[str] | None = None,
             if grpc_address is not None:
                 grpc_server, _ = await start_grpc_server(engine, *grpc_address,
                                                          api_keys=api_keys or ())
+            app.state.grpc_server = grpc_server  # for run()'s shutdown
             yield
         finally:
             if grpc_server is not None:
@@ -556,7 +662,8 @@ def build_app(engine: AsyncEngine, api_keys: list[str] | None = None,
     # key, then the body limit, so that no one without a key can make the server read a body.
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_keys:
-        app.add_middleware(APIKeyMiddleware, keys=api_keys)
+        app.add_middleware(APIKeyMiddleware, keys=api_keys,
+                           metrics_without_auth=metrics_without_auth)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])
@@ -573,3 +680,52 @@ def build_app(engine: AsyncEngine, api_keys: list[str] | None = None,
     app.post("/v1/completions", response_model=CompletionResponse)(server.completions)
     app.post("/v1/chat/completions", response_model=ChatCompletionResponse)(server.chat)
     return app
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn whose shutdown ends the requests still running at the grace period's end with a
+    last error of their own, and that stops by itself once the engine is dead for good."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float) -> None:
+        super().__init__(config)
+        self.engine, self.grace = engine, grace
+        self.engine_dead = False
+        self.signalled: float | None = None  # when SIGTERM or SIGINT came: the grace starts
+        self.grpc_stopping: asyncio.Task | None = None
+        engine.add_listener(self.on_engine_status)
+
+    def on_engine_status(self, status: str) -> None:
+        if status == "dead":  # exit, so that whatever runs the server starts a new one
+            self.engine_dead = self.should_exit = True
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.signalled is None:
+            self.signalled = time.monotonic()
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        self.engine.drain()
+        grpc_server = getattr(self.config.app.state, "grpc_server", None)
+        if grpc_server is not None:  # refuses new calls now; cancels what our ending missed
+            self.grpc_stopping = asyncio.create_task(grpc_server.stop(grace=self.grace + 1))
+        # uvicorn notices the signal on its next tick (0.1 s): count the grace from the signal.
+        elapsed = 0.0 if self.signalled is None else time.monotonic() - self.signalled
+        ending = asyncio.get_running_loop().call_later(
+            max(self.grace - elapsed, 0.0), self.engine.fail_all,
+            EngineUnavailable(UNAVAILABLE["stopping"], "server_shutdown"))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
+
+
+def run(app: FastAPI, engine: AsyncEngine, host: str, port: int, shutdown_timeout: float
+        ) -> int:
+    """Serve until SIGTERM or SIGINT (0), or until the engine is dead for good (1)."""
+    # uvicorn's own cancelling of the requests still running is the backstop: by then ours have
+    # ended with their last event.
+    config = uvicorn.Config(app, host=host, port=port,
+                            timeout_graceful_shutdown=shutdown_timeout + 0.5)
+    server = GracefulServer(config, engine, shutdown_timeout)
+    server.run()
+    return 1 if server.engine_dead else 0

@@ -6,12 +6,12 @@ response and its client and hide the client's disconnect from the route.
 
 from __future__ import annotations
 
-import hmac
 import uuid
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from treadle.server.auth import APIKey, APIKeys
 from treadle.server.openai.errors import APIError
 
 
@@ -34,31 +34,29 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-def protected(path: str) -> bool:
-    """What needs a key: the API and tokenizing; probes and the schema stay open."""
-    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+OPEN_PATHS = frozenset({"/health", "/ready"})  # probes, which carry no key
 
 
 class APIKeyMiddleware:
-    """Bearer auth against any of `keys`, compared in constant time."""
+    """With keys set, every route but the probes needs `Authorization: Bearer <key>`: the API,
+    tokenizing, request timelines, the docs and the schema; /metrics too unless
+    `metrics_without_auth` (for scrapers that cannot send a header). The key's name goes to the
+    route as `request.state.api_key_name`: the request's tenant."""
 
-    def __init__(self, app: ASGIApp, keys: list[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: list[str | APIKey],
+                 metrics_without_auth: bool = False) -> None:
         self.app = app
-        self.keys = [key.encode() for key in keys]
-
-    def authorized(self, header: str | None) -> bool:
-        scheme, _, token = (header or "").partition(" ")
-        presented = token.strip().encode("latin-1")  # how Starlette decoded the header
-        # Compare against every key, so the time taken tells nothing about which one is near.
-        matches = [hmac.compare_digest(presented, key) for key in self.keys]
-        return scheme.lower() == "bearer" and any(matches)
+        self.keys = APIKeys(keys)
+        self.open_paths = OPEN_PATHS | ({"/metrics"} if metrics_without_auth else set())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] == "http" and protected(scope["path"])
-                and not self.authorized(Headers(scope=scope).get("authorization"))):
-            error = APIError(401, "Incorrect API key provided.", code="invalid_api_key",
-                             headers={"WWW-Authenticate": "Bearer"})
-            return await error.response()(scope, receive, send)
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            name = self.keys.match(Headers(scope=scope).get("authorization"))
+            if name is None:
+                error = APIError(401, "Incorrect API key provided.", code="invalid_api_key",
+                                 headers={"WWW-Authenticate": "Bearer"})
+                return await error.response()(scope, receive, send)
+            scope.setdefault("state", {})["api_key_name"] = name
         await self.app(scope, receive, send)
 
 

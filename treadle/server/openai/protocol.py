@@ -20,6 +20,8 @@ from pydantic import (
     model_validator,
 )
 
+from treadle.server.validation import CHAT_ROLES, check_text
+
 
 def one_of(expected: str) -> WrapValidator:
     """Report a value that fits no member of a union as one error, not one per member."""
@@ -38,8 +40,19 @@ class APIRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def null_means_default(cls, data: Any) -> Any:
-        """As in OpenAI's API, a field sent as null takes its default."""
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+        """As in OpenAI's API, a field sent as null takes its default. And a string field (or a
+        list of strings) must be text: JSON's "\\ud800" is not, and would fail later, in the
+        tokenizer or in encoding a reply. Nested models check their own fields."""
+        if not isinstance(data, dict):
+            return data
+        for name, value in data.items():
+            if isinstance(value, str):
+                check_text(name, value)
+            elif isinstance(value, list) and value and isinstance(value[0], str):
+                for text in value:  # a list that is not all strings fails validation anyway
+                    if isinstance(text, str):
+                        check_text(name, text)
+        return {k: v for k, v in data.items() if v is not None}
 
 
 class StreamOptions(APIRequest):
@@ -73,8 +86,13 @@ class SamplingRequest(APIRequest):
     prompt_logprobs: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # the tenant, when the request carries no named API key
     priority: int = 0  # lower runs first under --policy priority
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared under one salt only
+    # Objectives in milliseconds (else the X-Treadle-TTFT-Ms / X-Treadle-TPOT-Ms headers, else
+    # the server's defaults): time to first token, time per output token after the first.
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
 
     def sampling_fields(self) -> dict[str, Any]:
         """The SamplingParams fields the client set."""
@@ -108,7 +126,7 @@ Content = Annotated[str | list[TextPart],
 
 
 class ChatMessage(APIRequest):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal[CHAT_ROLES]
     content: Content | None = None
     name: str | None = None
 

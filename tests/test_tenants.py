@@ -1,0 +1,286 @@
+"""Tenants, per-tenant limits, cache salts, queue time limits and deadline admission against
+real servers (uvicorn and gRPC on loopback, the engine in its own process) over a tiny
+random-weight model with the default model's tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from test_hostile_input import MAX_MODEL_LEN, tiny_folder  # noqa: F401 - a fixture
+
+from treadle.engine.async_engine import AsyncEngine
+from treadle.server.auth import APIKey, parse_api_keys
+from treadle.server.grpc import treadle_pb2 as pb
+from treadle.server.grpc import treadle_pb2_grpc as pb_grpc
+from treadle.server.openai.app import build_app
+
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 6  # > 3 KV blocks of tokens
+
+
+def start(engine: AsyncEngine, api_keys=None):
+    import uvicorn
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        grpc_port = probe.getsockname()[1]
+    app = build_app(engine, api_keys=api_keys, grpc_address=("127.0.0.1", grpc_port),
+                    enable_debug_endpoints=True)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not uv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    return uv, thread, sock.getsockname()[1], grpc_port
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_folder):  # noqa: F811
+    """Named keys, tenant limits, prefix caches isolated by tenant."""
+    engine = AsyncEngine(str(tiny_folder), dtype="float32", kv_cache_memory_bytes=16 << 20,
+                         max_model_len=MAX_MODEL_LEN, max_requests_per_tenant=2,
+                         max_queued_tokens_per_tenant=60, isolate_prefix_cache_by_tenant=True)
+    keys = parse_api_keys(["bare"], ["alice:ka:2", "# a comment", "", "bob:kb"])
+    uv, thread, port, grpc_port = start(engine, keys)
+    yield engine, port, grpc_port
+    uv.should_exit = True
+    thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def open_server(tiny_folder):  # noqa: F811
+    """No keys: tenants from `user`; the deadline policy, one sequence at a time, a short
+    queue time limit, two tenant labels."""
+    engine = AsyncEngine(str(tiny_folder), dtype="float32", kv_cache_memory_bytes=16 << 20,
+                         max_model_len=MAX_MODEL_LEN, max_num_seqs=1, policy="deadline",
+                         scheduler_options={"max_queue_wait": 0.05}, max_tenant_labels=2,
+                         max_tenants=3)
+    uv, thread, port, grpc_port = start(engine)
+    yield engine, port, grpc_port
+    uv.should_exit = True
+    thread.join(30)
+
+
+def client(port: int, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+
+
+def timeline(port: int, request_id: str, key: str = "none") -> dict:
+    response = httpx.get(f"http://127.0.0.1:{port}/debug/requests/{request_id}",
+                         headers={"Authorization": f"Bearer {key}"})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def metric_samples(port: int, name: str, key: str = "none") -> list:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics",
+                     headers={"Authorization": f"Bearer {key}"}).text
+    return [s for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == name]
+
+
+def test_key_file_lines():
+    keys = parse_api_keys(["k0"], ["alice:ka:2", "bob:kb", "bare-key"])
+    assert keys == [APIKey("key-1", "k0"), APIKey("alice", "ka", 2.0), APIKey("bob", "kb"),
+                    APIKey("key-4", "bare-key")]
+    for bad in ("a:b:c:d", "a:b:0", "a:b:x", ":k", "a:"):
+        with pytest.raises(ValueError):
+            parse_api_keys([], [bad])
+    with pytest.raises(ValueError, match="different weights"):
+        parse_api_keys([], ["a:k1:1", "a:k2:2"])
+
+
+def test_tenant_is_the_key_name_and_caches_are_isolated(keyed):
+    engine, port, _ = keyed
+    alice, bob, bare = client(port, "ka"), client(port, "kb"), client(port, "bare")
+    first = alice.completions.create(model=engine.model_name, prompt=LONG_PROMPT, max_tokens=2,
+                                     user="mallory")  # a key's name wins over `user`
+    assert timeline(port, first.id, "ka")["tenant"] == "alice"
+    again = alice.completions.create(model=engine.model_name, prompt=LONG_PROMPT, max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    # Another tenant's identical prompt, even with the first's name as its salt, hits nothing.
+    other = bob.completions.create(model=engine.model_name, prompt=LONG_PROMPT, max_tokens=2,
+                                   extra_body={"cache_salt": "alice"})
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert timeline(port, other.id, "kb")["tenant"] == "bob"
+    chat = bare.chat.completions.create(model=engine.model_name, max_tokens=2,
+                                        messages=[{"role": "user", "content": "Hi"}])
+    assert timeline(port, chat.id, "bare")["tenant"] == "key-1"
+    tenants = {s.labels["tenant"] for s in metric_samples(port, "treadle:request_success_total",
+                                                          "ka")}
+    assert {"alice", "bob", "key-1"} <= tenants
+
+
+def test_per_tenant_limits_are_429s_naming_them(keyed):
+    engine, port, grpc_port = keyed
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    alice = {"Authorization": "Bearer ka"}
+    with httpx.Client(timeout=60) as http:
+        os.kill(engine.process.pid, signal.SIGSTOP)  # nothing gets a first token meanwhile
+        try:
+            def send(body: dict, headers: dict = alice) -> httpx.Response:
+                return http.post(url, json={"max_tokens": 1, **body}, headers=headers)
+
+            held: list = []
+            first = threading.Thread(target=lambda: held.append(send({"prompt": list(range(
+                3, 43))})))  # 40 prompt tokens queued
+            first.start()
+            deadline = time.monotonic() + 10
+            while engine.tenant_in_flight.get("alice") != 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            too_many_tokens = send({"prompt": list(range(3, 33))})  # 40 + 30 > 60
+            assert too_many_tokens.status_code == 429
+            error = too_many_tokens.json()["error"]
+            assert error["code"] == "tenant_queued_tokens"
+            assert "max_queued_tokens_per_tenant 60" in error["message"]
+            second = threading.Thread(target=lambda: held.append(send({"prompt": [5, 6, 7]})))
+            second.start()
+            while engine.tenant_in_flight.get("alice") != 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            too_many = send({"prompt": [5, 6]})
+            assert too_many.status_code == 429, too_many.text
+            assert too_many.json()["error"]["code"] == "tenant_requests"
+            assert "max_requests_per_tenant 2" in too_many.json()["error"]["message"]
+
+            async def over_grpc():
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+                    call = pb_grpc.GenerationStub(channel).Generate(
+                        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6])),
+                        metadata=(("authorization", "Bearer ka"),))
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        async for _ in call:
+                            pass
+                    return caught.value.code(), dict(caught.value.trailing_metadata() or ())
+
+            code, trailers = asyncio.run(over_grpc())
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert trailers.get("treadle-reason") == "tenant_requests"
+            # Another tenant is not held back by alice's limits.
+            assert engine.tenant_in_flight.get("bob") is None
+        finally:
+            os.kill(engine.process.pid, signal.SIGCONT)
+        first.join(30)
+        second.join(30)
+    assert [r.status_code for r in held] == [200, 200]
+    rejected = {s.labels["reason"]: s.value for s in metric_samples(
+        port, "treadle:admission_rejections_total", "ka") if s.labels["tenant"] == "alice"}
+    assert rejected["tenant_requests"] >= 2 and rejected["tenant_queued_tokens"] == 1
+
+
+def test_tenant_from_user_and_labels_bounded(open_server):
+    engine, port, _ = open_server
+    api = client(port)
+    ids = [api.completions.create(model=engine.model_name, prompt="Hi", max_tokens=1,
+                                  user=user).id for user in ("carol", "dave", "erin", "frank")]
+    assert [timeline(port, i)["tenant"] for i in ids] == ["carol", "dave", "erin", "other"]
+    none = api.completions.create(model=engine.model_name, prompt="Hi", max_tokens=1)
+    assert timeline(port, none.id)["tenant"] == "default"
+    labels = {s.labels["tenant"] for s in metric_samples(port, "treadle:request_success_total")}
+    assert len(labels - {"other"}) <= 2 and "other" in labels
+    with pytest.raises(openai.BadRequestError, match="user"):
+        api.completions.create(model=engine.model_name, prompt="Hi", max_tokens=1,
+                               user="x" * 500)
+
+
+def long_and_waiting(port: int, second: dict) -> httpx.Response:
+    """One long request holds the only batch slot; `second` waits behind it."""
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    with httpx.Client(timeout=60) as http:
+        holder = threading.Thread(target=http.post, args=(url,), kwargs={"json": {
+            "prompt": "Hi", "max_tokens": 60, "ignore_eos": True}})
+        holder.start()
+        time.sleep(0.05)
+        response = http.post(url, json={"prompt": "Hello", "max_tokens": 4, **second})
+        body = response.read()
+        holder.join(60)
+    return response, body
+
+
+def test_queue_timeout_is_503_or_an_error_event(open_server):
+    engine, port, grpc_port = open_server
+    response, body = long_and_waiting(port, {})
+    assert response.status_code == 503, body
+    error = json.loads(body)["error"]
+    assert error["type"] == "queue_timeout" and "max_queue_wait" in error["message"]
+    response, _ = long_and_waiting(port, {"stream": True})
+    assert response.status_code == 503
+    # Two samples, one batch slot: the first streams, the second times out: an error event.
+    with httpx.Client(timeout=60) as http:
+        response = http.post(f"http://127.0.0.1:{port}/v1/completions", json={
+            "prompt": "Hello", "stream": True, "n": 2, "max_tokens": 60, "ignore_eos": True})
+        body = response.read()
+    events = [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
+    assert response.status_code == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["type"] == "queue_timeout"
+    timeouts = metric_samples(port, "treadle:request_queue_timeouts_total")
+    assert sum(s.value for s in timeouts) >= 3
+    deadline = time.monotonic() + 30  # the first sample's abort reaches the engine
+    while engine.load()["running"] or engine.load()["waiting"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+    async def over_grpc():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            holder = stub.Generate(pb.GenerateRequest(
+                text="Hi", stop=pb.StopCriteria(max_tokens=200, ignore_eos=True)))
+            first = await anext(aiter(holder))
+            assert first.WhichOneof("response") == "chunk"
+            waiting = stub.Generate(pb.GenerateRequest(text="Hello", user="gina"))
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in waiting:
+                    pass
+            holder.cancel()
+            return caught.value.code()
+
+    assert asyncio.run(over_grpc()) == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_deadline_admission_and_goodput(open_server):
+    engine, port, grpc_port = open_server
+    api = client(port)
+    api.completions.create(model=engine.model_name, prompt="Hi", max_tokens=4)  # a measured step
+    met = api.completions.create(model=engine.model_name, prompt="Hi", max_tokens=4,
+                                 user="carol", extra_body={"ttft_ms": 60_000, "tpot_ms": 60_000})
+    assert met.choices[0].finish_reason == "length"
+    for kwargs in ({"extra_body": {"ttft_ms": 0.0001}},
+                   {"extra_headers": {"X-Treadle-TTFT-Ms": "0.0001"}}):
+        with pytest.raises(openai.RateLimitError) as caught:
+            api.completions.create(model=engine.model_name, prompt="Hi", max_tokens=4, **kwargs)
+        assert caught.value.body["code"] == "deadline"
+    with pytest.raises(openai.BadRequestError, match="ttft_ms"):
+        api.completions.create(model=engine.model_name, prompt="Hi", max_tokens=4,
+                               extra_body={"ttft_ms": -1})
+
+    async def over_grpc():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            call = pb_grpc.GenerationStub(channel).Generate(
+                pb.GenerateRequest(text="Hi", ttft_ms=0.0001))
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in call:
+                    pass
+            return caught.value.code(), dict(caught.value.trailing_metadata() or ())
+
+    code, trailers = asyncio.run(over_grpc())
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and trailers["treadle-reason"] == "deadline"
+    good = {s.labels["tenant"]: s.value for s in
+            metric_samples(port, "treadle:request_goodput_total")}
+    assert good.get("carol") == 1
+    rejected = metric_samples(port, "treadle:admission_rejections_total")
+    assert sum(s.value for s in rejected if s.labels["reason"] == "deadline") == 3

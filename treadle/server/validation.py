@@ -1,0 +1,118 @@
+"""Checks of client input that both frontends make, so that REST and gRPC accept and refuse the
+same requests. Each raises a `ValueError` worded "<field> must be ...": REST answers it with a
+400, gRPC with INVALID_ARGUMENT. Sizes are checked before any work proportional to them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from jinja2 import TemplateError
+from transformers import PreTrainedTokenizerBase
+
+from treadle.engine.sampling_params import (
+    MAX_N,
+    MAX_N_STOP_CHARS,
+    MAX_PROMPT_CHARS_PER_TOKEN,
+    SamplingParams,
+)
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# JSON can carry a lone surrogate ("\ud800"), which is no text: the tokenizer raises TypeError on
+# it and UTF-8 cannot encode it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(name: str, text: str) -> None:
+    """ValueError if `text` holds a lone surrogate."""
+    match = _SURROGATE.search(text)
+    if match:
+        raise ValueError(f"{name} must be valid Unicode text, got a lone surrogate at character "
+                         f"{match.start()}")
+
+
+def max_prompt_chars(max_model_len: int) -> int:
+    """The most characters a prompt (or a chat's contents) may have: more cannot fit the
+    context, and the tokenizer should not be made to find that out."""
+    return max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
+
+
+def check_prompt_text(name: str, text: str, max_model_len: int) -> None:
+    """A text prompt, before it is tokenized."""
+    limit = max_prompt_chars(max_model_len)
+    if len(text) > limit:
+        raise ValueError(f"{name} must be at most {limit} characters "
+                         f"({MAX_PROMPT_CHARS_PER_TOKEN} per token of the context), got "
+                         f"{len(text)}")
+    check_text(name, text)
+
+
+def check_batch(num_prompts: int, params: SamplingParams) -> None:
+    """A batch of prompts (REST completions) runs n samples of each: bound the samples as n
+    alone is bounded, each being an engine request searching the stop strings."""
+    samples = num_prompts * params.n
+    if samples > MAX_N:
+        raise ValueError(f"prompt must be at most {MAX_N} prompts times n, got {num_prompts} "
+                         f"prompts and n={params.n}")
+    stop_chars = sum(len(s) for s in params.stop)
+    if samples * stop_chars > MAX_N_STOP_CHARS:
+        raise ValueError(f"stop must be at most {MAX_N_STOP_CHARS} characters times the "
+                         f"samples (prompts times n), got {stop_chars} characters and "
+                         f"{samples} samples")
+
+
+def chat_conversation(messages: Sequence[tuple[str, str]], max_model_len: int
+                      ) -> list[dict[str, str]]:
+    """The conversation a chat template takes, from (role, content) pairs."""
+    if not messages:
+        raise ValueError("messages must be a non-empty list")
+    if len(messages) > max_model_len:  # every message adds at least one token
+        raise ValueError(f"messages must be at most {max_model_len} messages (the context's "
+                         f"length), got {len(messages)}")
+    limit = max_prompt_chars(max_model_len)
+    if sum(len(content) for _, content in messages) > limit:
+        raise ValueError(f"messages must have at most {limit} characters of content "
+                         f"({MAX_PROMPT_CHARS_PER_TOKEN} per token of the context)")
+    for i, (role, content) in enumerate(messages):
+        if role not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got "
+                             f"{role[:32]!r}")
+        check_text(f"messages[{i}].content", content)
+    # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
+    return [{"role": "system" if role == "developer" else role, "content": content}
+            for role, content in messages]
+
+
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: Sequence[tuple[str, str]],
+                        max_model_len: int, add_generation_prompt: bool = True) -> list[int]:
+    """A chat's prompt token ids. ValueError for invalid messages, a tokenizer without a chat
+    template, or a template that refuses the messages (roles out of order, say). Blocking: run
+    it in a thread."""
+    conversation = chat_conversation(messages, max_model_len)
+    try:
+        return tokenizer.apply_chat_template(conversation, tokenize=True,
+                                             add_generation_prompt=add_generation_prompt,
+                                             return_dict=False)
+    except TemplateError as e:
+        raise ValueError(f"messages: {e}") from e
+
+
+MAX_OBJECTIVE_MS = 86_400_000.0  # a day: objectives past it mean nothing
+
+
+def objective_seconds(name: str, ms: float | str | None) -> float | None:
+    """A TTFT or TPOT objective given in milliseconds (a number, or a header's text), in
+    seconds; None when not given."""
+    if ms is None:
+        return None
+    if isinstance(ms, str):
+        try:
+            ms = float(ms)
+        except ValueError:
+            raise ValueError(f"{name} must be a number of milliseconds, got {ms[:40]!r}") \
+                from None
+    if isinstance(ms, bool) or not 0 < ms <= MAX_OBJECTIVE_MS:
+        raise ValueError(f"{name} must be > 0 and <= {MAX_OBJECTIVE_MS:.0f} milliseconds, "
+                         f"got {ms}")
+    return ms / 1e3
