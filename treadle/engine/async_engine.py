@@ -361,10 +361,12 @@ class AsyncEngine:
         self.metrics.labels(self.metrics.kv_blocks).set(self.num_blocks)
         self.vocab_size, self.platform = info["vocab_size"], info["platform"]
         logger.info("engine ready in %.1f s: dtype %s (%s); %s, oneDNN linear %s, native "
-                    "attention %s, quantization %s (%s)", time.monotonic() - spawned,
-                    self.platform["dtype"], self.platform["dtype_reason"], self.platform["isa"],
+                    "attention %s, quantization %s (%s; integer kernel up to rows: %s)",
+                    time.monotonic() - spawned, self.platform["dtype"],
+                    self.platform["dtype_reason"], self.platform["isa"],
                     self.platform["onednn_linear"], self.platform["native_attention"],
-                    self.platform["quantization"], self.platform["quantized_types"])
+                    self.platform["quantization"], self.platform["quantized_types"],
+                    self.platform["gemv_rows"])
         with self.lock:
             self.process, self.requests_out = process, requests_out
             self.load_state = EngineLoad()
