@@ -341,6 +341,16 @@ def test_admission_prediction_counts_the_queue_ahead():
     assert s.can_meet_ttft(req("patient", 100, arrival=0, ttft=2.5))
 
 
+def test_admission_never_refuses_a_request_with_nothing_ahead():
+    """However pessimistic the estimate, a request that would run next is admitted: refusing it
+    cannot serve it sooner, and an idle engine would never measure a better estimate."""
+    s = make_scheduler(num_blocks=256, block_size=4, policy="deadline")
+    s.step_time.seconds_per_token = 10.0
+    assert s.can_meet_ttft(req("alone", 200, arrival=0, ttft=0.001))
+    s.add_request(req("first", 50, arrival=0, ttft=0.5))
+    assert not s.can_meet_ttft(req("second", 200, arrival=1, ttft=0.001))
+
+
 # Long requests, queue time limit
 
 
@@ -432,6 +442,9 @@ def test_engine_core_tenants_objectives_queue_timeout_and_admission(tiny_model):
     assert timed_out[0].finish_reason == "queue_timeout" and timed_out[0].timings[0] >= 0.2
     assert engine.num_queue_timeouts == 1
     assert engine.scheduler.step_time.seconds_per_token > 0
+    # Nothing ahead (first is decoding): refusing could not serve it sooner.
+    assert engine.can_meet_ttft(10, 60.0) and engine.can_meet_ttft(10, 1e-9)
+    engine.add_request("queued", list(range(3, 40)), params, ttft=1e-6)  # its deadline first
     assert engine.can_meet_ttft(10, 60.0) and not engine.can_meet_ttft(10, 1e-9)
     while engine.has_unfinished_requests():
         engine.step()

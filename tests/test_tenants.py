@@ -252,18 +252,31 @@ def test_queue_timeout_is_503_or_an_error_event(open_server):
     assert asyncio.run(over_grpc()) == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-def test_deadline_admission_and_goodput(open_server):
-    engine, port, grpc_port = open_server
+@pytest.fixture(scope="module")
+def deadline_server(tiny_folder):  # noqa: F811
+    """The deadline policy, one sequence at a time, no queue time limit."""
+    engine = AsyncEngine(str(tiny_folder), dtype="float32", kv_cache_memory_bytes=16 << 20,
+                         max_model_len=MAX_MODEL_LEN, max_num_seqs=1, policy="deadline")
+    uv, thread, port, grpc_port = start(engine)
+    yield engine, port, grpc_port
+    uv.should_exit = True
+    thread.join(30)
+
+
+def test_deadline_admission_and_goodput(deadline_server):
+    engine, port, grpc_port = deadline_server
     api = client(port)
     api.completions.create(model=engine.model_name, prompt="Hi", max_tokens=4)  # a measured step
     met = api.completions.create(model=engine.model_name, prompt="Hi", max_tokens=4,
                                  user="carol", extra_body={"ttft_ms": 60_000, "tpot_ms": 60_000})
     assert met.choices[0].finish_reason == "length"
-    for kwargs in ({"extra_body": {"ttft_ms": 0.0001}},
-                   {"extra_headers": {"X-Treadle-TTFT-Ms": "0.0001"}}):
-        with pytest.raises(openai.RateLimitError) as caught:
-            api.completions.create(model=engine.model_name, prompt="Hi", max_tokens=4, **kwargs)
-        assert caught.value.body["code"] == "deadline"
+    # Nothing ahead: even an objective no step can meet is admitted (refusing could not serve
+    # it sooner).
+    late = api.completions.create(model=engine.model_name, prompt="Hi", max_tokens=4,
+                                  extra_body={"ttft_ms": 0.0001})
+    assert late.choices[0].finish_reason == "length"
+    # The refusal itself (work ahead, objective out of reach) is tested on the scheduler and the
+    # core in test_policies.py: here its timing would depend on this machine's step times.
     with pytest.raises(openai.BadRequestError, match="ttft_ms"):
         api.completions.create(model=engine.model_name, prompt="Hi", max_tokens=4,
                                extra_body={"ttft_ms": -1})
@@ -272,15 +285,11 @@ def test_deadline_admission_and_goodput(open_server):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             call = pb_grpc.GenerationStub(channel).Generate(
                 pb.GenerateRequest(text="Hi", ttft_ms=0.0001))
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                async for _ in call:
-                    pass
-            return caught.value.code(), dict(caught.value.trailing_metadata() or ())
+            return [chunk async for chunk in call]
 
-    code, trailers = asyncio.run(over_grpc())
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and trailers["treadle-reason"] == "deadline"
+    assert asyncio.run(over_grpc())  # admitted over gRPC too, nothing being ahead
     good = {s.labels["tenant"]: s.value for s in
             metric_samples(port, "treadle:request_goodput_total")}
     assert good.get("carol") == 1
     rejected = metric_samples(port, "treadle:admission_rejections_total")
-    assert sum(s.value for s in rejected if s.labels["reason"] == "deadline") == 3
+    assert sum(s.value for s in rejected if s.labels["reason"] == "deadline") == 0
