@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import transformers
+import uvicorn
+from model_utils import TINY
+
+from treadle.model.loader import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,6 +39,34 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def serve_in_thread(app) -> tuple[uvicorn.Server, threading.Thread, int]:
+    """`app` served by uvicorn on a free loopback port in a thread, once it has started."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not uv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    return uv, thread, sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    """A random-weight Llama with the default model's tokenizer and chat template: fast, and
+    real text goes in and out."""
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    tokenizer_folder = resolve_model(None).folder
+    vocab = json.loads((tokenizer_folder / "config.json").read_text())["vocab_size"]
+    config = transformers.LlamaConfig(**{**TINY, "vocab_size": vocab, "tie_word_embeddings": True})
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tokenizer_folder / name, folder / name)
+    return folder
 
 
 @pytest.fixture(params=[pytest.param(AVX2_ENV, id="avx2"),

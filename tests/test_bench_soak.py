@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-import transformers
 from model_utils import TINY
 
 from treadle.bench.soak import (
@@ -116,21 +114,6 @@ treadle:prompt_tokens_total{model_name="m",tenant="default"} 12.0
     assert parse_metrics(text) == {"running": 3, "waiting": 0, "kv_cache_usage": 0.015625,
                                    "num_blocks": 2048}
     assert parse_metrics("") == {}
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    """A random-weight Llama with the default model's tokenizer and chat template."""
-    from treadle.model.loader import resolve_model
-
-    folder = tmp_path_factory.mktemp("tiny-soak")
-    tokenizer_folder = resolve_model(None).folder
-    vocab = json.loads((tokenizer_folder / "config.json").read_text())["vocab_size"]
-    config = transformers.LlamaConfig(**{**TINY, "vocab_size": vocab, "tie_word_embeddings": True})
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(tokenizer_folder / name, folder / name)
-    return folder
 
 
 @pytest.mark.default_model  # its tokenizer

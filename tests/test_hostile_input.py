@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import shutil
 import socket
 import threading
 import time
@@ -20,8 +19,7 @@ import grpc
 import httpx
 import openai
 import pytest
-import transformers
-import uvicorn
+from conftest import serve_in_thread
 from model_utils import TINY
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
@@ -39,7 +37,6 @@ from treadle.engine.sampling_params import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
-from treadle.model.loader import resolve_model
 from treadle.server.auth import bearer_token
 from treadle.server.grpc import treadle_pb2 as pb
 from treadle.server.grpc import treadle_pb2_grpc as pb_grpc
@@ -54,38 +51,16 @@ AUTH = (("authorization", f"Bearer {KEY}"),)
 
 
 @pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    """A random-weight Llama with the default model's tokenizer and chat template: fast, and
-    real text goes in and out."""
-    folder = tmp_path_factory.mktemp("tiny-chat")
-    tokenizer_folder = resolve_model(None).folder
-    vocab = json.loads((tokenizer_folder / "config.json").read_text())["vocab_size"]
-    config = transformers.LlamaConfig(**{**TINY, "vocab_size": vocab, "tie_word_embeddings": True})
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(tokenizer_folder / name, folder / name)
-    return folder
-
-
-@pytest.fixture(scope="module")
 def server(tiny_folder):
     engine = AsyncEngine(str(tiny_folder), dtype="float32", kv_cache_memory_bytes=16 << 20,
                          max_model_len=MAX_MODEL_LEN)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         grpc_port = probe.getsockname()[1]
-    app = build_app(engine, api_keys=[KEY], grpc_address=("127.0.0.1", grpc_port),
-                    enable_debug_endpoints=True)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield sock.getsockname()[1], engine, grpc_port
+    uv, thread, port = serve_in_thread(build_app(
+        engine, api_keys=[KEY], grpc_address=("127.0.0.1", grpc_port),
+        enable_debug_endpoints=True))
+    yield port, engine, grpc_port
     uv.should_exit = True
     thread.join(30)
 

@@ -16,8 +16,9 @@ import grpc
 import httpx
 import openai
 import pytest
+from conftest import serve_in_thread
 from prometheus_client.parser import text_string_to_metric_families
-from test_hostile_input import MAX_MODEL_LEN, tiny_folder  # noqa: F401 - a fixture
+from test_hostile_input import MAX_MODEL_LEN
 
 from treadle.engine.async_engine import AsyncEngine
 from treadle.server.auth import APIKey, parse_api_keys
@@ -29,27 +30,17 @@ LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 6  # > 3 KV bloc
 
 
 def start(engine: AsyncEngine, api_keys=None):
-    import uvicorn
-
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         grpc_port = probe.getsockname()[1]
-    app = build_app(engine, api_keys=api_keys, grpc_address=("127.0.0.1", grpc_port),
-                    enable_debug_endpoints=True)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    return uv, thread, sock.getsockname()[1], grpc_port
+    uv, thread, port = serve_in_thread(build_app(
+        engine, api_keys=api_keys, grpc_address=("127.0.0.1", grpc_port),
+        enable_debug_endpoints=True))
+    return uv, thread, port, grpc_port
 
 
 @pytest.fixture(scope="module")
-def keyed(tiny_folder):  # noqa: F811
+def keyed(tiny_folder):
     """Named keys, tenant limits, prefix caches isolated by tenant."""
     engine = AsyncEngine(str(tiny_folder), dtype="float32", kv_cache_memory_bytes=16 << 20,
                          max_model_len=MAX_MODEL_LEN, max_requests_per_tenant=2,
@@ -62,7 +53,7 @@ def keyed(tiny_folder):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def open_server(tiny_folder):  # noqa: F811
+def open_server(tiny_folder):
     """No keys: tenants from `user`; the deadline policy, one sequence at a time, a short
     queue time limit, two tenant labels."""
     engine = AsyncEngine(str(tiny_folder), dtype="float32", kv_cache_memory_bytes=16 << 20,
@@ -253,7 +244,7 @@ def test_queue_timeout_is_503_or_an_error_event(open_server):
 
 
 @pytest.fixture(scope="module")
-def deadline_server(tiny_folder):  # noqa: F811
+def deadline_server(tiny_folder):
     """The deadline policy, one sequence at a time, no queue time limit."""
     engine = AsyncEngine(str(tiny_folder), dtype="float32", kv_cache_memory_bytes=16 << 20,
                          max_model_len=MAX_MODEL_LEN, max_num_seqs=1, policy="deadline")
