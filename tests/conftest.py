@@ -17,7 +17,7 @@ import transformers
 import uvicorn
 from model_utils import TINY
 
-from treadle.model.loader import resolve_model
+from treadle.model.source import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -251,7 +251,7 @@ def test_counts_match_the_live_servers_own_usage(live_server, tmp_path):
     from transformers import AutoTokenizer
 
     from treadle.bench.workloads import random_workload
-    from treadle.model.loader import resolve_model
+    from treadle.model.source import resolve_model
 
     model = httpx.get(f"{live_server}/v1/models").json()["data"][0]["id"]
     out = tmp_path / "report.json"
@@ -323,7 +323,7 @@ def test_grpc_counts_match_the_workload(live_grpc, tmp_path):
     from transformers import AutoTokenizer
 
     from treadle.bench.workloads import random_workload
-    from treadle.model.loader import resolve_model
+    from treadle.model.source import resolve_model
 
     out = tmp_path / "report.json"
     code = main(["bench", "serve", "--backend", "grpc", "--base-url", live_grpc,

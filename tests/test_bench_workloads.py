@@ -159,7 +159,7 @@ def test_file_workload_reads_text_and_token_prompts(tokenizer, tmp_path):
 def test_prompts_round_trip_through_the_default_tokenizer():
     from transformers import AutoTokenizer
 
-    from treadle.model.loader import converted_gguf_folder, default_model_path
+    from treadle.model.source import converted_gguf_folder, default_model_path
 
     tok = AutoTokenizer.from_pretrained(str(converted_gguf_folder(default_model_path())))
     for r in synthetic_chat(tok, 20, seed=0):

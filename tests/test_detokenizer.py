@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from treadle.engine.detokenizer import REPLACEMENT_CHAR, DetokenizerDelta, IncrementalDetokenizer
-from treadle.model.loader import converted_gguf_folder, default_model_path
+from treadle.model.source import converted_gguf_folder, default_model_path
 
 pytestmark = pytest.mark.default_model
 

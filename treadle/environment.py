@@ -14,7 +14,7 @@ import torch
 
 from treadle.model.capabilities import probe, resolve_dtype, use_onednn_linear
 from treadle.model.kernels import kernel_status
-from treadle.model.loader import ModelLoadError, cache_dir, default_model_path
+from treadle.model.source import ModelLoadError, cache_dir, default_model_path
 
 # Settings read from the environment that change what runs.
 ENV_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "TREADLE_DISABLE", "TREADLE_CACHE",

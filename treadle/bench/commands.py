@@ -74,7 +74,7 @@ def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
     from transformers import AutoTokenizer
 
     from treadle.bench import workloads
-    from treadle.model.loader import resolve_model
+    from treadle.model.source import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(args.tokenizer).folder))
     with_text = args.prompt_format == "text"

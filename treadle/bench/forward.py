@@ -14,8 +14,9 @@ import torch
 from treadle.bench.roofline import DecodeCost, best_seconds, measure_roofline
 from treadle.config import CacheConfig, ModelConfig
 from treadle.model.capabilities import torch_dtype
-from treadle.model.loader import load_model, resolve_model
+from treadle.model.loader import load_model
 from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence
+from treadle.model.source import resolve_model
 
 
 def bench_forward(model: str | None, dtype: str, batch_sizes: list[int], threads: list[int],

@@ -27,7 +27,8 @@ import torch
 
 from treadle.bench.workloads import BenchRequest, summarize, synthetic_chat
 from treadle.model.capabilities import torch_dtype
-from treadle.model.loader import read_spec, resolve_model
+from treadle.model.loader import read_spec
+from treadle.model.source import resolve_model
 
 TARGET_RATIO = 3.0
 WARMUP = BenchRequest(prompt_token_ids=[100 + i for i in range(16)], output_len=4)

@@ -20,8 +20,9 @@ import torch
 
 from treadle.config import CacheConfig, ModelConfig
 from treadle.model.capabilities import torch_dtype
-from treadle.model.loader import load_model, resolve_model
+from treadle.model.loader import load_model
 from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence
+from treadle.model.source import resolve_model
 from treadle.sim.profile import FEATURES, StepProfile, fit_profile, step_features
 
 BLOCK_SIZE = 16

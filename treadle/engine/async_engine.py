@@ -61,7 +61,8 @@ from treadle.engine.policies import POLICIES
 from treadle.engine.request import DEFAULT_TENANT
 from treadle.engine.sampling_params import SamplingParams
 from treadle.model.capabilities import torch_dtype
-from treadle.model.loader import load_model, resolve_model
+from treadle.model.loader import load_model
+from treadle.model.source import resolve_model
 from treadle.observability.metrics import DEFAULT_MAX_TENANT_LABELS, ServerMetrics
 from treadle.observability.step_trace import StepTraceWriter
 from treadle.server.auth import check_tenant_name

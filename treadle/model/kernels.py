@@ -49,7 +49,7 @@ def build_flags(machine: str, isa: str, vnni: bool = False) -> tuple[list[str], 
 
 def build_folder(name: str, machine: str, isa: str, cflags: list[str],
                  ldflags: list[str]) -> Path:
-    from treadle.model.loader import cache_dir
+    from treadle.model.source import cache_dir
 
     key = hashlib.sha256(KERNELS[name].read_bytes())
     key.update(" ".join([*cflags, "|", *ldflags, "|", torch.__version__]).encode())
