@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from treadle.server.auth import APIKey
 
 DTYPES = ("auto", "float32", "bfloat16")
 # auto: bfloat16 where the CPU computes it natively, else float32; the model's capability probe
@@ -104,3 +108,30 @@ class SchedulerConfig:
             raise ValueError("fair token weights must be >= 0")
         if self.max_kv_blocks_per_tenant is not None and self.max_kv_blocks_per_tenant < 1:
             raise ValueError("max_kv_blocks_per_tenant must be >= 1 (or None: no cap)")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The frontends `treadle serve` runs over one engine: REST always, gRPC unless
+    `grpc_port` is None."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int | None = 50051
+    # Bearer keys; empty: no auth. Each key's name is the tenant of its requests.
+    api_keys: tuple[APIKey, ...] = ()
+    metrics_without_auth: bool = False
+    allowed_origins: tuple[str, ...] = ()  # CORS
+    max_request_bytes: int = 4 << 20  # larger bodies get 413
+    enable_debug_endpoints: bool = False
+    # On SIGTERM, seconds in-flight requests may take before they end with server_shutdown.
+    shutdown_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name, port in (("port", self.port), ("grpc_port", self.grpc_port)):
+            if port is not None and not 0 <= port < 65536:
+                raise ValueError(f"{name} must be in 0..65535, got {port}")
+        if self.max_request_bytes < 1:
+            raise ValueError("max_request_bytes must be >= 1")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError("shutdown_timeout must be >= 0 seconds")
