@@ -124,6 +124,9 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # CORS
     max_request_bytes: int = 4 << 20  # larger bodies get 413
     enable_debug_endpoints: bool = False
+    # A Jinja chat template (the text, or a path to a file holding it) replacing the model's own;
+    # a model with none (a base model) answers chat requests with 400 unless one is given.
+    chat_template: str | None = None
     # On SIGTERM, seconds in-flight requests may take before they end with server_shutdown.
     shutdown_timeout: float = 30.0
 
