@@ -20,8 +20,8 @@ decodes are 1.7. The alternatives, measured on the same text:
   decode the held bytes at the end, and after a prompt that ends inside a character it streams
   the prompt's text. Not worth 0.5 µs a token.
 - `convert_ids_to_tokens` + `convert_tokens_to_string`: 5.3 µs a token, in Python.
-- `PreTrainedTokenizerFast.decode` adds Python overhead and, for some tokenizers, clean-up of
-  spaces, which does not commute with splitting the text (transformers 5 skips it for BPE).
+- `Tokenizer.decode` adds Python overhead and, for some tokenizers, clean-up of spaces, which
+  does not commute with splitting the text (skipped for BPE, as transformers 5 does).
 
 The deltas, concatenated with `flush()`, equal the decode of the output ids whenever the decoder
 is context-free, as SmolLM2's byte-level BPE is (tests/test_detokenizer.py checks it with prompts).
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from transformers import PreTrainedTokenizerFast
+from treadle.tokenizer import Tokenizer
 
 # What an incomplete (or invalid) UTF-8 sequence decodes to.
 REPLACEMENT_CHAR = "\ufffd"
@@ -60,7 +60,7 @@ class IncrementalDetokenizer:
     does not depend on how the tokens were grouped into calls.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerFast, prompt_token_ids: Sequence[int],
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
                  skip_special_tokens: bool = True, stop: Sequence[str] = (),
                  include_stop_str_in_output: bool = False) -> None:
         if any(not s for s in stop):
