@@ -14,7 +14,9 @@ from gguf.quants import dequantize, quantize
 
 from treadle.config import CacheConfig, ModelConfig
 from treadle.model.capabilities import torch_dtype
-from treadle.model.loader import GGUF_TENSOR_NAMES, ModelSpec, load_model
+from treadle.model.family import ModelSpec
+from treadle.model.loader import load_model
+from treadle.model.models.llama import GGUF_TENSOR_NAMES
 from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -33,6 +35,16 @@ ARCHITECTURES = {
                 {"sliding_window": None}),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),
+    # Windows smaller than the tests' prompts, local layers around a global one, a local rope
+    # base far from the global one, a query scale that is not head_dim's.
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, GEMMA3 := {
+        "num_hidden_layers": 4, "sliding_window": 9, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
+                        "sliding_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}}),
+    "gemma3-softcap-untied": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, {
+        **GEMMA3, "final_logit_softcapping": 2.0, "tie_word_embeddings": False}),
 }
 
 
@@ -41,7 +53,7 @@ def build_tiny_model(arch: str, folder: Path, seed: int = 0) -> torch.nn.Module:
     is random so that a wrong mapping of any one of them shows in the logits."""
     config_cls, model_cls, extra = ARCHITECTURES[arch]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**TINY, **extra)).float().eval()
+    model = model_cls(config_cls(**{**TINY, **extra})).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -1,5 +1,6 @@
 """Paged decode attention, native kernel and torch fallback, against attention computed naively
-per sequence in float64 over each sequence's own tokens."""
+per sequence in float64 over each sequence's own tokens (the last `window` of them for
+sliding-window layers, whose blocks before the window must not even be read)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import torch
 from treadle.model import attention, kernels
 
 
-def naive_attention(q, k_cache, v_cache, tables, lens, scale):
+def naive_attention(q, k_cache, v_cache, tables, lens, scale, window=None):
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.empty(q.shape, dtype=torch.float64)
     for s, (table, n) in enumerate(zip(tables.tolist(), lens.tolist(), strict=True)):
-        slots = [table[p // block_size] * block_size + p % block_size for p in range(n)]
+        first = 0 if window is None else max(0, n - window)
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(first, n)]
         keys = k_cache.flatten(0, 1)[slots].double()  # [n, Hkv, D]
         values = v_cache.flatten(0, 1)[slots].double()
         for h in range(q.shape[1]):
@@ -23,9 +25,10 @@ def naive_attention(q, k_cache, v_cache, tables, lens, scale):
     return out
 
 
+@pytest.mark.parametrize("window", [None, 1, 3, 6, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("native", [True, False])
-def test_decode_attention_matches_naive(dtype, native, monkeypatch):
+def test_decode_attention_matches_naive(dtype, native, window, monkeypatch):
     if native and kernels.paged_decode_attention() is None:
         pytest.skip("native kernel unavailable")
     if not native:
@@ -38,10 +41,14 @@ def test_decode_attention_matches_naive(dtype, native, monkeypatch):
     max_blocks = 8
     tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * max_blocks].view(-1, max_blocks)
     q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    expected = naive_attention(q, k_cache, v_cache, tables, lens, 0.25, window)
+    if window is not None:  # blocks wholly before a window: NaN shows if they are read
+        for table, n in zip(tables.tolist(), lens.tolist(), strict=True):
+            for b in table[:max(0, n - window) // block_size]:
+                k_cache[b] = v_cache[b] = float("nan")
     meta = attention.AttentionMetadata(
         slot_mapping=torch.zeros(0, dtype=torch.long), decode_indices=None,
-        decode_block_tables=tables, decode_context_lens=lens, prefills=[])
+        decode_block_tables=tables, decode_context_lens=lens, prefills=[], window=window)
     out = attention.decode_attention(q, k_cache, v_cache, meta, scale=0.25)
-    expected = naive_attention(q, k_cache, v_cache, tables, lens, 0.25)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert (out.double() - expected).abs().max().item() < tolerance

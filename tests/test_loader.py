@@ -86,3 +86,12 @@ def test_bfloat16_runner_stays_close_to_float32(tmp_path):
     bf16 = make_runner(tmp_path, dtype="bfloat16").execute(ModelInput([seq]))
     assert bf16.dtype == torch.float32
     assert (bf16 - fp32).abs().max().item() < 0.1 * fp32.abs().max().item()
+
+
+def test_gguf_of_another_family_than_its_config_is_named(tmp_path):
+    model = build_tiny_model("llama", tmp_path)
+    spec = read_spec(tmp_path)
+    write_tiny_gguf(model, spec, tmp_path / "tiny.gguf", Q.F32)
+    build_tiny_model("gemma3", tmp_path / "gemma")
+    with pytest.raises(ModelLoadError, match="holds a 'llama' model.*'gemma3_text'"):
+        read_gguf_weights(tmp_path / "tiny.gguf", read_spec(tmp_path / "gemma"))

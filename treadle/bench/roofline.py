@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from treadle.model.llama import LlamaModel
+    from treadle.model.layers import DecoderModel
 
 
 def best_seconds(fn, repeats: int = 5) -> float:
@@ -65,7 +65,7 @@ class DecodeCost:
     kv_bytes_per_token: int  # keys and values of one context token, all layers
 
     @classmethod
-    def of(cls, model: LlamaModel) -> DecodeCost:
+    def of(cls, model: DecoderModel) -> DecodeCost:
         spec, itemsize = model.spec, model.dtype.itemsize
         return cls(parameters=model.num_parameters(), weight_bytes=model.weight_bytes(),
                    kv_bytes_per_token=2 * spec.num_layers * spec.num_kv_heads * spec.head_dim
@@ -86,12 +86,12 @@ def bench_roofline(model: str | None, dtype: str, batch_sizes: list[int],
     """The machine's measured bandwidth and matmul rate (current torch thread count), and the
     model's decode-step floor at each batch size, from the bytes its weights take as served."""
     from treadle.model.capabilities import resolve_dtype, torch_dtype
-    from treadle.model.llama import LlamaModel
     from treadle.model.loader import load_model
+    from treadle.model.registry import build_model
 
     loaded = load_model(model, torch_dtype(dtype), quantization)
-    cost = DecodeCost.of(LlamaModel(loaded.spec, loaded.weights, torch_dtype(dtype),
-                                    context_len))
+    cost = DecodeCost.of(build_model(loaded.spec, loaded.weights, torch_dtype(dtype),
+                                     context_len))
     roof = measure_roofline(torch_dtype(dtype))
     rows = []
     for batch in batch_sizes:

@@ -7,6 +7,11 @@ values into their slots, then every query attends over its own sequence's blocks
 Decode tokens (one query each) are attended in one batched call over block tables padded to the
 longest context; prefill chunks go one sequence at a time (few per step, many tokens each), causal
 inside the chunk and full over the context computed before it.
+
+Sliding-window layers (Gemma 3's local layers) attend only to the last `window` positions: the
+runner builds their own metadata, whose prefill chunks start at the first block inside the window
+and whose decode reads (native kernel and torch fallback) skip the blocks before it. The blocks
+stay allocated: freeing them is the KV cache manager's business, not done yet.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ class PrefillChunk:
     start: int
     end: int
     context_len: int  # cached tokens before the chunk + the chunk's own
-    block_table: torch.Tensor  # [blocks covering context_len]
-    mask: torch.Tensor | None  # [chunk, context_len] bool; None when the chunk starts at 0
+    block_table: torch.Tensor  # [blocks covering positions key_start .. context_len)
+    # [chunk, context_len - key_start] bool; None when the chunk is the whole context and each
+    # token sees every earlier one (plain causal)
+    mask: torch.Tensor | None
+    key_start: int = 0  # position of block_table's first slot (> 0: blocks before a window)
 
 
 @dataclass
@@ -39,6 +47,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long
     decode_context_lens: torch.Tensor | None  # [num_decodes] long
     prefills: list[PrefillChunk]
+    window: int | None = None  # decode tokens see only the last `window` positions
 
 
 class KVCache:
@@ -83,16 +92,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """One query per sequence, [num_decodes, H, D]."""
     kernel = paged_decode_attention()
     if kernel is not None:  # reads the blocks in place
-        return kernel(q, k_cache, v_cache, meta.decode_block_tables,
-                                      meta.decode_context_lens, scale)
+        return kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                      scale, meta.window or 0)
     # Fallback: gather each sequence's blocks, padded to the longest context, and mask. The
     # query heads sharing a KV head lie along SDPA's query axis: no copy of keys per head.
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    tables = meta.decode_block_tables
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    tables, lens = meta.decode_block_tables, meta.decode_context_lens
+    first_position = torch.zeros_like(lens)
+    if meta.window is not None:  # only the blocks that hold the window's positions
+        first_block = (lens - meta.window).clamp(min=0) // block_size
+        span = min(tables.shape[1], (meta.window + block_size - 2) // block_size + 1)
+        columns = (first_block[:, None] + torch.arange(span)).clamp(max=tables.shape[1] - 1)
+        tables = tables.gather(1, columns)
+        first_position = first_block * block_size
     keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
     values = v_cache[tables].flatten(1, 2).transpose(1, 2)
-    mask = torch.arange(keys.shape[2]) < meta.decode_context_lens[:, None]
+    positions = first_position[:, None] + torch.arange(keys.shape[2])
+    mask = positions < lens[:, None]
+    if meta.window is not None:
+        mask &= positions >= (lens - meta.window)[:, None]
     query = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask[:, None, None, :],
                                          scale=scale)
@@ -101,12 +120,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, chunk: PrefillChunk, scale: float) -> torch.Tensor:
-    """One sequence's chunk: causal inside it, full over the context before it."""
+    """One sequence's chunk: causal inside it, over the context before it (the part its mask
+    and block table cover)."""
     if chunk.mask is None:  # the whole context is this chunk: no need to read the cache
         keys, values = k, v
     else:
-        keys = k_cache[chunk.block_table].flatten(0, 1)[:chunk.context_len]
-        values = v_cache[chunk.block_table].flatten(0, 1)[:chunk.context_len]
+        num_keys = chunk.context_len - chunk.key_start
+        keys = k_cache[chunk.block_table].flatten(0, 1)[:num_keys]
+        values = v_cache[chunk.block_table].flatten(0, 1)[:num_keys]
     # Repeat KV heads for the query heads that share them: SDPA's grouped-query mode falls back
     # to its slow unfused path on CPU.
     group = q.shape[1] // k.shape[1]

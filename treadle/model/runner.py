@@ -6,7 +6,7 @@ nothing of requests, sampling or where a request came from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -15,8 +15,8 @@ from treadle.model.attention import AttentionMetadata, KVCache, PrefillChunk
 from treadle.model.capabilities import probe, resolve_dtype, torch_dtype, use_onednn_linear
 from treadle.model.kernels import paged_decode_attention, quant_linear_kernels
 from treadle.model.linear import tune_gemv_rows
-from treadle.model.llama import LlamaModel
 from treadle.model.loader import LoadedModel, load_model
+from treadle.model.registry import build_model
 
 
 @dataclass
@@ -45,9 +45,7 @@ class ModelRunner:
         self.spec = spec
         self.dtype_name, self.dtype_reason = resolve_dtype(model_config.dtype)
         self.dtype = torch_dtype(self.dtype_name)
-        limit = spec.max_position_embeddings
-        if spec.sliding_window:  # no sliding-window attention: stay inside the window
-            limit = min(limit, spec.sliding_window)
+        limit = spec.context_limit
         self.max_model_len = min(model_config.max_model_len or limit, limit)
         self.block_size = cache_config.block_size
         num_blocks = cache_config.num_blocks or max(1, cache_config.kv_cache_memory_bytes
@@ -55,8 +53,10 @@ class ModelRunner:
                                                         spec.num_layers, self.block_size,
                                                         spec.num_kv_heads, spec.head_dim,
                                                         self.dtype))
-        self.model = LlamaModel(spec, loaded.weights, self.dtype, self.max_model_len,
-                                dense_for_batches=model_config.dense_batch_weights)
+        self.model = build_model(spec, loaded.weights, self.dtype, self.max_model_len,
+                                 dense_for_batches=model_config.dense_batch_weights)
+        # Sliding-window layers' windows: each gets its own attention metadata per step.
+        self.windows = sorted({w for w in spec.layer_windows() if w is not None})
         self.quantization, self.quantized_types = loaded.quantization, loaded.quantized_types()
         self.gemv_rows = self.choose_gemv_rows(model_config.quant_gemv_max_rows)
         self.kv_cache = KVCache(spec.num_layers, num_blocks, self.block_size, spec.num_kv_heads,
@@ -96,11 +96,13 @@ class ModelRunner:
     def execute(self, model_input: ModelInput) -> torch.Tensor:
         """Float32 logits [rows, vocab]: for each sequence in order, one row for its last token,
         or one per token when it asked for all_logits."""
-        input_ids, positions, meta, logits_indices = self.prepare(model_input)
-        return self.model.forward(input_ids, positions, meta, self.kv_cache, logits_indices)
+        input_ids, positions, attention, logits_indices = self.prepare(model_input)
+        return self.model.forward(input_ids, positions, attention, self.kv_cache, logits_indices)
 
-    def prepare(self, model_input: ModelInput
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
+    def prepare(self, model_input: ModelInput) -> tuple[
+            torch.Tensor, torch.Tensor, dict[int | None, AttentionMetadata], torch.Tensor | None]:
+        """Input ids, positions, attention metadata by window (None: global layers) and the
+        rows to compute logits at (None: all)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -110,6 +112,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
+        windowed_prefills: dict[int, list[PrefillChunk]] = {w: [] for w in self.windows}
         for seq in model_input.sequences:
             start, n = seq.num_computed_tokens, len(seq.token_ids)
             context_len = start + n
@@ -135,6 +138,8 @@ class ModelRunner:
                 decode_lens.append(context_len)
             else:
                 prefills.append(self.prefill_chunk(row, start, n, table))
+                for window, chunks in windowed_prefills.items():
+                    chunks.append(self.prefill_chunk(row, start, n, table, window))
 
         num_tokens = len(input_ids)
         meta = AttentionMetadata(
@@ -150,15 +155,29 @@ class ModelRunner:
                 meta.decode_indices = torch.tensor(decode_rows, dtype=torch.long)
         logits_indices = (None if len(logits_rows) == num_tokens
                           else torch.tensor(logits_rows, dtype=torch.long))
+        attention: dict[int | None, AttentionMetadata] = {None: meta}
+        for window, chunks in windowed_prefills.items():
+            attention[window] = replace(meta, prefills=chunks, window=window)
         return (torch.tensor(input_ids, dtype=torch.long),
-                torch.tensor(positions, dtype=torch.long), meta, logits_indices)
+                torch.tensor(positions, dtype=torch.long), attention, logits_indices)
 
-    def prefill_chunk(self, row: int, start: int, n: int, table: list[int]) -> PrefillChunk:
+    def prefill_chunk(self, row: int, start: int, n: int, table: list[int],
+                      window: int | None = None) -> PrefillChunk:
+        """Tokens start .. start + n of a sequence. Query i sits at position start + i and sees
+        keys 0 .. start + i, or with a window only the last `window` of them: the chunk's block
+        table then starts at the block holding the first key any of its queries sees."""
+        bs = self.block_size
         context_len = start + n
+        first_block = 0 if window is None else max(0, start - window + 1) // bs
+        key_start = first_block * bs
         mask = None
-        if start > 0:  # query i sits at position start + i and sees keys 0 .. start + i
-            mask = (torch.arange(context_len)[None, :]
-                    <= torch.arange(start, context_len)[:, None])
-        blocks = table[:(context_len + self.block_size - 1) // self.block_size]
+        if start > 0 or (window is not None and n > window):
+            keys = torch.arange(key_start, context_len)[None, :]
+            queries = torch.arange(start, context_len)[:, None]
+            mask = keys <= queries
+            if window is not None:
+                mask &= keys > queries - window
+        blocks = table[first_block:(context_len + bs - 1) // bs]
         return PrefillChunk(start=row, end=row + n, context_len=context_len,
-                            block_table=torch.tensor(blocks, dtype=torch.long), mask=mask)
+                            block_table=torch.tensor(blocks, dtype=torch.long), mask=mask,
+                            key_start=key_start)

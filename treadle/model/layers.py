@@ -1,0 +1,125 @@
+"""Building blocks the model families share: RMSNorm, rotary tables, the embedding lookup,
+self-attention over the paged KV cache, and the weight accounting of a decoder.
+
+A decoder layer is a dict of weights (tensors, `Linear`s, `QuantizedLinear`s or None), so that
+the accounting below reads every family's layers alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from treadle.model.attention import AttentionMetadata, paged_attention
+from treadle.model.linear import Linear, QuantizedLinear
+from treadle.model.quantization import QuantizedWeight
+
+Layer = dict[str, torch.Tensor | Linear | QuantizedLinear | None]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             scale_in_float32: bool = False) -> torch.Tensor:
+    """As transformers computes it: normalized in float32, then scaled by `weight` after the
+    cast back to x's dtype (Llama), or before it (`scale_in_float32`: Gemma, whose weight is
+    float32). (F.rms_norm is several times slower on CPU.)"""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
+    if scale_in_float32:
+        return (x32 * weight).to(x.dtype)
+    return weight * x32.to(x.dtype)
+
+
+def default_rope_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    """Inverse frequencies as transformers computes them."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+class Rotary:
+    """cos/sin tables over positions [0, max_positions) for one set of inverse frequencies."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype) -> None:
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.cos = freqs.cos().to(dtype)
+        self.sin = freqs.sin().to(dtype)
+
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D/2] at `positions`, broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rope (Hugging Face layout) on [T, heads, D]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def embed_tokens(embed: torch.Tensor | QuantizedWeight, input_ids: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(embed, QuantizedWeight):
+        return embed.rows(input_ids).to(dtype)
+    return F.embedding(input_ids, embed)
+
+
+def self_attention(layer: Layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                   num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                   qk_norm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+                   ) -> torch.Tensor:
+    """Fused q/k/v projection, q/k norms (where the layer has them), rope, attention over the
+    paged cache, output projection. `layer`: "qkv", "o", and "q_norm"/"k_norm" or None."""
+    num_tokens = x.shape[0]
+    qkv = layer["qkv"](x)
+    qk = qkv[:, :(num_heads + num_kv_heads) * head_dim].view(
+        num_tokens, num_heads + num_kv_heads, head_dim)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    if layer["q_norm"] is not None:
+        qk = torch.cat((qk_norm(qk[:, :num_heads], layer["q_norm"]),
+                        qk_norm(qk[:, num_heads:], layer["k_norm"])), dim=1)
+    q, k = apply_rope(qk, *rope).split([num_heads, num_kv_heads], dim=1)
+    attn = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    return layer["o"](attn.reshape(num_tokens, num_heads * head_dim))
+
+
+class DecoderModel:
+    """What every family's model holds and reports: `embed`, `lm_head`, `final_norm`, `layers`
+    (a list of `Layer` dicts) and whether the embedding is tied to the LM head."""
+
+    embed: torch.Tensor | QuantizedWeight
+    lm_head: Linear | QuantizedLinear
+    final_norm: torch.Tensor
+    layers: list[Layer]
+    tied: bool
+
+    def num_parameters(self) -> int:
+        """Parameters read by a decode step (a tied embedding counts once, as the LM head)."""
+        count = self.lm_head.numel + self.final_norm.numel()
+        for layer in self.layers:
+            count += sum(p.numel if isinstance(p, Linear | QuantizedLinear) else p.numel()
+                         for p in layer.values() if p is not None)
+        return count
+
+    def quantized_layers(self) -> list[QuantizedLinear]:
+        layers = [self.lm_head, *(p for layer in self.layers for p in layer.values())]
+        return [p for p in layers if isinstance(p, QuantizedLinear)]
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights read by a decode step, as stored (quantized blocks as blocks)."""
+        count = self.lm_head.nbytes + self.final_norm.nbytes
+        for layer in self.layers:
+            count += sum(p.nbytes for p in layer.values() if p is not None)
+        return count
+
+    def resident_bytes(self) -> int:
+        """Bytes of weights held in memory: quantized blocks plus their dense copies, if kept,
+        and the embedding (once when tied)."""
+        count = getattr(self.lm_head, "resident_bytes", self.lm_head.nbytes)
+        count += self.final_norm.nbytes
+        if not self.tied:
+            count += self.embed.nbytes
+        for layer in self.layers:
+            count += sum(getattr(p, "resident_bytes", p.nbytes) for p in layer.values()
+                         if p is not None)
+        return count

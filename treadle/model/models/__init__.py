@@ -1,0 +1,1 @@
+"""One module per model family; treadle/model/registry.py lists them."""
