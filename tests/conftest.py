@@ -1,4 +1,5 @@
-"""Shared test helpers: runs of pytest or Python in a child process with a forced CPU path."""
+"""Shared test helpers: runs of pytest or Python in a child process with a forced CPU path, a
+server in a thread, a tiny chat model, and the checks that an engine ended empty."""
 
 from __future__ import annotations
 
@@ -8,15 +9,15 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import transformers
-import uvicorn
 from model_utils import TINY
 
+from treadle.engine.core import EngineCore
+from treadle.engine.kv_cache import KVCacheManager
+from treadle.engine.scheduler import Scheduler
 from treadle.model.source import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,20 +42,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def serve_in_thread(app) -> tuple[uvicorn.Server, threading.Thread, int]:
-    """`app` served by uvicorn on a free loopback port in a thread, once it has started."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    return uv, thread, sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory) -> Path:
     """A random-weight Llama with the default model's tokenizer and chat template: fast, and
@@ -73,3 +60,26 @@ def tiny_folder(tmp_path_factory) -> Path:
                         pytest.param(PORTABLE_ENV, id="portable")])
 def forced_env(request) -> dict[str, str]:
     return request.param
+
+
+def assert_kv_cache_empty(manager: KVCacheManager) -> None:
+    """After every request has ended: no tables, every block free with ref count 0."""
+    manager.check_invariants()
+    assert not manager.block_tables, f"block tables left: {sorted(manager.block_tables)}"
+    assert not manager.block_hashes, f"block hashes left: {sorted(manager.block_hashes)}"
+    assert manager.num_free_blocks == manager.num_blocks
+    assert all(block.ref_cnt == 0 for block in manager.block_pool.blocks)
+
+
+def assert_scheduler_empty(scheduler: Scheduler) -> None:
+    """After every request has ended: no requests left and the KV cache entirely free."""
+    scheduler.check_invariants()
+    assert not scheduler.requests, f"requests left: {sorted(scheduler.requests)}"
+    assert_kv_cache_empty(scheduler.kv_cache_manager)
+
+
+def assert_engine_empty(core: EngineCore) -> None:
+    """After every request has ended: no requests, every block free with ref count 0, the free
+    list and hash map consistent, no seeded generators left behind."""
+    assert_scheduler_empty(core.scheduler)
+    assert not core.generators, f"generators left: {sorted(core.generators)}"

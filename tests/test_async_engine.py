@@ -11,7 +11,9 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from treadle.engine.async_engine import AsyncEngine, EngineOverloaded
+from treadle.config import AsyncEngineConfig, build_config
+from treadle.engine.admission import EngineOverloaded
+from treadle.engine.async_engine import AsyncEngine
 from treadle.engine.sampling_params import SamplingParams
 from treadle.llm import LLM
 
@@ -49,8 +51,9 @@ def test_streams_equal_offline_and_aborts_free_blocks(tmp_path):
     expected = [o.outputs[0] for o in offline.generate(prompts, params, use_tqdm=False)]
 
     async def scenario():
-        engine = AsyncEngine(dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20,
-                             trace_file=str(tmp_path / "trace.json"))
+        engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
+            dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20,
+            trace_file=str(tmp_path / "trace.json"))))
         await engine.start()
         try:
             async def collect(request_id, prompt):
@@ -123,8 +126,9 @@ def test_streams_equal_offline_and_aborts_free_blocks(tmp_path):
 
 def test_a_full_queue_refuses_then_serves_again():
     async def scenario():
-        engine = AsyncEngine(dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20,
-                             max_queued_requests=1)
+        engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
+            dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20,
+            max_queued_requests=1)))
         await engine.start()
         try:
             params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

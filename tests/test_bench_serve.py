@@ -4,7 +4,6 @@ usage the report's counts must match."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import subprocess
@@ -17,9 +16,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import grpc
 import httpx
 import pytest
+from frontends import start_frontends, stop_frontends, wait_started
 from test_bench_workloads import tiny_tokenizer
 
 from treadle.cli import main
+from treadle.config import AsyncEngineConfig, ServerConfig, build_config
 from treadle.server.grpc import treadle_pb2 as pb
 from treadle.server.grpc import treadle_pb2_grpc as pb_grpc
 
@@ -282,40 +283,16 @@ def test_counts_match_the_live_servers_own_usage(live_server, tmp_path):
 
 @pytest.fixture(scope="module")
 def live_grpc():
-    """Treadle's gRPC frontend over an engine, on an event loop in its own thread (bench serve
-    runs its own loop in the test's thread)."""
+    """Treadle's frontends over an engine, in their own thread (bench serve runs its own loop in
+    the test's thread): the gRPC one's address."""
     from treadle.engine.async_engine import AsyncEngine
-    from treadle.server.grpc.servicer import start_grpc_server
 
-    ready = threading.Event()
-    state: dict = {}
-
-    async def serve() -> None:
-        try:
-            engine = AsyncEngine(dtype="float32", quantization="none",
-                                 kv_cache_memory_bytes=64 << 20)
-            await engine.start()
-            server, state["port"] = await start_grpc_server(engine, port=0)
-        except Exception as e:
-            state["error"] = e
-            ready.set()
-            return
-        state["loop"], state["stop"] = asyncio.get_running_loop(), asyncio.Event()
-        ready.set()
-        try:
-            await state["stop"].wait()
-        finally:
-            await server.stop(None)
-            await engine.shutdown()
-
-    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
-    thread.start()
-    assert ready.wait(300), "the gRPC server did not start in 300 s"
-    if "error" in state:
-        pytest.fail(f"the gRPC server failed to start: {state['error']!r}")
-    yield f"127.0.0.1:{state['port']}"
-    state["loop"].call_soon_threadsafe(state["stop"].set)
-    thread.join(60)
+    engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
+        dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20)))
+    frontends, thread = start_frontends(engine, ServerConfig(port=0, grpc_port=0))
+    wait_started(frontends, thread, timeout=300)
+    yield f"127.0.0.1:{frontends.grpc_port}"
+    stop_frontends(frontends, thread)
 
 
 @pytest.mark.default_model

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_engine_empty
 from model_utils import build_tiny_model, greedy_decode, make_runner
 
-from treadle.config import CacheConfig, ModelConfig, SchedulerConfig
-from treadle.engine.core import EngineCore, EngineCoreOutput, assert_engine_empty
+from treadle.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from treadle.engine.core import EngineCore
+from treadle.engine.messages import EngineCoreOutput
 from treadle.engine.sampling_params import SamplingParams
-from treadle.model.loader import load_model
 
 MAX_TOKENS = 20
 
@@ -37,11 +38,10 @@ def reference(tiny_model, prompts):
 
 def make_engine(folder, num_blocks=256, block_size=4, prefix_caching=True,
                 **scheduler) -> EngineCore:
-    model_config = ModelConfig(model=str(folder), dtype="float32")
-    return EngineCore(load_model(model_config.model, torch.float32), model_config,
-                      CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                                  enable_prefix_caching=prefix_caching),
-                      SchedulerConfig(**scheduler))
+    return EngineCore(EngineConfig(ModelConfig(model=str(folder), dtype="float32"),
+                                   CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                               enable_prefix_caching=prefix_caching),
+                                   SchedulerConfig(**scheduler)))
 
 
 def run(engine: EngineCore, prompts, params=None, ids=None) -> dict[str, list[int]]:
@@ -153,10 +153,10 @@ def test_seeded_sampling_is_independent_of_the_batch(tiny_model, prompts):
 
 
 def test_a_request_that_breaks_the_model_fails_alone(tiny_model, prompts, reference):
-    """Fault injection at the runner boundary: any pass that contains the poisoned request
+    """Fault injection at the executor boundary: any pass that contains the poisoned request
     raises. The engine must fail that request alone and finish the others unchanged."""
     engine = make_engine(tiny_model)
-    real_execute = engine.runner.execute
+    real_execute = engine.executor.execute_model
     poison = prompts[3]
 
     def execute(model_input):
@@ -165,7 +165,7 @@ def test_a_request_that_breaks_the_model_fails_alone(tiny_model, prompts, refere
             raise RuntimeError("injected fault")
         return real_execute(model_input)
 
-    engine.runner.execute = execute
+    engine.executor.execute_model = execute
     tokens = run(engine, prompts[:4])
     assert tokens["3"] == []
     assert [tokens[str(i)] for i in range(3)] == reference[:3]

@@ -11,9 +11,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from treadle.config import AsyncEngineConfig, ServerConfig, build_config
 from treadle.engine.async_engine import AsyncEngine
 from treadle.engine.sampling_params import SamplingParams
 from treadle.llm import LLM
+from treadle.server.auth import parse_api_keys
 from treadle.server.grpc import treadle_pb2 as pb
 from treadle.server.grpc import treadle_pb2_grpc as pb_grpc
 from treadle.server.grpc.servicer import SERVICE_NAME, start_grpc_server
@@ -45,9 +47,11 @@ def offline_sample():
 
 def test_grpc_frontend(offline_sample):
     async def scenario():
-        engine = AsyncEngine(dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20)
+        engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
+            dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20)))
         await engine.start()
-        server, port = await start_grpc_server(engine, port=0, api_keys=["sekrit"])
+        config = ServerConfig(grpc_port=0, api_keys=tuple(parse_api_keys(["sekrit"])))
+        server, port = await start_grpc_server(engine, config)
         auth = (("authorization", "Bearer sekrit"),)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

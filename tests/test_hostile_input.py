@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,13 +18,14 @@ import grpc
 import httpx
 import openai
 import pytest
-from conftest import serve_in_thread
+from frontends import start_frontends, stop_frontends, wait_started
 from model_utils import TINY
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from treadle.cli import build_parser
+from treadle.config import AsyncEngineConfig, ServerConfig, build_config
 from treadle.engine.async_engine import AsyncEngine
 from treadle.engine.detokenizer import IncrementalDetokenizer
 from treadle.engine.sampling_params import (
@@ -37,10 +37,9 @@ from treadle.engine.sampling_params import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
-from treadle.server.auth import bearer_token
+from treadle.server.auth import bearer_token, parse_api_keys
 from treadle.server.grpc import treadle_pb2 as pb
 from treadle.server.grpc import treadle_pb2_grpc as pb_grpc
-from treadle.server.openai.app import build_app
 from treadle.server.openai.middleware import APIKeyMiddleware
 
 KEY = "sekrit"
@@ -52,17 +51,15 @@ AUTH = (("authorization", f"Bearer {KEY}"),)
 
 @pytest.fixture(scope="module")
 def server(tiny_folder):
-    engine = AsyncEngine(str(tiny_folder), dtype="float32", kv_cache_memory_bytes=16 << 20,
-                         max_model_len=MAX_MODEL_LEN)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        grpc_port = probe.getsockname()[1]
-    uv, thread, port = serve_in_thread(build_app(
-        engine, api_keys=[KEY], grpc_address=("127.0.0.1", grpc_port),
-        enable_debug_endpoints=True))
-    yield port, engine, grpc_port
-    uv.should_exit = True
-    thread.join(30)
+    engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
+        model=str(tiny_folder), dtype="float32", kv_cache_memory_bytes=16 << 20,
+        max_model_len=MAX_MODEL_LEN)))
+    config = ServerConfig(port=0, grpc_port=0, api_keys=tuple(parse_api_keys([KEY])),
+                          enable_debug_endpoints=True)
+    frontends, thread = start_frontends(engine, config)
+    wait_started(frontends, thread)
+    yield frontends.port, engine, frontends.grpc_port
+    stop_frontends(frontends, thread)
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from conftest import assert_kv_cache_empty
 
 from treadle.engine.kv_cache import (
     BlockPool,
     KVCacheManager,
-    assert_kv_cache_empty,
     hash_block_tokens,
 )
 from treadle.engine.request import Request

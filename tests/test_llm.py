@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_engine_empty
 from model_utils import make_runner
 
-from treadle.engine.core import assert_engine_empty
 from treadle.engine.sampling_params import SamplingParams
 from treadle.llm import LLM
 from treadle.model.runner import ModelInput, ScheduledSequence

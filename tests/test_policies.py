@@ -9,14 +9,14 @@ import zlib
 from collections import Counter
 
 import pytest
-import torch
+from conftest import assert_engine_empty, assert_scheduler_empty
 from engine_sim import make_scheduler, model_for, reference_output, run_until_done, step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_utils import build_tiny_model
 
-from treadle.config import CacheConfig, ModelConfig, SchedulerConfig
-from treadle.engine.core import EngineCore, assert_engine_empty
+from treadle.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from treadle.engine.core import EngineCore
 from treadle.engine.policies import (
     POLICIES,
     FairPolicy,
@@ -26,8 +26,7 @@ from treadle.engine.policies import (
 )
 from treadle.engine.request import Request, RequestStatus
 from treadle.engine.sampling_params import SamplingParams
-from treadle.engine.scheduler import Scheduler, assert_scheduler_empty
-from treadle.model.loader import load_model
+from treadle.engine.scheduler import Scheduler
 
 
 def req(request_id: str, prompt: int, max_tokens: int = 8, *, arrival: float = 0.0,
@@ -421,10 +420,10 @@ def tiny_model(tmp_path_factory):
 
 
 def test_engine_core_tenants_objectives_queue_timeout_and_admission(tiny_model):
-    model_config = ModelConfig(model=str(tiny_model), dtype="float32")
-    engine = EngineCore(load_model(model_config.model, torch.float32), model_config,
-                        CacheConfig(block_size=4, num_blocks=64),
-                        SchedulerConfig(max_num_seqs=1, max_queue_wait=0.2), policy="deadline")
+    engine = EngineCore(EngineConfig(
+        ModelConfig(model=str(tiny_model), dtype="float32"),
+        CacheConfig(block_size=4, num_blocks=64),
+        SchedulerConfig(max_num_seqs=1, max_queue_wait=0.2), policy="deadline"))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.add_request("first", [5, 6, 7], params, tenant="acme", ttft=10.0, tpot=1.0)
     engine.add_request("second", [8, 9], params)

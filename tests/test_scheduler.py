@@ -5,6 +5,7 @@ from __future__ import annotations
 import zlib
 
 import pytest
+from conftest import assert_scheduler_empty
 from engine_sim import (
     EOS,
     make_scheduler,
@@ -17,7 +18,7 @@ from engine_sim import (
 from treadle.engine.policies import FCFSPolicy, PriorityPolicy
 from treadle.engine.request import Request, RequestStatus
 from treadle.engine.sampling_params import SamplingParams
-from treadle.engine.scheduler import MAX_SKIPS, Scheduler, assert_scheduler_empty
+from treadle.engine.scheduler import MAX_SKIPS, Scheduler
 
 
 def req(request_id: str, prompt: list[int] | int, max_tokens: int = 8, *, arrival: float = 0.0,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from conftest import assert_scheduler_empty
 from engine_sim import VOCAB, make_scheduler, model_for, reference_output, run_until_done, step
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
@@ -21,7 +22,7 @@ from treadle.engine.kv_cache import cdiv
 from treadle.engine.policies import POLICIES
 from treadle.engine.request import Request, RequestStatus
 from treadle.engine.sampling_params import SamplingParams
-from treadle.engine.scheduler import Scheduler, assert_scheduler_empty
+from treadle.engine.scheduler import Scheduler
 
 # Prompts cut from a few shared stems, so prefix hits are frequent.
 STEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [1, 2, 3, 4, 20, 21]]

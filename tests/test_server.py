@@ -6,27 +6,30 @@ offline API, an independent path to the engine."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import http.client
 import json
 import logging
 import socket
-import threading
 import time
 from typing import Any
 
 import grpc
 import openai
 import pytest
-import uvicorn
+from frontends import start_frontends, stop_frontends, wait_started
 from prometheus_client.parser import text_string_to_metric_families
 
+from treadle.config import AsyncEngineConfig, ServerConfig, build_config
 from treadle.engine.async_engine import AsyncEngine
 from treadle.engine.sampling_params import SamplingParams
 from treadle.llm import LLM
+from treadle.server.auth import parse_api_keys
 from treadle.server.grpc import treadle_pb2 as pb
 from treadle.server.grpc import treadle_pb2_grpc as pb_grpc
-from treadle.server.openai.app import COMPLETION_PARAMS, build_app, sse
+from treadle.server.openai.completions import COMPLETION_PARAMS
 from treadle.server.openai.protocol import CompletionResponse
+from treadle.server.openai.serving import sse
 
 pytestmark = pytest.mark.default_model
 
@@ -55,27 +58,17 @@ def offline():
 
 @pytest.fixture(scope="module")
 def server(request):
-    engine = AsyncEngine(dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20,
-                         max_model_len=MAX_MODEL_LEN)
-    with socket.socket() as probe:  # a free port for the gRPC frontend on the same engine
-        probe.bind(("127.0.0.1", 0))
-        grpc_port = probe.getsockname()[1]
-    app = build_app(engine, api_keys=["other-key", KEY], allowed_origins=[ORIGIN],
-                    max_request_bytes=MAX_REQUEST_BYTES, grpc_address=("127.0.0.1", grpc_port),
-                    enable_debug_endpoints=True)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
+    engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
+        dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20,
+        max_model_len=MAX_MODEL_LEN)))
+    keys = tuple(parse_api_keys(["other-key", KEY]))
+    config = ServerConfig(port=0, grpc_port=0, api_keys=keys, allowed_origins=(ORIGIN,),
+                          max_request_bytes=MAX_REQUEST_BYTES, enable_debug_endpoints=True)
+    frontends, thread = start_frontends(engine, config)
     request.getfixturevalue("offline")  # while the engine process loads the model
-    deadline = time.monotonic() + 120
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.1)
-    yield sock.getsockname()[1], engine, grpc_port
-    uv.should_exit = True
-    thread.join(30)
+    wait_started(frontends, thread)
+    yield frontends.port, engine, frontends.grpc_port
+    stop_frontends(frontends, thread)
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +241,7 @@ def test_metrics_count_a_known_workload_exactly(client, model, port, engine):
 
 
 def test_request_timeline_and_log_line(client, model, port, caplog):
-    caplog.set_level(logging.INFO, logger="treadle.engine.async_engine")
+    caplog.set_level(logging.INFO, logger="treadle.engine.observer")
     out = client.completions.create(model=model, prompt=PROMPT, max_tokens=7, temperature=0,
                                     extra_body={"ignore_eos": True})
     status, timeline, _ = get(port, f"/debug/requests/{out.id}")
@@ -441,11 +434,12 @@ def wait_idle(engine: AsyncEngine, timeout: float = 10.0) -> dict:
 
 
 def test_full_queue_is_429_with_retry_after(port, engine):
-    engine.max_queued_requests = 0
+    config = engine.admission.config
+    engine.admission.config = dataclasses.replace(config, max_queued_requests=0)
     try:
         status, payload, headers = post(port, "/v1/completions", {"prompt": PROMPT})
     finally:
-        engine.max_queued_requests = None
+        engine.admission.config = config
     assert status == 429 and int(headers["retry-after"]) >= 1
     assert payload["error"]["code"] == "rate_limit_exceeded"
 

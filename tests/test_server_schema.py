@@ -7,18 +7,15 @@ operation (and covers its boundary values), and checks only that no response is 
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import pytest
 import schemathesis
-import uvicorn
+from frontends import start_frontends, stop_frontends, wait_started
 from schemathesis.checks import not_a_server_error
 
+from treadle.config import AsyncEngineConfig, ServerConfig, build_config
 from treadle.engine.async_engine import AsyncEngine
-from treadle.server.openai.app import build_app
 
 pytestmark = pytest.mark.default_model
 
@@ -36,22 +33,15 @@ CONFIG = schemathesis.Config.from_dict({
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    engine = AsyncEngine(dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20,
-                         max_model_len=MAX_MODEL_LEN)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(build_app(engine), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
+    engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
+        dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20,
+        max_model_len=MAX_MODEL_LEN)))
+    frontends, thread = start_frontends(engine, ServerConfig(port=0, grpc_port=None))
     try:
-        while not uv.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.1)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        wait_started(frontends, thread)
+        yield f"http://127.0.0.1:{frontends.port}"
     finally:
-        uv.should_exit = True
-        thread.join(30)
+        stop_frontends(frontends, thread)
 
 
 @pytest.fixture(scope="module")

@@ -10,16 +10,15 @@ import random
 
 import numpy as np
 import pytest
-import torch
+from conftest import assert_engine_empty
 from model_utils import build_tiny_model
 
 from treadle.bench.metrics import RequestRecord
 from treadle.bench.workloads import sharegpt_lengths
 from treadle.cli import main
-from treadle.config import CacheConfig, ModelConfig
-from treadle.engine.core import EngineCore, assert_engine_empty
+from treadle.config import CacheConfig, EngineConfig, ModelConfig
+from treadle.engine.core import EngineCore
 from treadle.engine.sampling_params import SamplingParams
-from treadle.model.loader import load_model
 from treadle.sim.profile import FEATURES, StepProfile, fit_profile, step_features
 from treadle.sim.report import jain_index, summarize
 from treadle.sim.settings import SimSettings
@@ -82,10 +81,9 @@ def test_sim_forms_the_engines_batches(tiny_model, policy):
     settings = SimSettings(policy=policy, max_num_batched_tokens=24, max_num_seqs=6,
                            long_prefill_token_threshold=16, max_num_partial_prefills=2,
                            block_size=4, num_blocks=40, max_model_len=256)
-    model_config = ModelConfig(model=str(tiny_model), dtype="float32")
-    engine = EngineCore(load_model(model_config.model, torch.float32), model_config,
-                        CacheConfig(block_size=4, num_blocks=40),
-                        settings.scheduler_config(), policy=policy)
+    engine = EngineCore(EngineConfig(ModelConfig(model=str(tiny_model), dtype="float32"),
+                                     CacheConfig(block_size=4, num_blocks=40),
+                                     settings.scheduler_config(), policy=policy))
     engine_batches = []
     schedule = engine.scheduler.schedule
 

@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import threading
 import time
 
@@ -16,54 +15,50 @@ import grpc
 import httpx
 import openai
 import pytest
-from conftest import serve_in_thread
+from frontends import start_frontends, stop_frontends, wait_started
 from prometheus_client.parser import text_string_to_metric_families
 from test_hostile_input import MAX_MODEL_LEN
 
+from treadle.config import AsyncEngineConfig, ServerConfig, build_config
 from treadle.engine.async_engine import AsyncEngine
 from treadle.server.auth import APIKey, parse_api_keys
 from treadle.server.grpc import treadle_pb2 as pb
 from treadle.server.grpc import treadle_pb2_grpc as pb_grpc
-from treadle.server.openai.app import build_app
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 6  # > 3 KV blocks of tokens
 
 
-def start(engine: AsyncEngine, api_keys=None):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        grpc_port = probe.getsockname()[1]
-    uv, thread, port = serve_in_thread(build_app(
-        engine, api_keys=api_keys, grpc_address=("127.0.0.1", grpc_port),
-        enable_debug_endpoints=True))
-    return uv, thread, port, grpc_port
+def start(engine: AsyncEngine, api_keys=()):
+    frontends, thread = start_frontends(engine, ServerConfig(
+        port=0, grpc_port=0, api_keys=tuple(api_keys), enable_debug_endpoints=True))
+    wait_started(frontends, thread)
+    return frontends, thread, frontends.port, frontends.grpc_port
 
 
 @pytest.fixture(scope="module")
 def keyed(tiny_folder):
     """Named keys, tenant limits, prefix caches isolated by tenant."""
-    engine = AsyncEngine(str(tiny_folder), dtype="float32", kv_cache_memory_bytes=16 << 20,
-                         max_model_len=MAX_MODEL_LEN, max_requests_per_tenant=2,
-                         max_queued_tokens_per_tenant=60, isolate_prefix_cache_by_tenant=True)
+    engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
+        model=str(tiny_folder), dtype="float32", kv_cache_memory_bytes=16 << 20,
+        max_model_len=MAX_MODEL_LEN, max_requests_per_tenant=2,
+        max_queued_tokens_per_tenant=60, isolate_prefix_cache_by_tenant=True)))
     keys = parse_api_keys(["bare"], ["alice:ka:2", "# a comment", "", "bob:kb"])
     uv, thread, port, grpc_port = start(engine, keys)
     yield engine, port, grpc_port
-    uv.should_exit = True
-    thread.join(30)
+    stop_frontends(uv, thread)
 
 
 @pytest.fixture(scope="module")
 def open_server(tiny_folder):
     """No keys: tenants from `user`; the deadline policy, one sequence at a time, a short
     queue time limit, two tenant labels."""
-    engine = AsyncEngine(str(tiny_folder), dtype="float32", kv_cache_memory_bytes=16 << 20,
-                         max_model_len=MAX_MODEL_LEN, max_num_seqs=1, policy="deadline",
-                         scheduler_options={"max_queue_wait": 0.05}, max_tenant_labels=2,
-                         max_tenants=3)
+    engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
+        model=str(tiny_folder), dtype="float32", kv_cache_memory_bytes=16 << 20,
+        max_model_len=MAX_MODEL_LEN, max_num_seqs=1, policy="deadline", max_queue_wait=0.05,
+        max_tenant_labels=2, max_tenants=3)))
     uv, thread, port, grpc_port = start(engine)
     yield engine, port, grpc_port
-    uv.should_exit = True
-    thread.join(30)
+    stop_frontends(uv, thread)
 
 
 def client(port: int, key: str = "none") -> openai.OpenAI:
@@ -131,7 +126,7 @@ def test_per_tenant_limits_are_429s_naming_them(keyed):
                 3, 43))})))  # 40 prompt tokens queued
             first.start()
             deadline = time.monotonic() + 10
-            while engine.tenant_in_flight.get("alice") != 1:
+            while engine.admission.tenant_in_flight.get("alice") != 1:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             too_many_tokens = send({"prompt": list(range(3, 33))})  # 40 + 30 > 60
@@ -141,7 +136,7 @@ def test_per_tenant_limits_are_429s_naming_them(keyed):
             assert "max_queued_tokens_per_tenant 60" in error["message"]
             second = threading.Thread(target=lambda: held.append(send({"prompt": [5, 6, 7]})))
             second.start()
-            while engine.tenant_in_flight.get("alice") != 2:
+            while engine.admission.tenant_in_flight.get("alice") != 2:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             too_many = send({"prompt": [5, 6]})
@@ -163,7 +158,7 @@ def test_per_tenant_limits_are_429s_naming_them(keyed):
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert trailers.get("treadle-reason") == "tenant_requests"
             # Another tenant is not held back by alice's limits.
-            assert engine.tenant_in_flight.get("bob") is None
+            assert engine.admission.tenant_in_flight.get("bob") is None
         finally:
             os.kill(engine.process.pid, signal.SIGCONT)
         first.join(30)
@@ -246,12 +241,12 @@ def test_queue_timeout_is_503_or_an_error_event(open_server):
 @pytest.fixture(scope="module")
 def deadline_server(tiny_folder):
     """The deadline policy, one sequence at a time, no queue time limit."""
-    engine = AsyncEngine(str(tiny_folder), dtype="float32", kv_cache_memory_bytes=16 << 20,
-                         max_model_len=MAX_MODEL_LEN, max_num_seqs=1, policy="deadline")
+    engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
+        model=str(tiny_folder), dtype="float32", kv_cache_memory_bytes=16 << 20,
+        max_model_len=MAX_MODEL_LEN, max_num_seqs=1, policy="deadline")))
     uv, thread, port, grpc_port = start(engine)
     yield engine, port, grpc_port
-    uv.should_exit = True
-    thread.join(30)
+    stop_frontends(uv, thread)
 
 
 def test_deadline_admission_and_goodput(deadline_server):

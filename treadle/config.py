@@ -1,10 +1,22 @@
-"""Engine configuration: frozen dataclasses, each validated once when built."""
+"""Configuration: frozen dataclasses, each validated once when built, the defaults here only.
+
+Sections nest: `EngineConfig` (what the engine process needs: model, cache, scheduler,
+parallelism, policy) inside `AsyncEngineConfig` (plus the frontend's admission, supervision and
+observability), inside `ServeConfig` (plus the servers' `ServerConfig`). Every setting has one
+flat name, unique across sections: the field's name, which is also its `treadle serve` flag
+(`--block-size`), its `LLM(...)` keyword and its key in a `--config` file; `build_config` puts
+flat settings into their sections.
+"""
 
 from __future__ import annotations
 
+import json
+import re
+import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from treadle.server.auth import APIKey
@@ -138,3 +150,219 @@ class ServerConfig:
             raise ValueError("max_request_bytes must be >= 1")
         if not self.shutdown_timeout >= 0:
             raise ValueError("shutdown_timeout must be >= 0 seconds")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the engine process computes."""
+
+    engine_threads: int | None = None  # torch intra-op threads; None: torch's, one per core
+
+    def __post_init__(self) -> None:
+        if self.engine_threads is not None and self.engine_threads < 1:
+            raise ValueError(f"engine_threads must be >= 1, got {self.engine_threads}")
+
+
+# The queue orderings of treadle/engine/policies.py (its POLICIES registry; a test keeps the two
+# equal), named here so that a bad name fails before any process starts.
+POLICY_NAMES = ("fcfs", "priority", "fair", "deadline")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine process needs, built once and passed whole."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    policy: str = "fcfs"
+    trace_file: str | None = None  # a Chrome-trace/Perfetto JSON file of every engine step
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """What the frontend checks before a request reaches the engine: queue and tenant limits,
+    tenants, cache isolation, default objectives. See treadle/engine/admission.py."""
+
+    # Requests waiting for their first token; past it: 429. None: no limit.
+    max_queued_requests: int | None = 256
+    max_queued_tokens: int | None = None  # prompt tokens waiting for their first token
+    max_requests_per_tenant: int | None = None  # requests in flight per tenant
+    max_queued_tokens_per_tenant: int | None = None
+    # Distinct tenants named by clients' `user` fields that are tracked; later ones are "other".
+    max_tenants: int = 1024
+    isolate_prefix_cache_by_tenant: bool = False
+    # Objectives of requests that set none (milliseconds; None: none).
+    default_ttft_ms: float | None = None
+    default_tpot_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_queued_requests", "max_queued_tokens", "max_requests_per_tenant",
+                     "max_queued_tokens_per_tenant"):
+            value, least = getattr(self, name), 0 if name == "max_queued_requests" else 1
+            if value is not None and value < least:
+                raise ValueError(f"{name} must be >= {least} (or None: no limit), got {value}")
+        if self.max_tenants < 1:
+            raise ValueError(f"max_tenants must be >= 1, got {self.max_tenants}")
+        for name in ("default_ttft_ms", "default_tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and value != float("inf")):
+                raise ValueError(f"{name} must be > 0 milliseconds, got {value}")
+
+
+@dataclass(frozen=True)
+class SupervisionConfig:
+    """How the frontend watches its engine process."""
+
+    # Restarts of a dead engine in a row (backing off 0.5 s, 1 s, 2 s, ...) before its status is
+    # "dead"; 0: never restart.
+    max_engine_restarts: int = 5
+    # Seconds a busy engine may go without finishing a step before it counts as stalled.
+    engine_stall_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_engine_restarts < 0:
+            raise ValueError(f"max_engine_restarts must be >= 0, got {self.max_engine_restarts}")
+        if not self.engine_stall_timeout > 0:
+            raise ValueError(f"engine_stall_timeout must be > 0 seconds, "
+                             f"got {self.engine_stall_timeout}")
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    """Metrics labels, request timelines and the request log."""
+
+    log_prompts: bool = False  # the prompt's text in each finished request's log line
+    max_timelines: int = 1000  # the last finished samples' timelines kept for /debug/requests
+    max_tenant_labels: int = 32  # distinct `tenant` label values; later tenants are "other"
+
+    def __post_init__(self) -> None:
+        if self.max_timelines < 0:
+            raise ValueError(f"max_timelines must be >= 0, got {self.max_timelines}")
+        if self.max_tenant_labels < 0:
+            raise ValueError(f"max_tenant_labels must be >= 0, got {self.max_tenant_labels}")
+
+
+@dataclass(frozen=True)
+class AsyncEngineConfig:
+    """What `AsyncEngine` needs: the engine process's config and the frontend's side of it."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What `treadle serve` runs: one engine and the frontends over it."""
+
+    engine: AsyncEngineConfig = field(default_factory=AsyncEngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+Config = TypeVar("Config")
+
+
+def is_section(f: Field) -> bool:
+    return f.default_factory is not MISSING and is_dataclass(f.default_factory)
+
+
+def setting_fields(cls: type) -> dict[str, Field]:
+    """Every flat setting of `cls` and its sections, by name."""
+    found: dict[str, Field] = {}
+    for f in fields(cls):
+        found.update(setting_fields(f.default_factory) if is_section(f) else {f.name: f})
+    return found
+
+
+def setting_default(cls: type, name: str) -> Any:
+    f = setting_fields(cls)[name]
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def build_config(cls: type[Config], settings: Mapping[str, Any]) -> Config:
+    """`cls` (a config class) from flat settings (`{"block_size": 32, "port": 9000}`): each goes
+    to the section that has it, absent ones keep their defaults. ValueError, naming the setting,
+    for an unknown name, a value of the wrong type or out of range."""
+    known = setting_fields(cls)
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise ValueError(f"unknown setting {unknown[0]!r}; known: {', '.join(sorted(known))}")
+    return _build(cls, {name: checked_value(name, value, known[name].type)
+                        for name, value in settings.items()})
+
+
+def _build(cls: type[Config], settings: Mapping[str, Any]) -> Config:
+    return cls(**{f.name: _build(f.default_factory, settings) if is_section(f)
+                  else settings[f.name] for f in fields(cls)
+                  if is_section(f) or f.name in settings})
+
+
+def checked_value(name: str, value: Any, annotation: str) -> Any:
+    """`value` as setting `name` of type `annotation` (a string, as `from __future__ import
+    annotations` leaves it) takes it: lists become tuples, an int named *_bytes may be written
+    "2GiB"; ValueError if the type is wrong."""
+    kinds = {part.strip().split("[")[0] for part in annotation.split("|")}
+    if value is None and "None" in kinds:
+        return None
+    if name.endswith("_bytes") and isinstance(value, str):
+        return parse_bytes(value, name)
+    if isinstance(value, bool):
+        ok = "bool" in kinds
+    elif isinstance(value, int):
+        ok = bool(kinds & {"int", "float"})
+    elif isinstance(value, float):
+        ok = "float" in kinds
+    elif isinstance(value, str):
+        ok = "str" in kinds
+    elif isinstance(value, Mapping):
+        ok = "Mapping" in kinds
+    elif isinstance(value, list | tuple):
+        value, ok = tuple(value), "tuple" in kinds
+    else:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be {annotation}, got {value!r}")
+    return value
+
+
+BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(text: str, name: str = "size") -> int:
+    """"2GiB", "512MiB", "1.5GB" or "1073741824" -> bytes; ValueError naming `name`."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match and BYTE_UNITS.get(match[2].lower())
+    if not unit:
+        raise ValueError(f"{name} must be a number of bytes such as 1073741824, 512MiB or 2GiB, "
+                         f"got {text!r}")
+    return int(float(match[1]) * unit)
+
+
+def read_settings_file(path: str | Path) -> dict[str, Any]:
+    """Flat settings from a TOML (.toml) or JSON (.json) file: the same names as the flags, with
+    underscores (`block_size = 32`). ValueError for an unreadable or malformed file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"config file {str(path)!r}: {e.strerror}") from None
+    try:
+        if path.suffix == ".toml":
+            settings = tomllib.loads(text)
+        elif path.suffix == ".json":
+            settings = json.loads(text)
+        else:
+            raise ValueError("expected a .toml or .json file")
+    except ValueError as e:  # tomllib.TOMLDecodeError and json.JSONDecodeError are ValueErrors
+        raise ValueError(f"config file {str(path)!r}: {e}") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"config file {str(path)!r}: expected a table of settings")
+    return settings

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
-from treadle.config import DEFAULT_DTYPE, CacheConfig, ModelConfig, SchedulerConfig
+from treadle.config import EngineConfig, build_config
 from treadle.engine.core import EngineCore
+from treadle.engine.messages import TokenLogprobs
 from treadle.engine.output_processor import OutputProcessor, RequestState
 from treadle.engine.sampling_params import SamplingParams
-from treadle.model.capabilities import torch_dtype
-from treadle.model.loader import load_model
-from treadle.model.sampler import TokenLogprobs
+from treadle.model.source import resolve_model
+from treadle.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -39,29 +39,18 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = DEFAULT_DTYPE,
-                 quantization: str = "auto",
-                 max_model_len: int | None = None, block_size: int = 16,
-                 num_blocks: int | None = None, kv_cache_memory_bytes: int = 1 << 30,
-                 enable_prefix_caching: bool = True, max_num_batched_tokens: int = 512,
-                 max_num_seqs: int = 128, long_prefill_token_threshold: int = 256,
-                 policy: str = "fcfs") -> None:
-        model_config = ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
-                                   quantization=quantization)
-        loaded = load_model(model, torch_dtype(dtype), quantization)
-        self.model_name = loaded.name
-        self.tokenizer = AutoTokenizer.from_pretrained(str(loaded.folder))
-        self.engine = EngineCore(
-            loaded, model_config,
-            CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                        kv_cache_memory_bytes=kv_cache_memory_bytes,
-                        enable_prefix_caching=enable_prefix_caching),
-            SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                            max_num_seqs=max_num_seqs,
-                            long_prefill_token_threshold=long_prefill_token_threshold),
-            policy=policy)
+    def __init__(self, model: str | None = None, **settings: Any) -> None:
+        """`model`: an HF folder or .gguf file (None: the default model); `settings`: any
+        setting of `EngineConfig`'s sections by its flat name (dtype, quantization,
+        max_model_len, block_size, kv_cache_memory_bytes, max_num_seqs, policy, ...).
+        ValueError naming the setting for an unknown or bad one."""
+        config = build_config(EngineConfig, {"model": model, **settings})
+        source = resolve_model(model)
+        self.model_name = source.name
+        self.tokenizer = Tokenizer.from_folder(source.folder)
+        self.engine = EngineCore(config)
         self.next_request_id = 0
-        info = self.engine.runner.platform_info()
+        info = self.engine.executor.platform_info()
         logger.info("dtype %s (%s); %s, oneDNN linear %s, native attention %s, quantization "
                     "%s (%s)", info["dtype"], info["dtype_reason"], info["isa"],
                     info["onednn_linear"], info["native_attention"], info["quantization"],
@@ -70,8 +59,7 @@ class LLM:
     def chat_prompt(self, message: str) -> list[int]:
         """A one-turn chat through the model's chat template, as token ids."""
         return self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": message}], tokenize=True, add_generation_prompt=True,
-            return_dict=False)
+            [{"role": "user", "content": message}], tokenize=True, add_generation_prompt=True)
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -89,7 +77,9 @@ class LLM:
         states: list[RequestState] = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
-                ids = (self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                # Text gets the tokenizer's special tokens (Gemma's <bos>), as vLLM's does; chat
+                # prompts come as ids, their template having placed them.
+                ids = (self.tokenizer(prompt)["input_ids"]
                        if isinstance(prompt, str) else list(prompt))
                 request_id = str(self.next_request_id)
                 self.next_request_id += 1

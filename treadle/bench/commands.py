@@ -71,12 +71,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
-    from transformers import AutoTokenizer
-
     from treadle.bench import workloads
     from treadle.model.source import resolve_model
+    from treadle.tokenizer import Tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(args.tokenizer).folder))
+    tokenizer = Tokenizer.from_folder(resolve_model(args.tokenizer).folder)
     with_text = args.prompt_format == "text"
     if args.workload == "random":
         return workloads.random_workload(tokenizer, args.num_prompts, args.input_len,

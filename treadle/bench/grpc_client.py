@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 import grpc
 
 from treadle.bench.metrics import RequestRecord
-from treadle.bench.serve import Clock, Send, StreamTimer
+from treadle.bench.streaming import Clock, Send, StreamTimer
 from treadle.bench.workloads import BenchRequest
 from treadle.server.grpc import treadle_pb2 as pb
 from treadle.server.grpc import treadle_pb2_grpc as pb_grpc

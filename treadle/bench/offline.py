@@ -110,9 +110,8 @@ def bench_offline(model: str | None = None, dtype: str = "auto", num_prompts: in
                   seed: int = 0, max_input_len: int | None = None,
                   max_output_len: int | None = None, hf_batch_size: int = 8,
                   threads: int | None = None) -> dict:
-    from transformers import AutoTokenizer
-
     from treadle.llm import LLM
+    from treadle.tokenizer import Tokenizer
 
     if hf_batch_size < 1:
         raise ValueError(f"hf_batch_size must be >= 1, got {hf_batch_size}")
@@ -120,7 +119,7 @@ def bench_offline(model: str | None = None, dtype: str = "auto", num_prompts: in
         raise ValueError(f"threads must be >= 1, got {threads}")
     folder = resolve_model(model).folder
     spec = read_spec(folder)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer = Tokenizer.from_folder(folder)
     requests = synthetic_chat(tokenizer, num_prompts, seed=seed,
                               max_model_len=spec.max_position_embeddings,
                               max_input_len=max_input_len, max_output_len=max_output_len,
@@ -137,7 +136,7 @@ def bench_offline(model: str | None = None, dtype: str = "auto", num_prompts: in
         n_threads = torch.get_num_threads()
 
         llm = LLM(model=model, dtype=dtype)
-        model_name, platform = llm.model_name, llm.engine.runner.platform_info()
+        model_name, platform = llm.model_name, llm.engine.executor.platform_info()
         dtype = platform["dtype"]  # the HF baseline runs the dtype Treadle resolved
         run_treadle(llm, [WARMUP])
         treadle_s, treadle_out = run_treadle(llm, requests)

@@ -26,17 +26,16 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Protocol
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import httpx
 from tqdm import tqdm
 
+from treadle.bench.grpc_client import GrpcBackend
 from treadle.bench.metrics import PERCENTILES, RequestRecord, compute_metrics, tenant_metrics
+from treadle.bench.streaming import Backend, Clock, Send, StreamTimer
 from treadle.bench.workloads import BenchRequest
-
-Clock = Callable[[], float]
 
 
 def assign_tenants(n: int, shares: dict[str, float], seed: int = 0) -> list[str]:
@@ -90,46 +89,6 @@ def arrival_times(n: int, request_rate: float, burstiness: float = 1.0, seed: in
         times.append(t)
         t += rng.gammavariate(burstiness, scale)
     return times
-
-
-class StreamTimer:
-    """Times one streamed request: TTFT at the first token-carrying chunk, one ITL per later
-    chunk, E2E at the last one."""
-
-    def __init__(self, record: RequestRecord, clock: Clock) -> None:
-        self.record, self.clock = record, clock
-        self.sent = self.last = clock()
-        self.chunks = 0
-
-    def token_chunk(self) -> None:
-        now = self.clock()
-        if self.chunks == 0:
-            self.record.ttft = now - self.sent
-        else:
-            self.record.itl.append(now - self.last)
-        self.last = now
-        self.chunks += 1
-
-    def finish(self, completion_tokens: int | None, prompt_tokens: int | None
-               ) -> RequestRecord:
-        """The record of a stream that ended well, with the server's usage where it sent it
-        (else its chunks are counted as tokens)."""
-        record = self.record
-        if self.chunks == 0:
-            record.error = "the stream carried no token"
-            return record
-        record.success = True
-        record.e2e = self.last - self.sent
-        record.output_tokens = completion_tokens or self.chunks
-        record.prompt_tokens = prompt_tokens or record.prompt_tokens
-        return record
-
-
-Send = Callable[[int, float], Awaitable[RequestRecord]]  # (request index, start) -> record
-
-
-class Backend(Protocol):
-    def connect(self, max_connections: int | None) -> AbstractAsyncContextManager[Send]: ...
 
 
 def error_message(body: bytes, status: int) -> str:
@@ -276,8 +235,6 @@ def bench_serve(base_url: str, model: str, requests: list[BenchRequest],
         slos = {**(slos or {}), **objectives}
     client: Backend
     if backend == "grpc":
-        from treadle.bench.grpc_client import GrpcBackend
-
         client = GrpcBackend(base_url, model, requests, prompt_format, ignore_eos, api_key,
                              names, tenant_keys, objectives)
     else:

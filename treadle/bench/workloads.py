@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from treadle.tokenizer import Tokenizer
+
 DATA_DIR = Path(__file__).parent / "data"
 SHAREGPT_LENGTHS = DATA_DIR / "sharegpt_lengths.json"
 
@@ -133,7 +135,7 @@ def sharegpt_lengths() -> LengthHistogram:
                            source=data["source"], method=data["method"])
 
 
-def vocabulary_words(tokenizer) -> list[int]:
+def vocabulary_words(tokenizer: Tokenizer) -> list[int]:
     """Ids of tokens that are one lowercase word (after a space) and encode back to themselves;
     every ordinary (non-special) id when the vocabulary has too few such words."""
     special = set(tokenizer.all_special_ids)
@@ -155,7 +157,7 @@ def _check_cap(name: str, value: int | None) -> None:
         raise ValueError(f"{name} must be >= 1, got {value}")
 
 
-def _build(tokenizer, lengths: list[tuple[int, int]], seed: int, with_text: bool
+def _build(tokenizer: Tokenizer, lengths: list[tuple[int, int]], seed: int, with_text: bool
            ) -> list[BenchRequest]:
     pool = vocabulary_words(tokenizer)
     rng = random.Random(f"treadle-prompt-tokens-{seed}")
@@ -167,9 +169,10 @@ def _build(tokenizer, lengths: list[tuple[int, int]], seed: int, with_text: bool
     return requests
 
 
-def synthetic_chat(tokenizer, num_prompts: int, seed: int = 0, max_model_len: int | None = None,
-                   max_input_len: int | None = None, max_output_len: int | None = None,
-                   with_text: bool = True) -> list[BenchRequest]:
+def synthetic_chat(tokenizer: Tokenizer, num_prompts: int, seed: int = 0,
+                   max_model_len: int | None = None, max_input_len: int | None = None,
+                   max_output_len: int | None = None, with_text: bool = True
+                   ) -> list[BenchRequest]:
     """`num_prompts` requests with ShareGPT-like prompt and output lengths.
 
     `max_input_len` and `max_output_len` clip the drawn lengths (so the shape of the other
@@ -201,8 +204,9 @@ def synthetic_chat(tokenizer, num_prompts: int, seed: int = 0, max_model_len: in
     return _build(tokenizer, lengths, seed, with_text)
 
 
-def random_workload(tokenizer, num_prompts: int, input_len: int, output_len: int, seed: int = 0,
-                    range_ratio: float = 0.0, with_text: bool = True) -> list[BenchRequest]:
+def random_workload(tokenizer: Tokenizer, num_prompts: int, input_len: int, output_len: int,
+                    seed: int = 0, range_ratio: float = 0.0, with_text: bool = True
+                    ) -> list[BenchRequest]:
     """`num_prompts` requests of `input_len` prompt and `output_len` output tokens; with
     `range_ratio` r > 0, each length is uniform in [len * (1 - r), len * (1 + r)]."""
     if num_prompts < 0:
@@ -220,7 +224,7 @@ def random_workload(tokenizer, num_prompts: int, input_len: int, output_len: int
     return _build(tokenizer, lengths, seed, with_text)
 
 
-def shared_prefix(tokenizer, num_prompts: int, prefix_len: int, question_len: int,
+def shared_prefix(tokenizer: Tokenizer, num_prompts: int, prefix_len: int, question_len: int,
                   output_len: int, group_size: int, seed: int = 0, with_text: bool = True
                   ) -> list[BenchRequest]:
     """`num_prompts` requests in groups of `group_size`: each group's requests start with the
@@ -240,7 +244,8 @@ def shared_prefix(tokenizer, num_prompts: int, prefix_len: int, question_len: in
     return [BenchRequest(p, output_len, tokenizer.decode(p) if with_text else None) for p in ids]
 
 
-def file_workload(tokenizer, path: str | Path, with_text: bool = True) -> list[BenchRequest]:
+def file_workload(tokenizer: Tokenizer, path: str | Path, with_text: bool = True
+                  ) -> list[BenchRequest]:
     """Requests from a JSONL file of {"prompt": text or token ids, "output_len": int} rows.
     A text prompt is tokenized without special tokens (the server adds its own) and kept as
     given for frontends that take text."""

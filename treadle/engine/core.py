@@ -1,7 +1,7 @@
 """EngineCore: the token-generation loop, one `step()` at a time; it owns no I/O.
 
-step(): the scheduler picks requests and token counts, the runner computes logits over the paged
-KV cache, the sampler picks tokens, the scheduler advances requests and frees finished ones.
+step(): the scheduler picks requests and token counts, the executor computes logits over the
+paged KV cache, the sampler picks tokens, the scheduler advances requests and frees finished ones.
 """
 
 from __future__ import annotations
@@ -12,36 +12,18 @@ from dataclasses import dataclass
 
 import torch
 
-from treadle.config import CacheConfig, ModelConfig, SchedulerConfig
+from treadle.config import EngineConfig
+from treadle.engine.executor import Executor, InProcessExecutor
 from treadle.engine.kv_cache import KVCacheManager
+from treadle.engine.messages import EngineCoreOutput
 from treadle.engine.policies import make_policy
 from treadle.engine.request import DEFAULT_TENANT, Request, RequestStatus
 from treadle.engine.sampling_params import SamplingParams
-from treadle.engine.scheduler import Scheduler, SchedulerOutput, assert_scheduler_empty
-from treadle.model.loader import LoadedModel
-from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence
-from treadle.model.sampler import Sampler, SamplingOptions, TokenLogprobs, gather_logprobs
+from treadle.engine.scheduler import Scheduler, SchedulerOutput
+from treadle.model.runner import ModelInput, ScheduledSequence
+from treadle.model.sampler import Sampler, SamplingOptions, gather_logprobs
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None  # stop, length, abort, error, queue_timeout
-    num_cached_tokens: int = 0
-    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
-    # On the finishing output: seconds queued, in prefill (first schedule to first token) and in
-    # decode (first token to finish), on the engine's clock.
-    timings: tuple[float, float, float] | None = None
-    events: list[tuple[float, str, int]] | None = None  # the request's timeline, when finished
-    # With the first new token, when asked for: one entry per prompt token, None for the first
-    # (nothing precedes it).
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -69,25 +51,22 @@ class StepStats:
 
 
 class EngineCore:
-    def __init__(self, loaded: LoadedModel, model_config: ModelConfig,
-                 cache_config: CacheConfig | None = None,
-                 scheduler_config: SchedulerConfig | None = None, policy: str = "fcfs") -> None:
-        """`policy`: a name in policies.POLICIES (fcfs, priority, fair, deadline)."""
-        cache_config = cache_config or CacheConfig()
-        scheduler_config = scheduler_config or SchedulerConfig()
-        scheduling_policy = make_policy(policy, scheduler_config)  # ValueError before the load
-        self.runner = ModelRunner(loaded, model_config, cache_config)
-        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, scheduling_policy,
-                                   self.runner.max_model_len, loaded.spec.eos_token_ids)
+    def __init__(self, config: EngineConfig) -> None:
+        """Loads the model (an `InProcessExecutor`) and sizes the KV cache."""
+        scheduling_policy = make_policy(config.policy, config.scheduler)
+        self.executor: Executor = InProcessExecutor(config)
+        facts = self.executor.facts
+        self.kv_cache_manager = KVCacheManager(facts.num_blocks, config.cache.block_size,
+                                               config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, scheduling_policy,
+                                   facts.max_model_len, facts.eos_token_ids)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}  # per-request seeded generators
         self.last_step_stats: StepStats | None = None  # of the last step that ran a batch
 
     @property
     def max_model_len(self) -> int:
-        return self.runner.max_model_len
+        return self.executor.facts.max_model_len
 
     @property
     def num_queue_timeouts(self) -> int:
@@ -101,7 +80,7 @@ class EngineCore:
         """Queue a request; ValueError (the client's fault) if it can never run. `tenant`: whose
         share it uses under the fair policy (None: "default"); `ttft`, `tpot`: objectives in
         seconds for the deadline policy (None: none)."""
-        vocab = self.runner.spec.vocab_size
+        vocab = self.executor.facts.vocab_size
         for field, ids in (("prompt token ids", prompt_token_ids),
                            ("stop_token_ids", sampling_params.stop_token_ids),
                            ("logit_bias token ids", sampling_params.logit_bias)):
@@ -163,7 +142,7 @@ class EngineCore:
                                                                         s.num_computed_tokens))
                      for s in scheduler_output.scheduled]
         try:
-            logits = self.runner.execute(ModelInput(sequences))
+            logits = self.executor.execute_model(ModelInput(sequences))
         except Exception:
             logger.exception("model step of %d requests failed; retrying each alone",
                              len(sequences))
@@ -177,7 +156,7 @@ class EngineCore:
         kept, rows, outputs = [], [], []
         for scheduled, sequence in zip(scheduler_output.scheduled, sequences, strict=True):
             try:
-                rows.append(self.runner.execute(ModelInput([sequence])))
+                rows.append(self.executor.execute_model(ModelInput([sequence])))
                 kept.append(scheduled)
             except Exception:
                 logger.exception("request %s failed", scheduled.request.request_id)
@@ -294,10 +273,3 @@ def sampling_options(request: Request, eos_token_ids: frozenset[int]) -> Samplin
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty, logit_bias=params.logit_bias,
         suppressed_token_ids=suppressed, num_logprobs=params.logprobs)
-
-
-def assert_engine_empty(core: EngineCore) -> None:
-    """After every request has ended: no requests, every block free with ref count 0, the free
-    list and hash map consistent, no seeded generators left behind."""
-    assert_scheduler_empty(core.scheduler)
-    assert not core.generators, f"generators left: {sorted(core.generators)}"

@@ -296,12 +296,3 @@ class KVCacheManager:
         assert set(free_ids) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
         for block_hash, block in pool.cached_block_hash_to_block.items():
             assert block.block_hash == block_hash, f"{block}: hash map entry points to it wrongly"
-
-
-def assert_kv_cache_empty(manager: KVCacheManager) -> None:
-    """After every request has ended: no tables, every block free with ref count 0."""
-    manager.check_invariants()
-    assert not manager.block_tables, f"block tables left: {sorted(manager.block_tables)}"
-    assert not manager.block_hashes, f"block hashes left: {sorted(manager.block_hashes)}"
-    assert manager.num_free_blocks == manager.num_blocks
-    assert all(block.ref_cnt == 0 for block in manager.block_pool.blocks)

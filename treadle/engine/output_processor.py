@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from transformers import PreTrainedTokenizerFast
-
-from treadle.engine.core import EngineCoreOutput
 from treadle.engine.detokenizer import IncrementalDetokenizer
+from treadle.engine.messages import EngineCoreOutput, TokenLogprobs
 from treadle.engine.sampling_params import SamplingParams
-from treadle.model.sampler import TokenLogprobs
+from treadle.tokenizer import Tokenizer
 
 
 @dataclass
@@ -78,7 +76,7 @@ def sample_params(params: SamplingParams, index: int) -> SamplingParams:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
         self.samples: dict[str, tuple[RequestState, SampleState]] = {}  # by engine request id

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from treadle.config import SchedulerConfig
-from treadle.engine.kv_cache import KVCacheManager, assert_kv_cache_empty, cdiv
+from treadle.engine.kv_cache import KVCacheManager, cdiv
 from treadle.engine.policies import (
     SchedulingPolicy,
     StepTimeEstimator,
@@ -388,10 +388,3 @@ class Scheduler:
 def is_prefill(request: Request) -> bool:
     """More than the last token left to compute: a prompt, or a recompute after preemption."""
     return uncomputed_tokens(request) > 1
-
-
-def assert_scheduler_empty(scheduler: Scheduler) -> None:
-    """After every request has ended: no requests left and the KV cache entirely free."""
-    scheduler.check_invariants()
-    assert not scheduler.requests, f"requests left: {sorted(scheduler.requests)}"
-    assert_kv_cache_empty(scheduler.kv_cache_manager)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treadle.engine.messages import TokenLogprobs
+
 
 @dataclass(frozen=True)
 class SamplingOptions:
@@ -44,17 +46,6 @@ class SamplingOptions:
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Raw logprobs (log_softmax of the model's logits) around one token."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1 + the number of other tokens at least as likely (vLLM counts ties against it)
-    top_token_ids: list[int]  # the N most likely, most likely first
-    top_logprobs: list[float]
 
 
 @dataclass(frozen=True)

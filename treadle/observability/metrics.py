@@ -21,13 +21,11 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                7.5, 10.0, 20.0, 40.0, 80.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-DEFAULT_MAX_TENANT_LABELS = 32
 OTHER_TENANT = "other"
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, max_tenant_labels: int = DEFAULT_MAX_TENANT_LABELS
-                 ) -> None:
+    def __init__(self, model_name: str, max_tenant_labels: int) -> None:
         if max_tenant_labels < 0:
             raise ValueError("max_tenant_labels must be >= 0")
         self.registry = CollectorRegistry()  # one per server: tests run several in a process

@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-MAX_TENANT_NAME = 64  # characters of a key's name or a `user` field taken as a tenant
+from treadle.engine.admission import check_tenant_name
 
 
 @dataclass(frozen=True)
@@ -21,12 +21,6 @@ class APIKey:
     name: str
     key: str
     weight: float | None = None  # the tenant's fair-share weight (None: not set here)
-
-
-def check_tenant_name(name: str, what: str = "tenant name") -> None:
-    if not name or len(name) > MAX_TENANT_NAME or not name.isprintable() or name != name.strip():
-        raise ValueError(f"{what} must be 1 to {MAX_TENANT_NAME} printable characters without "
-                         f"surrounding spaces, got {name[:80]!r}")
 
 
 def parse_key_line(line: str, number: int) -> APIKey:

@@ -8,9 +8,6 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from jinja2 import TemplateError
-from transformers import PreTrainedTokenizerBase
-
 from treadle.engine.sampling_params import (
     MAX_N,
     MAX_N_STOP_CHARS,
@@ -82,20 +79,6 @@ def chat_conversation(messages: Sequence[tuple[str, str]], max_model_len: int
     # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
     return [{"role": "system" if role == "developer" else role, "content": content}
             for role, content in messages]
-
-
-def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: Sequence[tuple[str, str]],
-                        max_model_len: int, add_generation_prompt: bool = True) -> list[int]:
-    """A chat's prompt token ids. ValueError for invalid messages, a tokenizer without a chat
-    template, or a template that refuses the messages (roles out of order, say). Blocking: run
-    it in a thread."""
-    conversation = chat_conversation(messages, max_model_len)
-    try:
-        return tokenizer.apply_chat_template(conversation, tokenize=True,
-                                             add_generation_prompt=add_generation_prompt,
-                                             return_dict=False)
-    except TemplateError as e:
-        raise ValueError(f"messages: {e}") from e
 
 
 MAX_OBJECTIVE_MS = 86_400_000.0  # a day: objectives past it mean nothing

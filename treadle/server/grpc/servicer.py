@@ -15,6 +15,9 @@ that aborts the request and frees its blocks.
 Tenants: a call's tenant is its API key's name, else its `user` field, else "default"; its
 `cache_salt`, `ttft_ms` and `tpot_ms` are the REST fields'.
 
+Chat input goes through the same chat template as REST chat (the model's own, or the server's
+--chat-template); a model with neither refuses it with INVALID_ARGUMENT.
+
 Ids: a client's `request_id` is a label, unique among its calls in flight on its connection
 (peer) with its API key; the engine request gets an id of the server's own. `Abort` finds the
 caller's request by (peer, key, label) only, so no client can abort or collide with another's,
@@ -35,18 +38,25 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from treadle.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
+from treadle.config import ServerConfig
+from treadle.engine.admission import EngineOverloaded
+from treadle.engine.async_engine import AsyncEngine, EngineUnavailable
 from treadle.engine.sampling_params import SamplingParams
 from treadle.server.auth import APIKey, APIKeys, bearer_token
+from treadle.server.chat_template import apply_chat_template, chat_tokenizer
 from treadle.server.grpc import treadle_pb2 as pb
 from treadle.server.grpc import treadle_pb2_grpc as pb_grpc
-from treadle.server.validation import apply_chat_template, check_prompt_text, objective_seconds
+from treadle.server.validation import check_prompt_text, objective_seconds
+
+if TYPE_CHECKING:
+    from treadle.tokenizer import Tokenizer
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
@@ -81,8 +91,11 @@ async def overloaded(context: grpc.aio.ServicerContext, error: EngineOverloaded)
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, engine: AsyncEngine, api_keys: Sequence[str | APIKey] = ()) -> None:
+    def __init__(self, engine: AsyncEngine, chat_tokenizer: Tokenizer,
+                 api_keys: Sequence[APIKey] = ()) -> None:
+        """`chat_tokenizer`: the engine's tokenizer, or a copy with the server's chat template."""
         self.engine = engine
+        self.chat_tokenizer = chat_tokenizer
         self.keys = APIKeys(api_keys) if api_keys else None
         # (peer, API key, client's request_id) -> the engine's request id, while the call runs.
         self.calls: dict[tuple[str, str, str], str] = {}
@@ -94,13 +107,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             if kind == "text":
                 check_prompt_text("text", request.text, max_model_len)
-                encoded = await asyncio.to_thread(tokenizer, request.text,
-                                                  add_special_tokens=False)
+                # As REST's completions do: a model whose tokenizer adds <bos> (Gemma) needs it.
+                encoded = await asyncio.to_thread(tokenizer, request.text)
                 return encoded["input_ids"]
             if kind == "chat":
                 messages = [(m.role, m.content) for m in request.chat.messages]
-                return await asyncio.to_thread(apply_chat_template, tokenizer, messages,
-                                               max_model_len)
+                return await asyncio.to_thread(apply_chat_template, self.chat_tokenizer,
+                                               messages, max_model_len)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if kind == "token_ids":
@@ -256,7 +269,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """`authorization: Bearer <key>` on the Generation service when keys are set, checked as
     the REST frontend checks it; health and reflection stay open."""
 
-    def __init__(self, api_keys: Sequence[str]) -> None:
+    def __init__(self, api_keys: Sequence[APIKey]) -> None:
         self.keys = APIKeys(api_keys)
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -313,15 +326,20 @@ def unauthenticated_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHan
                                                handler.response_serializer)
 
 
-async def start_grpc_server(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 50051,
-                            api_keys: Sequence[str | APIKey] = ()
+async def start_grpc_server(engine: AsyncEngine, config: ServerConfig
                             ) -> tuple[grpc.aio.Server, int]:
-    """Serve Generation, grpc.health.v1 and reflection; returns the server and its port."""
+    """Serve Generation, grpc.health.v1 and reflection on config.host:config.grpc_port (0: a
+    free port) over `engine`, which the caller starts; returns the server and its port. From
+    `config` too: api_keys, chat_template. ValueError for a chat template that is neither a
+    file nor a template that parses."""
+    assert config.grpc_port is not None, "no gRPC port configured"
+    tokenizer = chat_tokenizer(engine.tokenizer, config.chat_template)
     # The key first: without one, the request is not even parsed.
-    interceptors = [ApiKeyInterceptor(api_keys)] if api_keys else []
+    interceptors = [ApiKeyInterceptor(config.api_keys)] if config.api_keys else []
     interceptors.append(ParseErrorInterceptor())
     server = grpc.aio.server(interceptors=interceptors)
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, api_keys), server)
+    pb_grpc.add_GenerationServicer_to_server(
+        GenerationServicer(engine, tokenizer, config.api_keys), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
 
@@ -343,8 +361,9 @@ async def start_grpc_server(engine: AsyncEngine, host: str = "127.0.0.1", port: 
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{config.host}:{config.grpc_port}"
+    bound = server.add_insecure_port(address)
     if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
+        raise OSError(f"cannot listen on {address}")
     await server.start()
     return server, bound

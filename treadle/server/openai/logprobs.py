@@ -6,16 +6,20 @@ newer one ({content: [{token, logprob, bytes, top_logprobs}]}); prompt_logprobs 
 
 from __future__ import annotations
 
-from tokenizers import decoders
-from transformers import PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
 
-from treadle.model.sampler import TokenLogprobs
+from tokenizers import decoders
+
+from treadle.engine.messages import TokenLogprobs
 from treadle.server.openai.protocol import (
     CompletionLogprobs,
     PromptLogprob,
     TokenLogprob,
     TopLogprob,
 )
+
+if TYPE_CHECKING:
+    from treadle.tokenizer import Tokenizer
 
 # OpenAI reports a token too unlikely to represent this way (JSON has no -inf).
 MIN_LOGPROB = -9999.0
@@ -40,7 +44,7 @@ class TokenTable:
     detokenizes on the event loop. A token may hold part of a UTF-8 character: its bytes are
     exact (byte-level BPE), its text has U+FFFD for the missing part."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         ids = list(range(len(tokenizer)))
         if isinstance(tokenizer.backend_tokenizer.decoder, decoders.ByteLevel):
             alphabet, added = byte_level_alphabet(), tokenizer.added_tokens_decoder

@@ -1,0 +1,36 @@
+"""Both frontends of `treadle serve` (treadle.server.launcher.Frontends: the engine, gRPC, REST)
+run in a thread over a test's engine, on free loopback ports, as the CLI runs them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from treadle.config import ServerConfig
+from treadle.engine.async_engine import AsyncEngine
+from treadle.server.launcher import Frontends
+
+FREE_PORTS = ServerConfig(port=0, grpc_port=0)
+
+
+def start_frontends(engine: AsyncEngine, config: ServerConfig = FREE_PORTS
+                    ) -> tuple[Frontends, threading.Thread]:
+    """Start them (the engine's model loads meanwhile); `wait_started` waits for them."""
+    frontends = Frontends(engine, config)
+    thread = threading.Thread(target=frontends.run, daemon=True)
+    thread.start()
+    return frontends, thread
+
+
+def wait_started(frontends: Frontends, thread: threading.Thread, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not frontends.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+
+
+def stop_frontends(frontends: Frontends, thread: threading.Thread) -> None:
+    """As on SIGTERM; then the engine has stopped."""
+    frontends.stop()
+    thread.join(60)
+    assert not thread.is_alive(), "the server did not stop"

@@ -1,0 +1,62 @@
+"""Executor: what runs the model for `EngineCore` (vLLM's `Executor`).
+
+The core knows the model only through this interface: the model's facts it schedules by
+(`ModelFacts`), one `execute_model` call per step, and `platform_info` for logs. An executor
+may run one `ModelRunner` in this process (`InProcessExecutor`, today's only one) or drive
+several worker processes, each holding a shard (tensor parallelism): then `execute_model`
+broadcasts the step's `ModelInput` and returns the logits of the first rank.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from treadle.config import EngineConfig
+from treadle.model.capabilities import torch_dtype
+from treadle.model.loader import load_model
+from treadle.model.runner import ModelInput, ModelRunner
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the scheduler and the frontend need to know of the loaded model and its cache."""
+
+    max_model_len: int
+    num_blocks: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+
+class Executor(ABC):
+    facts: ModelFacts
+
+    @abstractmethod
+    def execute_model(self, model_input: ModelInput) -> torch.Tensor:
+        """Float32 logits [rows, vocab] of one step (see `ModelRunner.execute`)."""
+
+    @abstractmethod
+    def platform_info(self) -> dict[str, Any]:
+        """The dtype served and why, and which fast paths run: for logs and /v1/models."""
+
+
+class InProcessExecutor(Executor):
+    """One `ModelRunner` in this process, on `engine_threads` torch threads."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.parallel.engine_threads is not None:
+            torch.set_num_threads(config.parallel.engine_threads)
+        model = config.model
+        loaded = load_model(model.model, torch_dtype(model.dtype), model.quantization)
+        self.runner = ModelRunner(loaded, model, config.cache)
+        self.facts = ModelFacts(self.runner.max_model_len, self.runner.num_blocks,
+                                loaded.spec.vocab_size, frozenset(loaded.spec.eos_token_ids))
+
+    def execute_model(self, model_input: ModelInput) -> torch.Tensor:
+        return self.runner.execute(model_input)
+
+    def platform_info(self) -> dict[str, Any]:
+        return self.runner.platform_info()

@@ -1,0 +1,117 @@
+"""POST /v1/chat/completions: messages through the chat template (the model's own, or the one
+`--chat-template` gives; a model with neither answers 400), n samples, chat-shape logprobs;
+whole or streamed, the role first in a chunk of its own as OpenAI sends it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+
+from treadle.engine.output_processor import RequestState
+from treadle.server.openai.errors import APIError
+from treadle.server.openai.logprobs import chat_logprobs
+from treadle.server.openai.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    Delta,
+    Usage,
+)
+from treadle.server.openai.serving import (
+    OpenAIServing,
+    Updates,
+    check_finish,
+    sampling_params,
+    sse,
+    usage,
+    wanted,
+)
+
+# Where SamplingParams or the engine name a field otherwise than the request does.
+CHAT_PARAMS = {**{name: name for name in ChatCompletionRequest.model_fields},
+               "logprobs": "top_logprobs", "prompt": "messages"}
+
+
+def chat_response(serving: OpenAIServing, body: ChatCompletionRequest, request_id: str,
+                  prompt: list[int], state: RequestState) -> ChatCompletionResponse:
+    choices = [ChatChoice(
+        index=s.index, message=AssistantMessage(content=s.text),
+        logprobs=ChatLogprobs(content=chat_logprobs(serving.table, s.logprobs))
+        if body.logprobs else None,
+        finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+        prompt_logprobs=serving.prompt_logprobs(body, state)) for s in state.samples]
+    return ChatCompletionResponse(id=request_id, model=serving.engine.model_name,
+                                  choices=choices, usage=usage([prompt], [state]))
+
+
+async def chat_chunks(serving: OpenAIServing, body: ChatCompletionRequest, request_id: str,
+                      prompt: list[int], n: int, updates: Updates
+                      ) -> AsyncIterator[ChatCompletionChunk]:
+    created = int(time.time())
+
+    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=request_id, created=created,
+                                   model=serving.engine.model_name, choices=choices, usage=usage)
+
+    for index in range(n):  # as OpenAI: the role first, in a chunk of its own
+        yield chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))])
+    state = None
+    async for _, update in updates:
+        state = update.state
+        for delta in update.deltas:
+            check_finish(delta.finish_reason)
+            if not wanted(delta, body.logprobs):
+                continue
+            logprobs = (ChatLogprobs(content=chat_logprobs(serving.table, delta.logprobs))
+                        if body.logprobs else None)
+            yield chunk([ChatChunkChoice(index=delta.index, delta=Delta(content=delta.text),
+                                         logprobs=logprobs, finish_reason=delta.finish_reason,
+                                         stop_reason=delta.stop_reason)])
+    if body.stream_options is not None and body.stream_options.include_usage:
+        yield chunk([], usage([prompt], [state]))
+
+
+def chat_router(serving: OpenAIServing) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    async def chat(body: ChatCompletionRequest,
+                   request: Request) -> ChatCompletionResponse | Response:
+        context = serving.admit(body, request)
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options needs stream", param="stream_options")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+        max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
+                      else body.max_tokens)
+        names = {**CHAT_PARAMS, "max_tokens": "max_completion_tokens"
+                 if body.max_completion_tokens is not None else "max_tokens"}
+        fields = body.sampling_fields()
+        if body.logprobs:
+            fields["logprobs"] = body.top_logprobs or 0
+        # Check the fields before the costly template; with max_tokens left out, the rest of the
+        # context is the most it can be.
+        sampling_params({**fields, "max_tokens": max_tokens or serving.engine.max_model_len},
+                        names)
+        prompt = await serving.apply_template(body.messages)
+        fields["max_tokens"] = serving.check_context(len(prompt), max_tokens, "messages")
+        params = sampling_params(fields, names)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        updates = serving.generate(request_id, [prompt], params, body.priority, context)
+        if body.stream:
+            updates = await serving.start_stream(request, updates, names)
+            chunks = chat_chunks(serving, body, request_id, prompt, params.n, updates)
+            return StreamingResponse(sse(chunks, names), media_type="text/event-stream")
+        [state] = await serving.run(request, updates, 1, names)
+        return await asyncio.to_thread(chat_response, serving, body, request_id, prompt, state)
+
+    return router

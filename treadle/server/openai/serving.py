@@ -1,0 +1,340 @@
+"""What every generating route shares: admission, context checks, tokenizing and chat prompts off
+the event loop, one engine request per prompt merged into one stream, running to the end or
+streaming (SSE), and the engine's refusals as OpenAI errors.
+
+A client request becomes one engine request per prompt (a completions batch has several; each
+runs its n samples), whose updates merge into one stream. A request is refused (4xx) before the
+response starts when the frontend or the engine rejects it; an error after a stream began is its
+last SSE event, then `[DONE]`. A client that disconnects, streaming or not, has its requests
+aborted.
+
+Tenants and objectives: a request's tenant is its API key's name, else its `user` field, else
+"default" (AsyncEngine.resolve_tenant); `cache_salt` is vLLM's field; TTFT and TPOT objectives
+come from the `ttft_ms` / `tpot_ms` fields, else the `X-Treadle-TTFT-Ms` / `X-Treadle-TPOT-Ms`
+headers. A tenant over its limits, or (deadline policy) a TTFT the engine cannot meet, is a 429
+whose code names the limit (tenant_requests, tenant_queued_tokens, deadline). A request that
+waits past --max-queue-wait is a 503 of type queue_timeout before its stream starts, else that
+error as its last SSE event, then `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from treadle.engine.admission import EngineOverloaded
+from treadle.engine.async_engine import AsyncEngine, EngineUnavailable, RequestUpdate
+from treadle.engine.output_processor import RequestState, SampleDelta
+from treadle.engine.sampling_params import SamplingParams
+from treadle.server.chat_template import apply_chat_template
+from treadle.server.openai.errors import APIError, from_value_error
+from treadle.server.openai.logprobs import TokenTable, prompt_logprobs
+from treadle.server.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    PromptTokensDetails,
+    Usage,
+)
+from treadle.server.validation import check_prompt_text, objective_seconds
+
+if TYPE_CHECKING:
+    from treadle.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+Updates = AsyncIterator[tuple[int, RequestUpdate]]  # (prompt index, update)
+
+TTFT_HEADER = "x-treadle-ttft-ms"
+TPOT_HEADER = "x-treadle-tpot-ms"
+# What AsyncEngine.generate raises when it refuses a request.
+ENGINE_ERRORS = (ValueError, EngineOverloaded, RuntimeError)
+QUEUE_TIMEOUT_MESSAGE = ("the request waited longer than the server's queue time limit "
+                         "(max_queue_wait) without being scheduled; retry later")
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """Who a request is for and what it asks of the schedule, beside its sampling."""
+
+    tenant: str
+    cache_salt: str | None
+    ttft: float | None  # seconds
+    tpot: float | None
+
+
+async def merge(streams: list[AsyncIterator[RequestUpdate]]) -> Updates:
+    """The updates of several engine requests as one stream; leaving it early closes them all,
+    which aborts their requests."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestUpdate]) -> None:
+        try:
+            async with aclosing(stream):
+                async for update in stream:
+                    queue.put_nowait((index, update))
+            queue.put_nowait((index, None))
+        except Exception as e:
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def prepend(first: tuple[int, RequestUpdate], rest: Updates) -> Updates:
+    yield first
+    async with aclosing(rest):
+        async for item in rest:
+            yield item
+
+
+async def collect(updates: Updates, num_prompts: int) -> list[RequestState]:
+    """Each prompt's final state."""
+    states: dict[int, RequestState] = {}
+    async for index, update in updates:
+        states[index] = update.state
+    return [states[i] for i in range(num_prompts)]
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it (aborting its engine requests)
+    and raise ClientDisconnected."""
+    async def disconnected() -> None:
+        # The body has been read, so the next message is the disconnect.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.create_task(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        task.cancel()  # a no-op once done
+        watcher.cancel()
+    if task not in done:
+        raise ClientDisconnected
+    return task.result()
+
+
+def engine_error(error: Exception, params: dict[str, str]) -> APIError:
+    """The engine refused a request: the client's fault (ValueError), a full queue, or an engine
+    that is down or died (type engine_error) or a server shutting down (server_shutdown)."""
+    if isinstance(error, EngineUnavailable):
+        return APIError(503, str(error), error_type=error.kind)
+    if isinstance(error, ValueError):
+        return from_value_error(error, params)
+    if isinstance(error, EngineOverloaded):
+        # The server-wide queue's limits keep OpenAI's code; the others name theirs.
+        code = error.reason if error.reason in ("tenant_requests", "tenant_queued_tokens",
+                                                "deadline") else "rate_limit_exceeded"
+        return APIError(429, str(error), code=code, param="ttft_ms" if code == "deadline"
+                        else None, error_type="rate_limit_error",
+                        headers={"Retry-After": str(error.retry_after)})
+    if isinstance(error, RuntimeError):
+        return APIError(503, str(error), error_type="service_unavailable")
+    logger.error("unexpected error in a request", exc_info=error)
+    return APIError(500, "internal server error")
+
+
+def queue_timeout_error() -> APIError:
+    return APIError(503, QUEUE_TIMEOUT_MESSAGE, code="queue_timeout", error_type="queue_timeout",
+                    headers={"Retry-After": "1"})
+
+
+def check_finish(finish_reason: str | None) -> None:
+    """Only stop and length reach a client; an engine failure, abort or queue timeout becomes an
+    error."""
+    if finish_reason == "error":
+        raise APIError(500, "the engine failed while running this request")
+    if finish_reason == "abort":
+        raise APIError(503, "the request was aborted", error_type="service_unavailable")
+    if finish_reason == "queue_timeout":
+        raise queue_timeout_error()
+
+
+def usage(prompts: list[list[int]], states: list[RequestState]) -> Usage:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(s.num_output_tokens for s in states)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(
+                     cached_tokens=sum(s.num_cached_tokens for s in states)))
+
+
+async def sse(chunks: AsyncIterator[BaseModel], params: dict[str, str]) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's format: chunks, or chunks and an error event, then
+    `[DONE]`: a client reading to `[DONE]` always sees the stream end (as vLLM's do)."""
+    try:
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                yield f"data: {chunk.model_dump_json()}\n\n"
+    except Exception as e:
+        error = e if isinstance(e, APIError) else engine_error(e, params)
+        yield f"data: {json.dumps(error.body())}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def sampling_params(fields: dict[str, Any], params: dict[str, str]) -> SamplingParams:
+    try:
+        return SamplingParams(**fields)
+    except ValueError as e:
+        raise from_value_error(e, params) from e
+
+
+def wanted(delta: SampleDelta, logprobs: bool) -> bool:
+    """Whether a delta is worth a chunk: text held back (a possible stop string, part of a
+    UTF-8 character) leaves it empty, but its tokens' logprobs may still be asked for."""
+    return bool(delta.text) or delta.finished or logprobs
+
+
+class OpenAIServing:
+    """The engine as every route sees it, with the tokenizer work kept off the event loop.
+    `chat_tokenizer`: the engine's tokenizer, or a copy with the server's chat template."""
+
+    def __init__(self, engine: AsyncEngine, chat_tokenizer: Tokenizer) -> None:
+        self.engine = engine
+        self.chat_tokenizer = chat_tokenizer
+        self.tokens: TokenTable | None = None  # built at startup, off the event loop
+        self.created = int(time.time())
+
+    @property
+    def table(self) -> TokenTable:
+        assert self.tokens is not None, "the server has not started"
+        return self.tokens
+
+    def admit(self, body: CompletionRequest | ChatCompletionRequest, request: Request
+              ) -> RequestContext:
+        """Refuse a request for another model, or one the full queue or its tenant's limits
+        cannot take, before any costly work; its tenant, salt and objectives."""
+        self.check_model(body.model)
+        try:
+            context = self.request_context(body, request)
+        except ValueError as e:
+            raise from_value_error(e, {"user": "user", "ttft_ms": "ttft_ms",
+                                       "tpot_ms": "tpot_ms", "cache_salt": "cache_salt"}) from e
+        try:
+            self.engine.check_available()
+            self.engine.check_capacity(tenant=context.tenant)
+        except (EngineUnavailable, EngineOverloaded) as e:
+            raise engine_error(e, {}) from e
+        return context
+
+    def request_context(self, body: CompletionRequest | ChatCompletionRequest,
+                        request: Request) -> RequestContext:
+        """ValueError names the bad field."""
+        key_name = getattr(request.state, "api_key_name", None)
+        tenant = self.engine.resolve_tenant(key_name, body.user)
+        headers = request.headers
+        ttft = objective_seconds("ttft_ms", body.ttft_ms if body.ttft_ms is not None
+                                 else headers.get(TTFT_HEADER))
+        tpot = objective_seconds("tpot_ms", body.tpot_ms if body.tpot_ms is not None
+                                 else headers.get(TPOT_HEADER))
+        if body.cache_salt is not None:
+            self.engine.cache_salt(tenant, body.cache_salt)  # its length: a 400 now
+        return RequestContext(tenant, body.cache_salt, ttft, tpot)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.engine.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model",
+                           code="model_not_found")
+
+    def check_context(self, num_prompt: int, max_tokens: int | None, what: str) -> int:
+        """`max_tokens` (None: the rest of the context), if the prompt and completion fit."""
+        limit = self.engine.max_model_len
+        start = f"This model's maximum context length is {limit} tokens. However, "
+        if max_tokens is None and num_prompt >= limit:
+            message = (f"{start}your {what} resulted in {num_prompt} tokens. Please reduce the "
+                       f"length of the {what}.")
+        elif max_tokens is not None and num_prompt + max_tokens > limit:
+            message = (f"{start}you requested {num_prompt + max_tokens} tokens ({num_prompt} in "
+                       f"the {what}, {max_tokens} in the completion). Please reduce the length "
+                       f"of the {what} or completion.")
+        else:
+            return limit - num_prompt if max_tokens is None else max_tokens
+        raise APIError(400, message, param=what, code="context_length_exceeded")
+
+    async def encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        encoded = await asyncio.to_thread(self.engine.tokenizer, texts,
+                                          add_special_tokens=add_special_tokens)
+        return encoded["input_ids"]
+
+    async def apply_template(self, messages: list[ChatMessage],
+                             add_generation_prompt: bool = True) -> list[int]:
+        try:
+            return await asyncio.to_thread(
+                apply_chat_template, self.chat_tokenizer,
+                [(m.role, m.text()) for m in messages], self.engine.max_model_len,
+                add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+
+    def check_prompt_texts(self, texts: list[str]) -> None:
+        for text in texts:
+            try:
+                check_prompt_text("prompt", text, self.engine.max_model_len)
+            except ValueError as e:
+                raise APIError(400, str(e), param="prompt") from e
+
+    def prompt_logprobs(self, body: CompletionRequest | ChatCompletionRequest,
+                        state: RequestState) -> list | None:
+        if body.prompt_logprobs is None or state.prompt_logprobs is None:
+            return None
+        return prompt_logprobs(self.table, state.prompt_logprobs)
+
+    def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                 priority: int, context: RequestContext) -> Updates:
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
+                                                      for i in range(len(prompts))]
+        return merge([self.engine.generate(i, p, params, priority, tenant=context.tenant,
+                                           cache_salt=context.cache_salt, ttft=context.ttft,
+                                           tpot=context.tpot)
+                      for i, p in zip(ids, prompts, strict=True)])
+
+    async def run(self, request: Request, updates: Updates, num_prompts: int,
+                  params: dict[str, str]) -> list[RequestState]:
+        """Run to the end (non-streaming): each prompt's final state."""
+        try:
+            states = await unless_disconnected(request, collect(updates, num_prompts))
+        except ENGINE_ERRORS as e:
+            raise engine_error(e, params) from e
+        for state in states:
+            for sample in state.samples:
+                check_finish(sample.finish_reason)
+        return states
+
+    async def start_stream(self, request: Request, updates: Updates,
+                           params: dict[str, str]) -> Updates:
+        """Wait for the first update, so that a request the engine refuses is still a 4xx."""
+        try:
+            first = await unless_disconnected(request, anext(updates))
+        except ENGINE_ERRORS as e:
+            raise engine_error(e, params) from e
+        if any(d.finish_reason == "queue_timeout" for d in first[1].deltas):
+            await updates.aclose()  # aborts the request's other prompts and samples
+            raise queue_timeout_error()
+        return prepend(first, updates)
