@@ -124,3 +124,24 @@ def test_a_chat_template_setting_that_is_neither_file_nor_template_stops_serve(b
     assert "chat_template" in capsys.readouterr().err
     assert serve(engine, ServerConfig(chat_template="{% for m in messages %}")) == 2
     assert "does not parse" in capsys.readouterr().err
+
+
+def test_a_message_name_reaches_the_template(base_server):
+    """OpenAI's `name` on a message is passed to the template as transformers passes it."""
+    template = ("{% for m in messages %}{{ m.role }}{% if m.name %}({{ m.name }}){% endif %}: "
+                "{{ m.content }}\n{% endfor %}")
+    app = build_app(base_server.engine, ServerConfig(chat_template=template))
+    named = [{"role": "user", "content": "Hi", "name": "ada"}, {"role": "user", "content": "Yo"}]
+
+    async def tokenize() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post("/tokenize", json={"messages": named,
+                                                        "add_generation_prompt": False})
+
+    response = asyncio.run(tokenize())
+    assert response.status_code == 200, response.text
+    rendered = "user(ada): Hi\nuser: Yo\n"
+    assert response.json()["tokens"] == base_server.engine.tokenizer(rendered,
+                                                                     add_special_tokens=False
+                                                                     )["input_ids"]

@@ -50,7 +50,8 @@ def chat_tokenizer(tokenizer: Tokenizer, chat_template: str | None) -> Tokenizer
     return chat
 
 
-def apply_chat_template(tokenizer: Tokenizer, messages: Sequence[tuple[str, str]],
+def apply_chat_template(tokenizer: Tokenizer,
+                        messages: Sequence[tuple[str, str] | tuple[str, str, str | None]],
                         max_model_len: int, add_generation_prompt: bool = True) -> list[int]:
     """A chat's prompt token ids. ValueError for invalid messages, a tokenizer without a chat
     template, or a template that refuses the messages (roles out of order, say). Blocking: run

@@ -59,26 +59,33 @@ def check_batch(num_prompts: int, params: SamplingParams) -> None:
                          f"{samples} samples")
 
 
-def chat_conversation(messages: Sequence[tuple[str, str]], max_model_len: int
-                      ) -> list[dict[str, str]]:
-    """The conversation a chat template takes, from (role, content) pairs."""
+def chat_conversation(messages: Sequence[tuple[str, str] | tuple[str, str, str | None]],
+                      max_model_len: int) -> list[dict[str, str]]:
+    """The conversation a chat template takes, from (role, content) or (role, content, name)
+    tuples; a name reaches the template as the message's `name`, as transformers passes it."""
     if not messages:
         raise ValueError("messages must be a non-empty list")
     if len(messages) > max_model_len:  # every message adds at least one token
         raise ValueError(f"messages must be at most {max_model_len} messages (the context's "
                          f"length), got {len(messages)}")
     limit = max_prompt_chars(max_model_len)
-    if sum(len(content) for _, content in messages) > limit:
+    if sum(len(content) + len(name[0] or "" if name else "")
+           for _, content, *name in messages) > limit:
         raise ValueError(f"messages must have at most {limit} characters of content "
                          f"({MAX_PROMPT_CHARS_PER_TOKEN} per token of the context)")
-    for i, (role, content) in enumerate(messages):
+    conversation = []
+    for i, (role, content, *name) in enumerate(messages):
         if role not in CHAT_ROLES:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got "
                              f"{role[:32]!r}")
         check_text(f"messages[{i}].content", content)
-    # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
-    return [{"role": "system" if role == "developer" else role, "content": content}
-            for role, content in messages]
+        # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
+        message = {"role": "system" if role == "developer" else role, "content": content}
+        if name and name[0] is not None:
+            check_text(f"messages[{i}].name", name[0])
+            message["name"] = name[0]
+        conversation.append(message)
+    return conversation
 
 
 MAX_OBJECTIVE_MS = 86_400_000.0  # a day: objectives past it mean nothing

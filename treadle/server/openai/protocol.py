@@ -7,8 +7,10 @@ is not a number); ranges are SamplingParams' to check, so that each rule lives i
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Annotated, Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -22,6 +24,8 @@ from pydantic import (
 
 from treadle.server.validation import CHAT_ROLES, check_text
 
+logger = logging.getLogger(__name__)
+
 
 def one_of(expected: str) -> WrapValidator:
     """Report a value that fits no member of a union as one error, not one per member."""
@@ -34,7 +38,9 @@ def one_of(expected: str) -> WrapValidator:
 
 
 class APIRequest(BaseModel):
-    # Unknown fields are ignored, as vLLM does: clients send fields of newer API versions.
+    # Unknown fields are ignored with a warning naming them, as vLLM does: clients send fields
+    # of newer API versions. Every field of OpenAI's own request schemas is declared, so that
+    # only fields OpenAI does not know reach this path (tests/test_request_fields.py).
     model_config = ConfigDict(strict=True, extra="ignore")
 
     @model_validator(mode="before")
@@ -45,6 +51,10 @@ class APIRequest(BaseModel):
         tokenizer or in encoding a reply. Nested models check their own fields."""
         if not isinstance(data, dict):
             return data
+        unknown = [name for name in data if name not in cls.model_fields]
+        if unknown:
+            logger.warning("%s: ignoring unknown field(s) %s", cls.__name__,
+                           ", ".join(repr(name[:64]) for name in unknown[:16]))
         for name, value in data.items():
             if isinstance(value, str):
                 check_text(name, value)
@@ -57,6 +67,45 @@ class APIRequest(BaseModel):
 
 class StreamOptions(APIRequest):
     include_usage: bool = False
+    include_obfuscation: bool = False  # OpenAI's random padding of chunks: not supported yet
+
+
+# Fields of OpenAI's API that Treadle does not implement yet, each accepted only at values that
+# ask for nothing beyond what it does (the default, an empty list); any other value is a 400
+# naming the field. name -> (whether a value is accepted given the request, what is missing).
+NotYet = dict[str, tuple[Callable[[Any, Any], bool], str]]
+EMPTY_TOOLS = (lambda v, _: v == [], "tool calling")
+NO_TOOL_CHOICE = (lambda v, _: v in ("none", "auto"), "tool calling")
+NOT_YET_SAMPLING: NotYet = {
+    "response_format": (lambda v, _: v.get("type") == "text",
+                        "structured output (a type other than text)"),
+    "stream_options": (lambda v, _: not v.include_obfuscation,
+                       "include_obfuscation"),
+}
+NOT_YET_COMPLETION: NotYet = {
+    **NOT_YET_SAMPLING,
+    "best_of": (lambda v, r: v == (r.n or 1), "a value other than n"),
+    "suffix": (lambda v, _: v == "", "insertion (a suffix)"),
+}
+NOT_YET_CHAT: NotYet = {
+    **NOT_YET_SAMPLING,
+    "tools": EMPTY_TOOLS,
+    "tool_choice": NO_TOOL_CHOICE,
+    "functions": EMPTY_TOOLS,
+    "function_call": NO_TOOL_CHOICE,
+    "audio": (lambda v, _: False, "audio output"),
+    "modalities": (lambda v, _: v == ["text"], "output other than text"),
+    "moderation": (lambda v, _: False, "moderation"),
+    "prediction": (lambda v, _: False, "predicted outputs"),
+    "prompt_cache_options": (lambda v, _: v.get("mode", "implicit") == "implicit"
+                             and "ttl" not in v, "explicit cache breakpoints or a ttl"),
+    "prompt_cache_retention": (lambda v, _: v == "in_memory", "retention other than in_memory"),
+    "reasoning_effort": (lambda v, _: False, "reasoning effort"),
+    "service_tier": (lambda v, _: v in ("auto", "default"), "tiers other than auto and default"),
+    "store": (lambda v, _: not v, "storing completions"),
+    "verbosity": (lambda v, _: False, "verbosity"),
+    "web_search_options": (lambda v, _: False, "web search"),
+}
 
 
 Stop = Annotated[str | list[str], one_of("a string or a list of strings")]
@@ -87,12 +136,25 @@ class SamplingRequest(APIRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # the tenant, when the request carries no named API key
+    safety_identifier: str | None = None  # OpenAI's successor of `user`: the tenant after it
+    response_format: dict[str, Any] | None = None  # vLLM takes it on completions too
     priority: int = 0  # lower runs first under --policy priority
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared under one salt only
     # Objectives in milliseconds (else the X-Treadle-TTFT-Ms / X-Treadle-TPOT-Ms headers, else
     # the server's defaults): time to first token, time per output token after the first.
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+
+    NOT_YET: ClassVar[NotYet] = NOT_YET_SAMPLING
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """The first field set to a value that needs what Treadle does not support yet: its
+        name and a message saying what."""
+        for name, (accepts, what) in self.NOT_YET.items():
+            value = getattr(self, name)
+            if value is not None and not accepts(value, self):
+                return name, f"{name}: {what} is not supported yet"
+        return None
 
     def sampling_fields(self) -> dict[str, Any]:
         """The SamplingParams fields the client set."""
@@ -114,6 +176,10 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     logprobs: int | None = None  # top-N alternatives per token, in the legacy shape
     add_special_tokens: bool = True
+    best_of: int | None = None
+    suffix: str | None = None
+
+    NOT_YET: ClassVar[NotYet] = NOT_YET_COMPLETION
 
 
 class TextPart(APIRequest):
@@ -142,6 +208,30 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Accepted for what they ask of OpenAI: nothing here. metadata is kept only with store (a
+    # 400); one engine's prefix cache matches every prompt, so prompt_cache_key routes nowhere;
+    # parallel_tool_calls means something only with tools (a 400).
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    parallel_tool_calls: bool | None = None
+    # Not supported yet beyond their defaults: see NOT_YET_CHAT.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    moderation: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    reasoning_effort: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+
+    NOT_YET: ClassVar[NotYet] = NOT_YET_CHAT
 
 
 class TokenizeRequest(APIRequest):

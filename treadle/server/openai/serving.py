@@ -8,8 +8,13 @@ response starts when the frontend or the engine rejects it; an error after a str
 last SSE event, then `[DONE]`. A client that disconnects, streaming or not, has its requests
 aborted.
 
+Every request field is honoured or refused: a field of OpenAI's API that Treadle does not implement
+yet is accepted at its default only, else a 400 (code unsupported_value) naming it (protocol's
+NOT_YET tables); a field OpenAI does not know either is ignored with a warning, as vLLM does.
+
 Tenants and objectives: a request's tenant is its API key's name, else its `user` field, else
-"default" (AsyncEngine.resolve_tenant); `cache_salt` is vLLM's field; TTFT and TPOT objectives
+its `safety_identifier` (OpenAI's successor of `user`), else "default"
+(AsyncEngine.resolve_tenant); `cache_salt` is vLLM's field; TTFT and TPOT objectives
 come from the `ttft_ms` / `tpot_ms` fields, else the `X-Treadle-TTFT-Ms` / `X-Treadle-TPOT-Ms`
 headers. A tenant over its limits, or (deadline policy) a TTFT the engine cannot meet, is a 429
 whose code names the limit (tenant_requests, tenant_queued_tokens, deadline). A request that
@@ -31,7 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from treadle.engine.admission import EngineOverloaded
+from treadle.engine.admission import EngineOverloaded, check_tenant_name
 from treadle.engine.async_engine import AsyncEngine, EngineUnavailable, RequestUpdate
 from treadle.engine.output_processor import RequestState, SampleDelta
 from treadle.engine.sampling_params import SamplingParams
@@ -230,13 +235,18 @@ class OpenAIServing:
     def admit(self, body: CompletionRequest | ChatCompletionRequest, request: Request
               ) -> RequestContext:
         """Refuse a request for another model, or one the full queue or its tenant's limits
-        cannot take, before any costly work; its tenant, salt and objectives."""
+        cannot take, or one asking for what Treadle does not support yet, before any costly
+        work; its tenant, salt and objectives."""
         self.check_model(body.model)
+        unsupported = body.unsupported()
+        if unsupported is not None:
+            param, message = unsupported
+            raise APIError(400, message, param=param, code="unsupported_value")
         try:
             context = self.request_context(body, request)
         except ValueError as e:
-            raise from_value_error(e, {"user": "user", "ttft_ms": "ttft_ms",
-                                       "tpot_ms": "tpot_ms", "cache_salt": "cache_salt"}) from e
+            raise from_value_error(e, {name: name for name in (
+                "user", "safety_identifier", "ttft_ms", "tpot_ms", "cache_salt")}) from e
         try:
             self.engine.check_available()
             self.engine.check_capacity(tenant=context.tenant)
@@ -248,7 +258,11 @@ class OpenAIServing:
                         request: Request) -> RequestContext:
         """ValueError names the bad field."""
         key_name = getattr(request.state, "api_key_name", None)
-        tenant = self.engine.resolve_tenant(key_name, body.user)
+        user = body.user
+        if not user and body.safety_identifier:
+            check_tenant_name(body.safety_identifier, "safety_identifier")  # named as sent
+            user = body.safety_identifier
+        tenant = self.engine.resolve_tenant(key_name, user)
         headers = request.headers
         ttft = objective_seconds("ttft_ms", body.ttft_ms if body.ttft_ms is not None
                                  else headers.get(TTFT_HEADER))
@@ -288,7 +302,7 @@ class OpenAIServing:
         try:
             return await asyncio.to_thread(
                 apply_chat_template, self.chat_tokenizer,
-                [(m.role, m.text()) for m in messages], self.engine.max_model_len,
+                [(m.role, m.text(), m.name) for m in messages], self.engine.max_model_len,
                 add_generation_prompt)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
