@@ -87,8 +87,6 @@ def chat_router(serving: OpenAIServing) -> APIRouter:
     async def chat(body: ChatCompletionRequest,
                    request: Request) -> ChatCompletionResponse | Response:
         context = serving.admit(body, request)
-        if body.stream_options is not None and not body.stream:
-            raise APIError(400, "stream_options needs stream", param="stream_options")
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
         max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None

@@ -125,8 +125,6 @@ def completions_router(serving: OpenAIServing) -> APIRouter:
     async def completions(body: CompletionRequest,
                           request: Request) -> CompletionResponse | Response:
         context = serving.admit(body, request)
-        if body.stream_options is not None and not body.stream:
-            raise APIError(400, "stream_options needs stream", param="stream_options")
         fields = {**body.sampling_fields(), "max_tokens": body.max_tokens}
         if body.logprobs is not None:
             fields["logprobs"] = body.logprobs

@@ -252,6 +252,8 @@ class OpenAIServing:
             self.engine.check_capacity(tenant=context.tenant)
         except (EngineUnavailable, EngineOverloaded) as e:
             raise engine_error(e, {}) from e
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options needs stream", param="stream_options")
         return context
 
     def request_context(self, body: CompletionRequest | ChatCompletionRequest,
