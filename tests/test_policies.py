@@ -373,6 +373,65 @@ def test_partial_prefill_limit():
     assert_scheduler_empty(s)
 
 
+def test_a_prompt_that_completes_in_its_step_goes_while_prefill_slots_are_full():
+    s = make_scheduler(num_blocks=128, block_size=4, max_num_batched_tokens=64,
+                       long_prefill_token_threshold=16, max_num_partial_prefills=1)
+    model = model_for(s)
+    s.add_request(req("long0", 40, arrival=0))
+    s.add_request(req("long1", 40, arrival=1))
+    s.add_request(req("short", 8, arrival=2))
+    output, _ = step(s, model)
+    # long1 would stay mid-prefill beside long0: passed over; short completes in this step.
+    assert {x.request.request_id: x.num_new_tokens for x in output.scheduled} == \
+        {"long0": 16, "short": 8}
+    check_outputs(run_until_done(s, model))
+    assert_scheduler_empty(s)
+
+
+def test_a_better_priority_gets_the_budget_before_running_prefill_chunks():
+    """Long low-priority prompts mid-prefill take the whole budget; a high-priority arrival is
+    admitted in the next step, and their chunks get what it leaves."""
+    s = make_scheduler(num_blocks=128, block_size=4, max_num_batched_tokens=32,
+                       long_prefill_token_threshold=16, policy="priority")
+    model = model_for(s)
+    s.add_request(req("low0", 64, arrival=0, priority=5))
+    s.add_request(req("low1", 64, arrival=1, priority=5))
+    output, _ = step(s, model)
+    assert scheduled_ids(output) == ["low0", "low1"]
+    s.add_request(req("high", 8, max_tokens=2, arrival=2, priority=0))
+    output, _ = step(s, model)
+    assert {x.request.request_id: x.num_new_tokens for x in output.scheduled} == \
+        {"high": 8, "low0": 16, "low1": 8}
+    assert output.preempted == []
+    check_outputs(run_until_done(s, model))
+    assert_scheduler_empty(s)
+
+
+def test_fair_a_newcomer_takes_a_slot_from_a_tenant_holding_two_more():
+    """A light tenant's counter is lifted to the heavy one's, so the counter rule alone would
+    make it wait for a slot; the heavy tenant holds every slot, so its newest request yields,
+    once: the pair cannot then displace each other."""
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=3, policy="fair")
+    model = model_for(s)
+    for i in range(4):
+        s.add_request(req(f"heavy{i}", 4, max_tokens=12, arrival=i, tenant="heavy"))
+    step(s, model)
+    s.add_request(req("light", 4, max_tokens=4, arrival=9, tenant="light"))
+    # Equal counters break by name ("heavy" < "light"): heavy3 heads the queue for one step,
+    # cannot displace its own tenant, and the heavy requests' tokens then put light ahead.
+    output, _ = step(s, model)
+    assert output.preempted == [] and "light" not in scheduled_ids(output)
+    output, _ = step(s, model)
+    assert ids(output.preempted) == ["heavy2"] and "light" in scheduled_ids(output)
+    for _ in range(3):  # heavy holds 2, light 1: nobody is displaced
+        output, _ = step(s, model)
+        assert output.preempted == []
+    finished = run_until_done(s, model)
+    check_outputs(finished)
+    assert s.num_preemptions == 1
+    assert_scheduler_empty(s)
+
+
 def test_queue_timeout_ends_never_scheduled_requests_and_frees_them():
     s = make_scheduler(num_blocks=8, block_size=4, max_queue_wait=5.0)
     model = model_for(s)

@@ -11,6 +11,9 @@ keeps counters, so one policy object serves one scheduler). It answers:
 - `victim(candidates)`: whom to preempt when a running request is short of blocks.
 - `displace(head, candidates)`: whether the waiting queue's head may take a running request's
   blocks and batch slot (priority, fair share), and whose.
+- `defers_prefill(running, head)`: whether a running request's prefill chunk waits, within a
+  step, until the waiting queue's head has been admitted (priority, fair share), so a long
+  prompt's remaining chunks do not take the token budget ahead of a better-ranked newcomer.
 - `on_admitted` / `on_tokens_generated`: service accounting (fair share).
 
 How schedule() stays O(log n) per step at n waiting requests: no key that changes is ever
@@ -136,6 +139,10 @@ class SchedulingPolicy:
         out; `candidates` (running, in order) are those the preemption guard allows."""
         return None
 
+    def defers_prefill(self, running: Request, head: Request) -> bool:
+        """Whether `running`'s prefill chunk goes after the waiting `head`'s admission."""
+        return False
+
     def on_admitted(self, request: Request) -> None:
         """The request's first admission (not a readmission after preemption)."""
 
@@ -163,6 +170,9 @@ class PriorityPolicy(SchedulingPolicy):
             return candidates[-1]
         return None
 
+    def defers_prefill(self, running: Request, head: Request) -> bool:
+        return running.priority > head.priority
+
 
 class FairPolicy(SchedulingPolicy):
     """Fair share between tenants: the Virtual Token Counter (Sheng et al., OSDI 2024).
@@ -176,10 +186,15 @@ class FairPolicy(SchedulingPolicy):
     L_in the longest prompt, M the most tokens the KV cache holds.
 
     When blocks or batch slots bind, the head (its tenant least served) may preempt the newest
-    running request of the most served tenant, only while that tenant's counter exceeds the
-    head tenant's by more than the head's own charge: admitting it cannot flip the order, so
-    the two cannot at once preempt each other back and forth; over time, max_policy_preemptions
-    bounds how often one request is displaced.
+    running request of the most served tenant, while either that tenant's counter exceeds the
+    head tenant's by more than the head's own charge (admitting it cannot flip the order), or it
+    is served at least as much and holds at least two more running requests (admitting one
+    cannot flip that either): so two requests cannot preempt each other back and forth; over
+    time, max_policy_preemptions bounds how often one request is displaced. The second rule is
+    what lets a light tenant in at once: a newcomer's counter is lifted to the heavy tenant's,
+    so the first rule alone made it wait for a slot to free (`treadle sim`, a heavy tenant
+    sending 10x each of three light ones, saturated, max_num_seqs=48 and a 256-token budget:
+    light p99 TTFT 0.77-1.24 s without the rule, 0.70-1.0 s with it).
     """
 
     name = "fair"
@@ -227,6 +242,15 @@ class FairPolicy(SchedulingPolicy):
                 best = request
         return best
 
+    def defers_prefill(self, running: Request, head: Request) -> bool:
+        # A tenant served more than the head's tenant, even once the head is charged, sends its
+        # prompt chunks after the head (the same margin as displace: the two cannot defer to
+        # each other). Measured in `treadle sim` (a heavy tenant 10x three light ones,
+        # saturated): light requests queued behind heavy chunks, one per step.
+        return running.tenant != head.tenant and \
+            self.counter(running.tenant) - self.counter(head.tenant) > \
+            self.admission_charge(head)
+
     def victim(self, candidates: Sequence[Request]) -> Request:
         victim = self._most_served(candidates, exclude=None)
         assert victim is not None
@@ -237,7 +261,13 @@ class FairPolicy(SchedulingPolicy):
         if victim is None:
             return None
         gap = self.counter(victim.tenant) - self.counter(head.tenant)
-        return victim if gap > self.admission_charge(head) else None
+        if gap > self.admission_charge(head):
+            return victim
+        if gap < 0:
+            return None
+        held = sum(1 for r in candidates if r.tenant == victim.tenant) - \
+            sum(1 for r in candidates if r.tenant == head.tenant)
+        return victim if held >= 2 else None
 
 
 class FairQueue:
