@@ -83,3 +83,4 @@ def assert_engine_empty(core: EngineCore) -> None:
     list and hash map consistent, no seeded generators left behind."""
     assert_scheduler_empty(core.scheduler)
     assert not core.generators, f"generators left: {sorted(core.generators)}"
+    assert not core.compiling, f"requests left compiling: {sorted(core.compiling)}"

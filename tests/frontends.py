@@ -10,12 +10,12 @@ from treadle.config import ServerConfig
 from treadle.engine.async_engine import AsyncEngine
 from treadle.server.launcher import Frontends
 
-FREE_PORTS = ServerConfig(port=0, grpc_port=0)
 
-
-def start_frontends(engine: AsyncEngine, config: ServerConfig = FREE_PORTS
+def start_frontends(engine: AsyncEngine, config: ServerConfig
                     ) -> tuple[Frontends, threading.Thread]:
-    """Start them (the engine's model loads meanwhile); `wait_started` waits for them."""
+    """Start them (the engine's model loads meanwhile); `wait_started` waits for them. Ports 0
+    are free ones (`frontends.port`, `frontends.grpc_port`); gRPC only with a grpc_port, as
+    `treadle serve` opens it only with --grpc-port."""
     frontends = Frontends(engine, config)
     thread = threading.Thread(target=frontends.run, daemon=True)
     thread.start()

@@ -151,7 +151,7 @@ def test_serve_with_no_flags_answers_a_chat_completion(env, tmp_path):
     log = tmp_path / "serve.log"
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "treadle.cli", "serve", "--port", str(port),
-                                 "--no-grpc", "--max-model-len", "256"], cwd=ROOT,
+                                 "--max-model-len", "256"], cwd=ROOT,
                                 env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from conftest import ROOT
 
 from treadle.cli import build_parser, serve_config
@@ -64,7 +65,7 @@ def test_flags_reach_every_section():
         "--max-num-batched-tokens", "1024", "--max-num-seqs", "8", "--policy", "fair",
         "--tenant-weight", "alice=2", "--max-queued-requests", "9", "--default-ttft-ms", "250",
         "--no-restart-engine", "--log-prompts", "--max-tenant-labels", "4", "--port", "9000",
-        "--no-grpc", "--api-key", "k1", "--allowed-origins", "https://a", "--allowed-origins",
+        "--api-key", "k1", "--allowed-origins", "https://a", "--allowed-origins",
         "https://b", "--chat-template", "{{ messages }}", "--max-request-bytes", "1MiB")
     engine = config.engine.engine
     assert engine.model == ModelConfig(model="m.gguf", dtype="float32")
@@ -85,7 +86,7 @@ def test_flags_reach_every_section():
         max_request_bytes=1 << 20)
 
 
-@pytest.mark.parametrize("suffix", [".toml", ".json"])
+@pytest.mark.parametrize("suffix", [".toml", ".json", ".yaml"])
 def test_a_config_file_under_the_flags(tmp_path, suffix):
     settings = {"block_size": 8, "kv_cache_memory_bytes": "2GiB", "max_num_seqs": 4,
                 "policy": "priority", "port": 9100, "tenant_weights": {"bob": 3.0},
@@ -94,6 +95,8 @@ def test_a_config_file_under_the_flags(tmp_path, suffix):
     path = tmp_path / f"treadle{suffix}"
     if suffix == ".json":
         path.write_text(json.dumps(settings))
+    elif suffix == ".yaml":
+        path.write_text(yaml.safe_dump(settings))
     else:
         path.write_text("\n".join(f"{k} = {json.dumps(v)}" if not isinstance(v, dict)
                                   else f"{k} = {{ bob = 3.0 }}" for k, v in settings.items()))
@@ -138,9 +141,12 @@ def test_bad_files_and_byte_sizes(tmp_path):
     (tmp_path / "broken.toml").write_text("block_size = = 3")
     with pytest.raises(ValueError, match="broken.toml"):
         from_flags("--config", str(tmp_path / "broken.toml"))
-    (tmp_path / "c.yaml").write_text("block_size: 3")
-    with pytest.raises(ValueError, match=r"\.toml or \.json"):
-        from_flags("--config", str(tmp_path / "c.yaml"))
+    (tmp_path / "c.ini").write_text("block_size: 3")
+    with pytest.raises(ValueError, match=r"\.yaml, \.toml or \.json"):
+        from_flags("--config", str(tmp_path / "c.ini"))
+    (tmp_path / "broken.yaml").write_text("block_size: [3")
+    with pytest.raises(ValueError, match="broken.yaml"):
+        from_flags("--config", str(tmp_path / "broken.yaml"))
     assert [parse_bytes(t) for t in ("1024", "2GiB", "1.5 kB", "3mib")] == [
         1024, 2 << 30, 1500, 3 << 20]
     with pytest.raises(SystemExit):  # argparse: the flag's own error, exit status 2
@@ -172,3 +178,55 @@ def test_the_frontend_never_imports_torch():
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_environment_sits_between_the_file_and_the_flags(tmp_path):
+    path = tmp_path / "treadle.yaml"
+    path.write_text("block_size: 8\nmax_num_seqs: 4\nport: 9100\n")
+    environ = {"TREADLE_CONFIG": str(path), "TREADLE_MAX_NUM_SEQS": "6", "TREADLE_PORT": "9300",
+               "TREADLE_ENABLE_PREFIX_CACHING": "false", "TREADLE_SERVED_MODEL_NAME": "a,b",
+               "TREADLE_KV_CACHE_MEMORY_BYTES": "1GiB", "TREADLE_THREADS": "9",
+               "TREADLE_DISABLE": "all"}  # not a setting: left alone
+    args = build_parser().parse_args(["serve", "--port", "9400"])
+    config = serve_config(args, environ)
+    engine = config.engine.engine
+    assert engine.cache.block_size == 8  # the file
+    assert engine.scheduler.max_num_seqs == 6 and not engine.cache.enable_prefix_caching  # env
+    assert engine.cache.kv_cache_memory_bytes == 1 << 30
+    assert config.server.port == 9400  # the flag over the environment
+    assert config.server.served_model_name == ("a", "b")
+    assert engine.parallel.engine_threads is None  # --threads is an alias: the name is the flag's
+    assert serve_config(args, {"TREADLE_ENGINE_THREADS": "3"}).engine.engine.parallel\
+        .engine_threads == 3
+    for variable, value in (("TREADLE_BLOCK_SIZE", "big"), ("TREADLE_POLICY", "lifo"),
+                            ("TREADLE_LOG_PROMPTS", "maybe")):
+        with pytest.raises(ValueError, match=variable):
+            serve_config(args, {variable: value})
+
+
+def test_help_shows_defaults_and_the_environment():
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["serve"]
+                         .format_help().split())
+    assert "--max-logprobs MAX_LOGPROBS most logprobs" in help_text
+    assert "(default: 20)" in help_text and "(default: auto)" in help_text
+    assert "TREADLE_<FLAG>" in help_text and "a flag over the environment" in help_text
+    assert "--no-grpc" not in help_text
+
+
+def test_grpc_is_opt_in_and_the_new_settings_are_checked():
+    assert ServeConfig().server.grpc_port is None
+    assert from_flags("--grpc-port", "0").server.grpc_port == 0
+    config = from_flags("--served-model-name", "x", "y", "--max-logprobs", "5", "--seed", "3",
+                        "--generation-config", "vllm", "--uvicorn-log-level", "warning",
+                        "--disable-uvicorn-access-log", "--root-path", "/api",
+                        "--sse-keepalive-interval", "2.5")
+    assert config.server.served_model_name == ("x", "y")
+    assert config.engine.engine.model == ModelConfig(generation_config="vllm", max_logprobs=5,
+                                                     seed=3)
+    assert (config.server.uvicorn_log_level, config.server.disable_uvicorn_access_log,
+            config.server.root_path, config.server.sse_keepalive_interval) == (
+        "warning", True, "/api", 2.5)
+    for setting, value in (("ssl_keyfile", "k.pem"), ("sse_keepalive_interval", 0),
+                           ("uvicorn_log_level", "loud"), ("max_logprobs", -1), ("seed", -1)):
+        with pytest.raises(ValueError, match=setting):
+            build_config(ServeConfig, {setting: value})

@@ -64,6 +64,10 @@ def last_chunk_usage(body: dict, _: dict) -> None:
     assert body["stream"][-2]["usage"]["completion_tokens"] == 4
 
 
+def breakdown(body: dict, _: dict) -> None:
+    assert body["timings"]["e2e_ms"] > 0
+
+
 def served_model(body: dict, sent: dict) -> None:
     assert body["model"] == sent["model"]
 
@@ -96,6 +100,21 @@ def chat_top_logprobs(body: dict, _: dict) -> None:
     assert all(len(e["top_logprobs"]) == 3 for e in body["choices"][0]["logprobs"]["content"])
 
 
+def text_of(body: dict) -> str:
+    message = body["choices"][0].get("message")
+    return message["content"] if message else body["choices"][0]["text"]
+
+
+def json_start(body: dict, _: dict) -> None:
+    assert text_of(body).startswith("{")
+
+
+def text_is(expected: str) -> Check:
+    def check(body: dict, _: dict) -> None:
+        assert text_of(body) == expected
+    return check
+
+
 def prompt_of_ids(body: dict, sent: dict) -> None:
     assert body["usage"]["prompt_tokens"] == len(sent["prompt"])
 
@@ -105,6 +124,16 @@ COMPLETION = {"prompt": "The sea is", "max_tokens": 4, "temperature": 0.0, "igno
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0.0,
         "ignore_eos": True}
 BIAS = {"logit_bias": {"1000": 100.0}}  # a greedy request of that token only
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"a": {"enum": [1]}}, "required": ["a"],
+    "additionalProperties": False}}}]
+
+
+def tool_called(body: dict, _: dict) -> None:
+    assert body["choices"][0]["message"]["tool_calls"][0]["function"] == {
+        "name": "f", "arguments": '{"a": 1}'}
+
 
 # How both endpoints treat the fields they share (OpenAI's and vLLM's sampling extras).
 SHARED = {
@@ -131,12 +160,22 @@ SHARED = {
                        refused({"include_obfuscation": True}, stream=True)],
     "user": [Case("alice")],
     "safety_identifier": [Case("bob"), refused(" padded ")],
-    "response_format": [Case({"type": "text"}), refused({"type": "json_object"}),
-                        refused({"type": "json_schema", "json_schema": {"name": "x"}})],
+    "response_format": [Case({"type": "text"}), Case({"type": "json_object"}, json_start),
+                        Case({"type": "json_schema", "json_schema": {"name": "x"}}, json_start),
+                        refused({"type": "json_schema", "json_schema": {
+                            "name": "x", "schema": {"type": "nonsense"}}}),
+                        refused({"type": "xml"})],
+    "structured_outputs": [Case({"choice": ["a b c d"]}, text_is("a b c d")),
+                           refused({"regex": "[a-"})],
+    "guided_json": [Case({"type": "object"}, json_start), refused({"type": "nonsense"})],
+    "guided_regex": [Case("abc", text_is("abc")), refused("(")],
+    "guided_choice": [Case(["x y z w"], text_is("x y z w")), refused([])],
+    "guided_grammar": [Case('start: "hello"', text_is("hello")), refused("start: nowhere")],
     "priority": [Case(1)],
     "cache_salt": [Case("salt")],
     "ttft_ms": [Case(60_000.0)],
     "tpot_ms": [Case(60_000.0)],
+    "return_timings": [Case(True, breakdown)],
 }
 
 COMPLETION_FIELDS = {
@@ -163,8 +202,10 @@ CHAT_FIELDS = {
     "metadata": [Case({"k": "v"})],
     "prompt_cache_key": [Case("key")],
     "parallel_tool_calls": [Case(False)],
-    "tools": [Case([]), refused([{"type": "function", "function": {"name": "f"}}])],
+    "tools": [Case([]), Case(TOOLS), refused([{"type": "function", "function": {"name": "a b"}}])],
     "tool_choice": [Case("none"), Case("auto"), refused("required"),
+                    Case("required", tool_called, also={
+                        "tools": TOOLS, "parallel_tool_calls": False, "max_tokens": 32}),
                     refused({"type": "function", "function": {"name": "f"}})],
     "functions": [Case([]), refused([{"name": "f", "parameters": {}}])],
     "function_call": [Case("none"), refused({"name": "f"})],
@@ -260,10 +301,10 @@ def test_refusal_says_what_is_not_supported(server: tuple[str, str]) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(
             model=model, messages=CHAT["messages"], max_tokens=4,
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+            functions=[{"name": "f", "parameters": {}}])
     error = raised.value.body
-    assert error["param"] == "tools" and error["code"] == "unsupported_value"
-    assert "tool calling is not supported yet" in error["message"]
+    assert error["param"] == "functions" and error["code"] == "unsupported_value"
+    assert "the deprecated functions (send tools instead) is not supported yet" in error["message"]
 
 
 def test_unknown_field_is_ignored_with_a_warning(server: tuple[str, str],

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from treadle.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from treadle.engine.sampling_params import SamplingParams
 
 
 def test_defaults_follow_vllm():
@@ -28,7 +28,7 @@ def test_defaults_follow_vllm():
     {"seed": 0}, {"seed": 2**64 - 1}, {"max_tokens": 1}, {"min_tokens": 16},
     {"stop": ["a", "bc"]}, {"stop": []}, {"stop": None}, {"stop_token_ids": [0, 7]},
     {"include_stop_str_in_output": True}, {"ignore_eos": True}, {"logprobs": 0},
-    {"logprobs": MAX_LOGPROBS}, {"prompt_logprobs": 0}, {"prompt_logprobs": MAX_LOGPROBS},
+    {"logprobs": 20}, {"prompt_logprobs": 0}, {"prompt_logprobs": 20},
     {"logit_bias": {0: -100, 5: 100, 9: 0.5}}, {"logit_bias": None},
     {"skip_special_tokens": False},
 ])
@@ -73,9 +73,9 @@ BAD = [
     ("include_stop_str_in_output", 1), ("include_stop_str_in_output", "yes"),
     ("include_stop_str_in_output", None),
     ("ignore_eos", 1), ("ignore_eos", "true"),
-    ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", 1.5), ("logprobs", True),
+    ("logprobs", -1), ("logprobs", 1.5), ("logprobs", True),
     ("logprobs", "5"),
-    ("prompt_logprobs", -1), ("prompt_logprobs", MAX_LOGPROBS + 1), ("prompt_logprobs", 2.0),
+    ("prompt_logprobs", -1), ("prompt_logprobs", 2.0),
     ("prompt_logprobs", False),
     ("logit_bias", {5: 100.5}), ("logit_bias", {5: -101}), ("logit_bias", {5: math.nan}),
     ("logit_bias", {5: "1"}), ("logit_bias", {5: None}), ("logit_bias", {-1: 1}),

@@ -42,7 +42,7 @@ def serve(shutdown_timeout: float, log: Path) -> Iterator[tuple[subprocess.Popen
         # Its own session: the kill below reaches the engine child too, and nothing else.
         proc = subprocess.Popen(
             [sys.executable, "-m", "treadle.cli", "serve", "--dtype", "float32",
-             "--port", str(port), "--no-grpc", "--max-model-len", str(MAX_MODEL_LEN),
+             "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
              "--shutdown-timeout", str(shutdown_timeout)],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -258,7 +258,9 @@ def test_request_timeline_and_log_line(client, model, port, caplog):
     times = [e["t_s"] for e in timeline["events"]]
     assert times == sorted(times) and timeline["e2e_s"] >= timeline["ttft_s"] > 0
     assert get(port, "/debug/requests/cmpl-nope")[0] == 404
-    lines = [r.getMessage() for r in caplog.records if out.id in r.getMessage()]
+    # The log line names the id the request is keyed by: the response's, less its prefix.
+    lines = [r.getMessage() for r in caplog.records
+             if f"request {out.id.removeprefix('cmpl-')} finished" in r.getMessage()]
     assert len(lines) == 1 and "length" in lines[0] and "output 7 tokens" in lines[0]
     assert "prompt=" not in lines[0]  # prompt text only with --log-prompts
 
@@ -507,7 +509,7 @@ def test_an_error_after_the_stream_began_is_its_last_event_before_done():
         raise ValueError("stop_token_ids must be in [0, 10); got 12")
 
     async def events():
-        return [e async for e in sse(chunks(), COMPLETION_PARAMS)]
+        return [e async for e in sse(chunks(), COMPLETION_PARAMS, keepalive=15.0)]
 
     *first, last, done = asyncio.run(events())
     assert len(first) == 1 and json.loads(first[0].removeprefix("data: "))["id"] == "cmpl-1"

@@ -7,12 +7,16 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 from treadle.config import (
     DEFAULT_DTYPE,
     DTYPES,
     POLICY_NAMES,
+    POOLING_TYPES,
     QUANTIZATION_CHOICES,
+    UVICORN_LOG_LEVELS,
     ServeConfig,
     build_config,
     parse_bytes,
@@ -20,6 +24,15 @@ from treadle.config import (
     setting_default,
     setting_fields,
 )
+
+ENV_PREFIX = "TREADLE_"
+BOOLEANS = {"1": True, "true": True, "yes": True, "on": True,
+            "0": False, "false": False, "no": False, "off": False}
+SETTINGS_EPILOG = (
+    "Every flag may also be set in the environment as TREADLE_<FLAG> (TREADLE_BLOCK_SIZE=32, "
+    "TREADLE_ENABLE_PREFIX_CACHING=false, TREADLE_SERVED_MODEL_NAME=a,b) or in a --config file "
+    "(TREADLE_CONFIG). Precedence: a flag over the environment, over the file, over the "
+    "default shown.")
 
 
 def int_list(text: str) -> list[int]:
@@ -74,8 +87,8 @@ def add_setting(parser: argparse._ActionsContainer, name: str, help: str, *alias
 def add_serve_settings(srv: argparse.ArgumentParser) -> None:
     """Every engine and server setting as a flag named after it, and --config FILE."""
     srv.add_argument("--config", default=None, metavar="FILE",
-                     help="settings from a TOML (.toml) or JSON (.json) file, keyed by the flags' "
-                          "names with underscores (block_size = 32); flags override it")
+                     help="settings from a YAML (.yaml), TOML (.toml) or JSON (.json) file, "
+                          "keyed by the flags' names with underscores (block_size: 32)")
     model = srv.add_argument_group("model")
     add_setting(model, "model", "Hugging Face folder or .gguf file",
                 none="SmolLM2-135M-Instruct")
@@ -89,13 +102,25 @@ def add_serve_settings(srv: argparse.ArgumentParser) -> None:
                 "matrix dequantized for steps of many rows (more memory, faster large steps)")
     add_setting(model, "quant_gemv_max_rows", "most rows a step may have for a quantized layer "
                 "to take the integer kernel", none="measured at load")
+    add_setting(model, "pooling", "how /v1/embeddings pools a prompt's final hidden states: "
+                "the last token's (vLLM's default for decoder LLMs) or their mean; normalised",
+                choices=POOLING_TYPES)
+    add_setting(model, "generation_config", "sampling defaults for requests that leave them "
+                "out: auto, the model's generation_config.json (temperature, top_p, top_k, "
+                "min_p, repetition_penalty); vllm, none; or a folder holding one")
+    add_setting(model, "max_logprobs", "most logprobs and prompt_logprobs a request may ask for "
+                "per token; more: 400")
+    add_setting(model, "seed", "seed of the engine's random generator, for requests without a "
+                "seed of their own", none="not seeded")
     add_setting(model, "engine_threads", "torch threads of the engine process; this process "
                 "keeps to HTTP and tokenizing", "--threads", none="one per core")
     cache = srv.add_argument_group("KV cache")
     add_setting(cache, "block_size", "token slots per KV cache block")
     add_setting(cache, "num_blocks", "KV cache blocks",
                 none="as many as --kv-cache-memory-bytes holds")
-    add_setting(cache, "kv_cache_memory_bytes", "memory of the KV cache: bytes, or 512MiB, 2GiB")
+    add_setting(cache, "kv_cache_memory_bytes", "memory of the KV cache: bytes, or 512MiB, 2GiB",
+                none="max_num_seqs requests of max_model_len, at most half the memory free "
+                "after the weights")
     add_setting(cache, "enable_prefix_caching", "reuse the KV blocks of prompts' shared prefixes")
     sched = srv.add_argument_group("scheduling")
     add_setting(sched, "policy", "queue order: fcfs; priority (each request's `priority` field, "
@@ -142,9 +167,10 @@ def add_serve_settings(srv: argparse.ArgumentParser) -> None:
     server = srv.add_argument_group("server")
     add_setting(server, "host", "address of both frontends")
     add_setting(server, "port", "the REST frontend's port")
-    add_setting(server, "grpc_port", "the gRPC frontend's port")
-    server.add_argument("--no-grpc", dest="grpc_port", action="store_const", const=None,
-                     default=argparse.SUPPRESS, help="serve REST only")
+    add_setting(server, "grpc_port", "serve gRPC too, on this port", none="no gRPC")
+    add_setting(server, "served_model_name", "the names a request's `model` may be (one or "
+                "more); the first is the one responses give", nargs="+",
+                none="the model's own name")
     server.add_argument("--api-key", action="append", default=argparse.SUPPRESS,
                      help="require `Authorization: Bearer KEY` on every route but /health and "
                           "/ready, and on gRPC (repeatable)")
@@ -159,11 +185,25 @@ def add_serve_settings(srv: argparse.ArgumentParser) -> None:
     add_setting(server, "max_request_bytes", "larger request bodies get 413 (bytes, or 8MiB)")
     add_setting(server, "chat_template", "a Jinja chat template, its text or a file holding it, "
                 "replacing the model's own (a base model has none)")
+    add_setting(server, "tool_call_parser", "how the model writes tool calls: hermes "
+                "(<tool_call> JSON) or llama3_json")
     add_setting(server, "enable_debug_endpoints", "GET /debug/requests/{id}: a recent request's "
                 "timeline")
     add_setting(server, "shutdown_timeout", "on SIGTERM, seconds in-flight requests may take "
                 "to finish before they end with a server_shutdown error")
+    add_setting(server, "sse_keepalive_interval", "seconds a streamed response may stay silent "
+                "(queued, or holding text back) before it gets a `: keep-alive` comment")
+    add_setting(server, "uvicorn_log_level", "uvicorn's log level", choices=UVICORN_LOG_LEVELS)
+    add_setting(server, "disable_uvicorn_access_log", "no log line per HTTP request")
+    add_setting(server, "root_path", "the path prefix a proxy serves the API under (ASGI "
+                "root_path)")
+    add_setting(server, "ssl_keyfile", "serve REST over HTTPS with this private key (PEM)")
+    add_setting(server, "ssl_certfile", "... and this certificate (PEM)")
     ops = srv.add_argument_group("observability and supervision")
+    add_setting(ops, "otlp_traces_endpoint", "send one OpenTelemetry span per request (queue, "
+                "prefill, decode inside) to this OTLP endpoint, http://host:4317 (gRPC) or "
+                "http://host:4318/v1/traces (HTTP); needs pip install 'treadle[otlp]'",
+                none="no tracing")
     add_setting(ops, "trace_file", "write every engine step to this Chrome-trace/Perfetto "
                 "JSON file")
     add_setting(ops, "log_prompts", "include the prompt text in each finished request's log "
@@ -180,16 +220,58 @@ def add_serve_settings(srv: argparse.ArgumentParser) -> None:
                 "step before /ready and /health turn 503 (status stalled)")
 
 
+def add_plan_args(plan: argparse.ArgumentParser) -> None:
+    """`treadle plan`: the serve settings that change memory, under the same flags."""
+    for name, help in (("model", "Hugging Face folder or .gguf file"),
+                       ("dtype", "auto: what the engine would pick on this CPU"),
+                       ("quantization", "auto: a GGUF's matrices as stored"),
+                       ("max_model_len", "tokens per request"),
+                       ("dense_batch_weights", "with quantization, also a dense copy"),
+                       ("block_size", "token slots per KV cache block"),
+                       ("max_num_batched_tokens", "most tokens in one model pass"),
+                       ("long_prefill_token_threshold", "most prompt tokens of one request per "
+                        "step")):
+        add_setting(plan, name, help)
+    plan.add_argument("--concurrency", type=int, default=None,
+                      help="requests of max_model_len tokens at once (default: --max-num-seqs's "
+                           "default)")
+    plan.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from treadle.config import EngineConfig
+    from treadle.model.memory import format_plan, plan
+
+    settings = {k: v for k, v in vars(args).items() if k not in ("command", "concurrency", "json")}
+    try:
+        if args.concurrency is not None and args.concurrency < 1:
+            raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+        report = plan(build_config(EngineConfig, settings), args.concurrency)
+    except ValueError as e:
+        print(f"treadle: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_plan(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="treadle", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    add_serve_settings(commands.add_parser("serve", help="the OpenAI-compatible REST server "
-                                                         "and the gRPC server, over one engine"))
+    add_serve_settings(commands.add_parser(
+        "serve", help="the OpenAI-compatible REST server (and with --grpc-port the gRPC server) "
+        "over one engine", epilog=SETTINGS_EPILOG))
+    from treadle.chat_cli import add_chat_args
+
+    add_chat_args(commands.add_parser("chat", help="chat in the terminal with the local engine "
+                                                   "or any OpenAI-compatible server (--url)"))
 
     env = commands.add_parser("env", help="what to paste into a bug report: versions, CPU, the "
                                           "dtype auto picks, fast paths, kernel build")
     env.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    add_plan_args(commands.add_parser("plan", help="how much fits: memory of the weights, KV "
+                                                   "cache and activations against free memory"))
 
     gen = commands.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("prompt")
@@ -249,6 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "chat":
+        from treadle.chat_cli import run_chat
+
+        return run_chat(args)
+    if args.command == "plan":
+        return run_plan(args)
     if args.command == "env":
         from treadle.environment import collect_env, format_env
 
@@ -311,13 +399,53 @@ def parse_tenant_weights(items: list[str]) -> dict[str, float]:
     return weights
 
 
-def serve_config(args: argparse.Namespace) -> ServeConfig:
+def env_settings(parser: argparse.ArgumentParser, environ: Mapping[str, str]
+                 ) -> dict[str, Any]:
+    """The flags of `parser` set in `environ` as TREADLE_<FLAG> (TREADLE_BLOCK_SIZE=32; a
+    repeatable flag's values comma-separated; a switch true/false), typed as the flag types
+    them. ValueError naming the variable for a bad value."""
+    settings: dict[str, Any] = {}
+    for action in parser._actions:
+        if not action.option_strings or isinstance(action, argparse._StoreConstAction | \
+                                                   argparse._HelpAction):
+            continue
+        variable = ENV_PREFIX + action.option_strings[0].lstrip("-").replace("-", "_").upper()
+        text = environ.get(variable)
+        if text is None:
+            continue
+        try:
+            settings[action.dest] = env_value(action, text)
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            raise ValueError(f"{variable}={text!r}: {e}") from None
+    return settings
+
+
+def env_value(action: argparse.Action, text: str) -> Any:
+    if isinstance(action, argparse.BooleanOptionalAction):
+        if text.lower() not in BOOLEANS:
+            raise ValueError(f"expected one of {', '.join(BOOLEANS)}")
+        return BOOLEANS[text.lower()]
+    several = isinstance(action, argparse._AppendAction) or action.nargs == "+"
+    values = [action.type(v) if action.type else v
+              for v in (text.split(",") if several else [text])]
+    for value in values:
+        if action.choices is not None and value not in action.choices:
+            raise ValueError(f"expected one of {', '.join(map(str, action.choices))}")
+    return values if several else values[0]
+
+
+def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None
+                 ) -> ServeConfig:
     """The whole config of `treadle serve`: the defaults, then the --config file's settings,
-    then the flags given. ValueError naming the setting for a bad one; OSError for an
-    unreadable key file."""
+    then the environment's (TREADLE_<FLAG>; `environ` None: os.environ), then the flags given.
+    ValueError naming the setting for a bad one; OSError for an unreadable key file."""
     from treadle.server.auth import key_weights, parse_api_keys
 
-    settings = read_settings_file(args.config) if args.config is not None else {}
+    serve_parser = build_parser()._subparsers._group_actions[0].choices["serve"]
+    env = env_settings(serve_parser, os.environ if environ is None else environ)
+    config_file = args.config if args.config is not None else env.pop("config", None)
+    settings = read_settings_file(config_file) if config_file is not None else {}
+    settings.update(env)
     settings.update((name, value) for name, value in vars(args).items()
                     if name not in ("command", "config"))
     # Keys: bare keys (--api-key), then NAME:KEY:WEIGHT lines (a file's `api_keys`, the key

@@ -18,6 +18,8 @@ from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import yaml
+
 if TYPE_CHECKING:
     from treadle.server.auth import APIKey
 
@@ -26,6 +28,10 @@ DTYPES = ("auto", "float32", "bfloat16")
 # (treadle/model/capabilities.py) decides, at load.
 DEFAULT_DTYPE = "auto"
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
+# How /v1/embeddings pools a prompt's final hidden states (treadle/model/pooling.py): the last
+# token's, vLLM's default for decoder LLMs, or the mean of all.
+POOLING_TYPES = ("last", "mean")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 @dataclass(frozen=True)
@@ -44,8 +50,24 @@ class ModelConfig:
     # Most rows a step may have for a quantized layer to take the integer kernel; None: measured
     # per layer shape when the model loads (the crossover depends on the CPU).
     quant_gemv_max_rows: int | None = None
+    pooling: str = "last"  # embeddings: one of POOLING_TYPES
+    # Sampling defaults for requests that omit them: "auto", the model's generation_config.json
+    # (temperature, top_p, top_k, min_p, repetition_penalty), as vLLM does; "vllm": none (the
+    # API's own defaults); or a folder holding a generation_config.json.
+    generation_config: str = "auto"
+    # Most logprobs (and prompt_logprobs) one request may ask for per token (vLLM's default).
+    max_logprobs: int = 20
+    # Seeds the engine process's random generator, so requests without a seed of their own
+    # sample the same across restarts (given the same batches). None: not seeded.
+    seed: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if self.pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling must be one of {POOLING_TYPES}, got {self.pooling!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATION_CHOICES:
@@ -61,7 +83,8 @@ class CacheConfig:
 
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 1 << 30
+    # None: sized from free memory; the rule and why: treadle/model/memory.py size_kv_cache.
+    kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -69,8 +92,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.kv_cache_memory_bytes < 1:
-            raise ValueError("kv_cache_memory_bytes must be >= 1")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError("kv_cache_memory_bytes must be >= 1 (or None: from free memory)")
 
 
 @dataclass(frozen=True)
@@ -124,12 +147,14 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """The frontends `treadle serve` runs over one engine: REST always, gRPC unless
-    `grpc_port` is None."""
+    """The frontends `treadle serve` runs over one engine: REST always, gRPC only when
+    `grpc_port` is set (as vLLM's gRPC server is opt-in)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
-    grpc_port: int | None = 50051
+    grpc_port: int | None = None
+    # Names clients may give as `model`, the first in responses; empty: the model's own name.
+    served_model_name: tuple[str, ...] = ()
     # Bearer keys; empty: no auth. Each key's name is the tenant of its requests.
     api_keys: tuple[APIKey, ...] = ()
     metrics_without_auth: bool = False
@@ -139,10 +164,31 @@ class ServerConfig:
     # A Jinja chat template (the text, or a path to a file holding it) replacing the model's own;
     # a model with none (a base model) answers chat requests with 400 unless one is given.
     chat_template: str | None = None
+    # How the model writes tool calls, read back into OpenAI's tool_calls (as vLLM's flag):
+    # hermes (Hermes, Qwen 2.5/3) or llama3_json (server/openai/tool_parsers.py).
+    tool_call_parser: str = "hermes"
     # On SIGTERM, seconds in-flight requests may take before they end with server_shutdown.
     shutdown_timeout: float = 30.0
+    # A streamed response silent this long (queued, or holding text back) gets an SSE comment,
+    # so that proxies with idle timeouts (nginx's 60 s by default) keep it open.
+    sse_keepalive_interval: float = 15.0
+    uvicorn_log_level: str = "info"
+    disable_uvicorn_access_log: bool = False
+    # The path prefix a proxy serves the API under (ASGI root_path), for its docs' links.
+    root_path: str = ""
+    ssl_keyfile: str | None = None  # both: serve REST over HTTPS
+    ssl_certfile: str | None = None
 
     def __post_init__(self) -> None:
+        if not self.sse_keepalive_interval > 0:
+            raise ValueError("sse_keepalive_interval must be > 0 seconds")
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(f"uvicorn_log_level must be one of {UVICORN_LOG_LEVELS}, "
+                             f"got {self.uvicorn_log_level!r}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile must be given together")
+        if not all(self.served_model_name):
+            raise ValueError("served_model_name must not be empty")
         for name, port in (("port", self.port), ("grpc_port", self.grpc_port)):
             if port is not None and not 0 <= port < 65536:
                 raise ValueError(f"{name} must be in 0..65535, got {port}")
@@ -240,6 +286,8 @@ class ObservabilityConfig:
     log_prompts: bool = False  # the prompt's text in each finished request's log line
     max_timelines: int = 1000  # the last finished samples' timelines kept for /debug/requests
     max_tenant_labels: int = 32  # distinct `tenant` label values; later tenants are "other"
+    # Where to send one OpenTelemetry span per request (vLLM's flag); None: no tracing.
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_timelines < 0:
@@ -319,6 +367,8 @@ def checked_value(name: str, value: Any, annotation: str) -> Any:
         ok = bool(kinds & {"int", "float"})
     elif isinstance(value, float):
         ok = "float" in kinds
+    elif isinstance(value, str) and "str" not in kinds and "tuple" in kinds:
+        value, ok = (value,), True  # one name where a list of names is expected
     elif isinstance(value, str):
         ok = "str" in kinds
     elif isinstance(value, Mapping):
@@ -347,21 +397,25 @@ def parse_bytes(text: str, name: str = "size") -> int:
 
 
 def read_settings_file(path: str | Path) -> dict[str, Any]:
-    """Flat settings from a TOML (.toml) or JSON (.json) file: the same names as the flags, with
-    underscores (`block_size = 32`). ValueError for an unreadable or malformed file."""
+    """Flat settings from a YAML (.yaml, .yml), TOML (.toml) or JSON (.json) file: the same names
+    as the flags, with underscores (`block_size: 32`). ValueError for an unreadable or malformed
+    file."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as e:
         raise ValueError(f"config file {str(path)!r}: {e.strerror}") from None
     try:
-        if path.suffix == ".toml":
+        if path.suffix in (".yaml", ".yml"):
+            settings = yaml.safe_load(text)
+        elif path.suffix == ".toml":
             settings = tomllib.loads(text)
         elif path.suffix == ".json":
             settings = json.loads(text)
         else:
-            raise ValueError("expected a .toml or .json file")
-    except ValueError as e:  # tomllib.TOMLDecodeError and json.JSONDecodeError are ValueErrors
+            raise ValueError("expected a .yaml, .toml or .json file")
+    # tomllib.TOMLDecodeError and json.JSONDecodeError are ValueErrors; yaml's are not.
+    except (ValueError, yaml.YAMLError) as e:
         raise ValueError(f"config file {str(path)!r}: {e}") from None
     if not isinstance(settings, dict):
         raise ValueError(f"config file {str(path)!r}: expected a table of settings")

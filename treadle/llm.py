@@ -1,4 +1,5 @@
-"""Offline API: `LLM(model).generate(prompts, sampling_params)` runs requests to completion."""
+"""Offline API: `LLM(model).generate(prompts, sampling_params)` runs requests to completion;
+`LLM(model).embed(prompts)` embeds prompts (the engine's `pooling`, normalised), as vLLM's."""
 
 from __future__ import annotations
 
@@ -9,33 +10,28 @@ from typing import Any
 from tqdm import tqdm
 
 from treadle.config import EngineConfig, build_config
-from treadle.engine.core import EngineCore
-from treadle.engine.messages import TokenLogprobs
+from treadle.engine.generation_defaults import sampling_defaults
 from treadle.engine.output_processor import OutputProcessor, RequestState
 from treadle.engine.sampling_params import SamplingParams
 from treadle.model.source import resolve_model
+from treadle.outputs import RequestOutput, request_output
 from treadle.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # stop, length, abort, error
-    stop_reason: str | int | None = None  # the stop string or stop token id that matched
-    logprobs: list[TokenLogprobs] | None = None
+class EmbeddingOutput:
+    embedding: list[float]
 
 
 @dataclass
-class RequestOutput:
+class EmbeddingRequestOutput:
+    """One prompt's embedding, shaped as vLLM's (`.outputs.embedding`)."""
+
     request_id: str
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    num_cached_tokens: int = 0
+    outputs: EmbeddingOutput
 
 
 class LLM:
@@ -48,6 +44,11 @@ class LLM:
         source = resolve_model(model)
         self.model_name = source.name
         self.tokenizer = Tokenizer.from_folder(source.folder)
+        # What generate() samples with when given no SamplingParams (--generation-config).
+        self.default_sampling_params = SamplingParams(**sampling_defaults(
+            source.folder, config.model.generation_config))
+        from treadle.engine.core import EngineCore  # torch: only once an engine is built
+
         self.engine = EngineCore(config)
         self.next_request_id = 0
         info = self.engine.executor.platform_info()
@@ -68,7 +69,7 @@ class LLM:
         if isinstance(prompts, str):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.default_sampling_params
         params = (sampling_params if isinstance(sampling_params, list)
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
@@ -90,11 +91,40 @@ class LLM:
         finally:  # on an error or an interrupt, leave nothing behind in the engine
             for engine_id in processor.samples:
                 self.engine.abort_request(engine_id)
-        return [RequestOutput(
-            state.request_id, state.prompt_token_ids,
-            [CompletionOutput(s.index, s.text, s.token_ids, s.finish_reason, s.stop_reason,
-                              s.logprobs) for s in state.samples],
-            state.prompt_logprobs, state.num_cached_tokens) for state in states]
+        return [request_output(state) for state in states]
+
+    def embed(self, prompts: str | list[str] | list[list[int]],
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embed every prompt (text, or token ids) as prefill-only requests; outputs in prompt
+        order. ValueError for a prompt the engine refuses (empty, longer than max_model_len),
+        RuntimeError if the engine fails one."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompt_ids = [self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p)
+                      for p in prompts]
+        request_ids: list[str] = []
+        embeddings: dict[str, list[float]] = {}
+        try:
+            for ids in prompt_ids:
+                request_id = str(self.next_request_id)
+                self.next_request_id += 1
+                self.engine.add_request(request_id, ids, SamplingParams(), pooling=True)
+                request_ids.append(request_id)
+            with tqdm(total=len(request_ids), desc="embed", unit="req",
+                      disable=not use_tqdm) as bar:
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished and out.embedding is None:
+                            raise RuntimeError(f"request {out.request_id} ended with "
+                                               f"{out.finish_reason}")
+                        if out.embedding is not None:
+                            embeddings[out.request_id] = out.embedding
+                            bar.update(1)
+        finally:  # on an error or an interrupt, leave nothing behind in the engine
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+        return [EmbeddingRequestOutput(r, ids, EmbeddingOutput(embeddings[r]))
+                for r, ids in zip(request_ids, prompt_ids, strict=True)]
 
     def _run(self, processor: OutputProcessor, num_requests: int, use_tqdm: bool) -> None:
         with tqdm(total=num_requests, desc="generate", unit="req", disable=not use_tqdm) as bar:

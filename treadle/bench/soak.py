@@ -680,9 +680,7 @@ def start_server(args: argparse.Namespace, log) -> tuple[subprocess.Popen, str, 
     command = [sys.executable, "-m", "treadle.cli", "serve", "--host", "127.0.0.1",
                "--port", str(port)]
     grpc_target = None
-    if args.no_grpc:
-        command.append("--no-grpc")
-    else:
+    if not args.no_grpc:  # treadle serve opens gRPC only when given a port
         grpc_port = free_port()
         command += ["--grpc-port", str(grpc_port)]
         grpc_target = f"127.0.0.1:{grpc_port}"

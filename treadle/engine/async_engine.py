@@ -22,9 +22,12 @@ the status is "dead" for good. An engine alive but with no step finished for
 but not restarted, since it may recover and its requests are not lost; the orchestrator's
 liveness probe decides how long to wait.
 
-Ids: the keys of `generate` are the server's own (frontends make them, e.g. from a uuid), never a
-client's string: a client's id is a label its frontend maps to these, so no client can reach or
-collide with another's request.
+Ids: the keys of `generate` come from `reserve_request_id`: a client's X-Request-Id sanitised
+(letters, digits and `-_.:@+=~`, at most 128 characters; others become `_`) or a fresh uuid, with
+a suffix (`~2`, ...) while another request in flight holds it; held until `release_request_id`.
+Derived ids (a prompt of a batch, one of n samples) add `/i`, which no client id contains, so no
+client can reach or collide with another's request. gRPC's request_id stays a label its frontend
+maps to its own ids.
 
 Objectives: a request may carry a TTFT and a TPOT objective (seconds; server-wide defaults
 apply otherwise). Under the deadline policy the engine process refuses at once a request whose
@@ -38,8 +41,10 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import string
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -47,6 +52,7 @@ from multiprocessing.connection import Connection
 from treadle.config import AsyncEngineConfig
 from treadle.engine.admission import Admission, EngineOverloaded
 from treadle.engine.engine_process import engine_process
+from treadle.engine.generation_defaults import sampling_defaults
 from treadle.engine.messages import (
     AbortRequest,
     AddRequest,
@@ -60,8 +66,9 @@ from treadle.engine.messages import (
 from treadle.engine.observer import RequestObserver
 from treadle.engine.output_processor import OutputProcessor, RequestState, SampleDelta
 from treadle.engine.request import DEFAULT_TENANT
-from treadle.engine.sampling_params import SamplingParams
+from treadle.engine.sampling_params import SamplingParams, check_max_logprobs
 from treadle.model.source import resolve_model
+from treadle.observability.live import LiveFeed
 from treadle.observability.metrics import ServerMetrics
 from treadle.tokenizer import Tokenizer
 
@@ -81,6 +88,16 @@ UNAVAILABLE = {"starting": "the engine is starting",
                "restarting": "the engine failed and is restarting; retry later",
                "dead": "the engine failed and will not be restarted",
                "stopping": "the server is shutting down"}
+
+
+MAX_REQUEST_ID_CHARS = 128
+REQUEST_ID_CHARS = frozenset(string.ascii_letters + string.digits + "-_.:@+=~")
+
+
+def sanitize_request_id(value: str) -> str:
+    """A client's request id as Treadle keys it: at most MAX_REQUEST_ID_CHARS, each character
+    outside REQUEST_ID_CHARS (URL-safe, no `/`, which derived ids use) replaced by `_`."""
+    return "".join(c if c in REQUEST_ID_CHARS else "_" for c in value[:MAX_REQUEST_ID_CHARS])
 
 
 class EngineUnavailable(RuntimeError):
@@ -119,18 +136,24 @@ class AsyncEngine:
         source = resolve_model(config.engine.model.model)
         self.model_name = source.name
         self.tokenizer = Tokenizer.from_folder(source.folder)
+        # For requests that leave them out (--generation-config).
+        self.sampling_defaults = sampling_defaults(source.folder,
+                                                   config.engine.model.generation_config)
         self.processor = OutputProcessor(self.tokenizer)
         # The processor, admission, observer and the request pipe: shared with the reader.
         self.lock = threading.Lock()
         self.streams: dict[str, asyncio.Queue] = {}
+        self.request_ids: set[str] = set()  # held by reserve_request_id
         self.metrics = ServerMetrics(self.model_name, config.observability.max_tenant_labels)
         self.admission = Admission(config.admission)
         self.observer = RequestObserver(self.metrics, config.observability, self.tokenizer)
+        self.live = LiveFeed()  # recent steps, requests and latencies: the dashboard's
         self.load_state = LoadState()
         self.max_model_len = 0  # these three are known once the engine has started
         self.num_blocks = 0
         self.vocab_size = 0
         self.platform: dict = {}  # dtype served and why, fast paths: from the engine process
+        self.memory: dict = {}  # weights and KV cache (EngineReady.memory)
         self.process: multiprocessing.process.BaseProcess | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         # starting → ok ⇄ stalled; a death: restarting → ok, or dead; shutdown: stopping.
@@ -175,6 +198,7 @@ class AsyncEngine:
         self.max_model_len, self.num_blocks = first.max_model_len, first.num_blocks
         self.metrics.labels(self.metrics.kv_blocks).set(self.num_blocks)
         self.vocab_size, self.platform = first.vocab_size, first.platform
+        self.memory = first.memory
         logger.info("engine ready in %.1f s: dtype %s (%s); %s, oneDNN linear %s, native "
                     "attention %s, quantization %s (%s; integer kernel up to rows: %s)",
                     time.monotonic() - spawned, self.platform["dtype"],
@@ -250,6 +274,7 @@ class AsyncEngine:
         self._fail_streams(EngineUnavailable(f"the engine process died ({how}) while running "
                                              f"this request"), engine_gone=True)
         self.metrics.observe_engine(0, 0, 0.0, (0, 0, 0), None)  # a fresh engine counts from 0
+        self.live.engine_restarted()
         self.load_state = LoadState()
         if self.status == "stopping":
             return
@@ -301,8 +326,33 @@ class AsyncEngine:
             queue.put_nowait(error)
 
     def timeline(self, request_id: str) -> dict | None:
-        """A recently finished request's timeline (`id/index` for one of n samples)."""
-        return self.observer.timelines.get(request_id)
+        """A recently finished request's timeline (`id/index` for one of n samples), by its id
+        or its response's (`cmpl-`, `chatcmpl-`)."""
+        with self.lock:
+            return self.observer.find(request_id)
+
+    def response_finished(self, request_ids: list[str]) -> list[dict]:
+        """A REST response is written: its engine requests' sample timelines, marked so."""
+        with self.lock:
+            return [t for request_id in request_ids
+                    for t in self.observer.response_finished(request_id)]
+
+    def reserve_request_id(self, wanted: str | None) -> str:
+        """The id a request's records are keyed by: `wanted` (a client's) sanitised, or a fresh
+        one, made unique among the ids held and the requests in flight."""
+        base = sanitize_request_id(wanted) if wanted else uuid.uuid4().hex
+        request_id, suffix = base, 1
+        with self.lock:
+            while (request_id in self.request_ids or request_id in self.processor.requests
+                   or f"{request_id}/0" in self.processor.requests):
+                suffix += 1
+                request_id = f"{base[:MAX_REQUEST_ID_CHARS - 8]}~{suffix}"
+            self.request_ids.add(request_id)
+        return request_id
+
+    def release_request_id(self, request_id: str) -> None:
+        with self.lock:
+            self.request_ids.discard(request_id)
 
     def load(self) -> dict:
         return {"running": self.load_state.running, "waiting": self.load_state.waiting,
@@ -338,6 +388,7 @@ class AsyncEngine:
         except EngineOverloaded as e:
             self.metrics.labels(self.metrics.rejections, reason=e.reason,
                                 tenant=self.metrics.tenant_label(tenant)).inc()
+            self.live.rejected(e.reason, time.monotonic())
             raise
 
     def check_prompt_token_ids(self, prompt_token_ids: list[int]) -> None:
@@ -351,18 +402,23 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0, *,
                        tenant: str = DEFAULT_TENANT, cache_salt: str | None = None,
-                       ttft: float | None = None, tpot: float | None = None
+                       ttft: float | None = None, tpot: float | None = None,
+                       received: float | None = None, pooling: bool = False
                        ) -> AsyncIterator[RequestUpdate]:
         """Updates as tokens arrive. `request_id` is the server's own, unique among requests in
-        flight (ValueError otherwise). `tenant`: from resolve_tenant; `ttft`, `tpot`: objectives
-        in seconds (None: the server's defaults). ValueError before any update if the engine
-        refuses the request, EngineOverloaded if the queue is full, a tenant limit is reached
-        or (deadline policy) its TTFT cannot be met, EngineUnavailable if the engine is down or
-        dies, or the server shuts down. Leaving the iteration early (a disconnect) aborts the
-        request; one that waits past max_queue_wait finishes with finish_reason
-        "queue_timeout"."""
+        flight (ValueError otherwise); `received`: when the frontend received the request
+        (time.monotonic(); None: now), where its breakdown starts. `tenant`: from
+        resolve_tenant; `ttft`, `tpot`: objectives in seconds (None: the server's defaults).
+        ValueError before any update if the engine refuses the request, EngineOverloaded if the
+        queue is full, a tenant limit is reached or (deadline policy) its TTFT cannot be met,
+        EngineUnavailable if the engine is down or dies, or the server shuts down. Leaving the
+        iteration early (a disconnect) aborts the request; one that waits past max_queue_wait
+        finishes with finish_reason "queue_timeout". `pooling`: an embedding request (prefill
+        only, sharing batches with generation; of `params` only n=1 matters): its one update
+        finishes it, with its state's `embedding`."""
         self.check_available()
         self.check_prompt_token_ids(prompt_token_ids)
+        check_max_logprobs(params, self.config.engine.model.max_logprobs)
         salt = self.cache_salt(tenant, cache_salt)
         num_tokens = len(prompt_token_ids) * params.n
         self.check_capacity(num_tokens, tenant)
@@ -373,14 +429,16 @@ class AsyncEngine:
             engine_requests = self.processor.add_request(request_id, prompt_token_ids, params)
             self.streams[request_id] = queue
             self.admission.admit(request_id, tenant, num_tokens)
-            self.observer.start(request_id, tenant, ttft, tpot)
+            self.observer.start(request_id, tenant, ttft, tpot, received)
+            self.live.start(request_id, params.n, tenant, priority, len(prompt_token_ids),
+                            time.monotonic() if received is None else received)
             # A dead engine's pipe: the reader has seen its end, or is about to, and then fails
             # this stream with the others.
             with contextlib.suppress(OSError):
                 for engine_id, engine_params in engine_requests:
                     self.requests_out.send(AddRequest(
                         engine_id, prompt_token_ids, engine_params, priority, tenant, salt,
-                        ttft, tpot, admit_deadline))
+                        ttft, tpot, admit_deadline, pooling))
         finished = False
         try:
             while not finished:
@@ -418,6 +476,7 @@ class AsyncEngine:
         with self.lock:
             self.admission.release(request_id)
             self.observer.forget(request_id)
+            self.live.forget(request_id, time.monotonic())
             self.streams.pop(request_id, None)
             if abort and self.process is not None:
                 with contextlib.suppress(OSError):  # the engine died: nothing to abort
@@ -451,13 +510,14 @@ class AsyncEngine:
         if isinstance(message, RequestRejected):
             self._reject(message)
             return
-        load = message.load
+        load, step = message.load, message.step
         self.metrics.observe_engine(
             load.num_running, load.num_waiting, load.kv_cache_usage,
             (load.prefix_cache_queries, load.prefix_cache_hits, load.num_preemptions),
-            load.iteration_tokens)
+            None if step is None else step.num_prefill_tokens + step.num_decode_tokens)
+        self.live.record_engine(load, step, message.census, self.load_state.last_message)
         state = self.load_state
-        if load.iteration_tokens is not None or not load.has_work:  # a step ran, or no work
+        if step is not None or not load.has_work:  # a step ran, or no work
             state.last_progress = state.last_message
         state.running, state.waiting = load.num_running, load.num_waiting
         state.kv_cache_usage, state.has_work = load.kv_cache_usage, load.has_work
@@ -471,9 +531,11 @@ class AsyncEngine:
                 for engine_id in to_abort:
                     self.requests_out.send(AbortRequest(engine_id))
             updates: dict[str, list[SampleDelta]] = {}
+            now = time.monotonic()
             for delta in deltas:
                 updates.setdefault(delta.request_id, []).append(delta)
                 self.observer.observe(delta, self.processor.requests[delta.request_id])
+                self.live.observe(delta, now)
             for request_id, request_deltas in updates.items():
                 queue = self.streams.get(request_id)
                 if queue is not None:
@@ -490,6 +552,7 @@ class AsyncEngine:
             label = self.observer.tenant_label(request_id)
             queue = self.streams.get(request_id) if request_id is not None else None
         self.metrics.labels(self.metrics.rejections, reason=message.reason, tenant=label).inc()
+        self.live.rejected(message.reason, time.monotonic())
         if queue is not None:
             error = (EngineOverloaded(message.message, reason=message.reason)
                      if message.reason == "deadline" else ValueError(message.message))

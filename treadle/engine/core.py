@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -15,13 +16,17 @@ import torch
 from treadle.config import EngineConfig
 from treadle.engine.executor import Executor, InProcessExecutor
 from treadle.engine.kv_cache import KVCacheManager
-from treadle.engine.messages import EngineCoreOutput
+from treadle.engine.messages import EngineCoreOutput, StepRecord
 from treadle.engine.policies import make_policy
 from treadle.engine.request import DEFAULT_TENANT, Request, RequestStatus
-from treadle.engine.sampling_params import SamplingParams
+from treadle.engine.sampling_params import SamplingParams, check_max_logprobs
 from treadle.engine.scheduler import Scheduler, SchedulerOutput
-from treadle.model.runner import ModelInput, ScheduledSequence
+from treadle.engine.structured_output import StructuredOutputManager
+from treadle.model.memory import gib
+from treadle.model.pooling import PooledHidden
+from treadle.model.runner import ModelInput, ModelOutput, ScheduledSequence, cat_outputs
 from treadle.model.sampler import Sampler, SamplingOptions, gather_logprobs
+from treadle.model.source import resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +43,12 @@ class StepStats:
     num_generated_tokens: int  # tokens sampled
     num_preemptions: int
     kv_cache_usage: float  # after the step
+    scheduled_at: float  # time.monotonic(): the requests' "scheduled" events
+
+    def record(self) -> StepRecord:
+        """This step as the frontend receives it."""
+        return StepRecord(self.scheduled_at, self.duration, self.num_requests,
+                          self.num_prefill_tokens, self.num_decode_tokens, self.num_preemptions)
 
     def trace_event(self) -> dict:
         """This step as a Chrome-trace / Perfetto complete event."""
@@ -54,13 +65,24 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         """Loads the model (an `InProcessExecutor`) and sizes the KV cache."""
         scheduling_policy = make_policy(config.policy, config.scheduler)
+        if config.model.seed is not None:  # vLLM's --seed: the global generator, for unseeded
+            torch.manual_seed(config.model.seed)
+        self.max_logprobs = config.model.max_logprobs
+        self.pooling = config.model.pooling  # how embedding requests pool: last or mean
         self.executor: Executor = InProcessExecutor(config)
         facts = self.executor.facts
+        logger.info("weights %s; %s", gib(facts.weights_bytes), facts.kv_cache.describe())
         self.kv_cache_manager = KVCacheManager(facts.num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, scheduling_policy,
                                    facts.max_model_len, facts.eos_token_ids)
         self.sampler = Sampler()
+        self.structured_output = StructuredOutputManager(
+            resolve_model(config.model.model).folder / "tokenizer.json", facts.vocab_size,
+            sorted(facts.eos_token_ids))
+        # Constrained requests whose grammar is still compiling: the scheduler gets them when
+        # it is ready, so that a slow grammar never stalls a step.
+        self.compiling: dict[str, tuple[Request, Future]] = {}
         self.generators: dict[str, torch.Generator] = {}  # per-request seeded generators
         self.last_step_stats: StepStats | None = None  # of the last step that ran a batch
 
@@ -76,10 +98,14 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, priority: int = 0,
                     cache_salt: str | None = None, *, tenant: str | None = None,
-                    ttft: float | None = None, tpot: float | None = None) -> None:
+                    ttft: float | None = None, tpot: float | None = None,
+                    pooling: bool = False) -> None:
         """Queue a request; ValueError (the client's fault) if it can never run. `tenant`: whose
         share it uses under the fair policy (None: "default"); `ttft`, `tpot`: objectives in
-        seconds for the deadline policy (None: none)."""
+        seconds for the deadline policy (None: none). `pooling`: an embedding request, prefill
+        only, whose finishing output carries the prompt's pooled hidden states (sampling
+        parameters unused)."""
+        check_max_logprobs(sampling_params, self.max_logprobs)
         vocab = self.executor.facts.vocab_size
         for field, ids in (("prompt token ids", prompt_token_ids),
                            ("stop_token_ids", sampling_params.stop_token_ids),
@@ -89,8 +115,19 @@ class EngineCore:
                 raise ValueError(f"{field} must be in [0, {vocab}); got {bad[0]}")
         request = Request(request_id, prompt_token_ids, sampling_params, priority=priority,
                           cache_salt=cache_salt, tenant=tenant or DEFAULT_TENANT, ttft=ttft,
-                          tpot=tpot)
-        self.scheduler.add_request(request)
+                          tpot=tpot, pooling=self.pooling if pooling else None)
+        if pooling:
+            request.pooled_hidden = PooledHidden(self.pooling, len(prompt_token_ids))
+        if sampling_params.structured_outputs is None:
+            self.scheduler.add_request(request)
+        else:
+            if request_id in self.compiling:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            template = self.structured_output.compile(sampling_params.structured_outputs)
+            if template.done():  # a cached grammar: queue it now, as any request
+                self._add_constrained(request, template)
+            else:
+                self.compiling[request_id] = (request, template)
         if sampling_params.seed is not None:
             self.generators[request_id] = torch.Generator().manual_seed(sampling_params.seed)
 
@@ -107,20 +144,45 @@ class EngineCore:
     def abort_request(self, request_id: str) -> bool:
         """True if the request was still unfinished (and is now aborted, its blocks freed)."""
         self.generators.pop(request_id, None)
+        if self.compiling.pop(request_id, None) is not None:
+            return True
         return self.scheduler.abort_request(request_id) is not None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.compiling)
+
+    def _add_constrained(self, request: Request, template: Future) -> None:
+        """Queue a constrained request with its own matcher; raises the grammar's compile error
+        (a ValueError) or the scheduler's refusal."""
+        request.grammar = self.structured_output.new_matcher(template)
+        self.scheduler.add_request(request)
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Queue the requests whose grammar has compiled; end with an error those whose grammar
+        failed (the frontend checks grammars first, so this is rare: one it could not see)."""
+        failed = []
+        for request_id, (request, template) in list(self.compiling.items()):
+            if not template.done():
+                continue
+            del self.compiling[request_id]
+            try:
+                self._add_constrained(request, template)
+            except Exception as e:
+                logger.warning("request %s cannot run: %s", request_id, e)
+                self.generators.pop(request_id, None)
+                failed.append(EngineCoreOutput(request_id, [], True, "error"))
+        return failed
 
     def step(self) -> list[EngineCoreOutput]:
         """Outputs of the step's requests, and of those that waited past max_queue_wait."""
         start, started = time.time(), time.perf_counter()
         expired = [self._expired(r) for r in self.scheduler.expire_waiting(time.monotonic())]
+        expired += self._admit_compiled()
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return expired
-        decode_tokens = sum(1 for s in scheduler_output.scheduled if is_decode(s.request,
-                                                                               s.num_new_tokens))
+        decodes = [is_decode(s.request, s.num_new_tokens) for s in scheduler_output.scheduled]
+        decode_tokens = sum(decodes)
         now = time.monotonic()
         for s in scheduler_output.scheduled:
             s.request.events.append((now, "scheduled", s.num_new_tokens))
@@ -129,25 +191,32 @@ class EngineCore:
         outputs = self._run(scheduler_output)
         duration = time.perf_counter() - started
         self.scheduler.step_time.update(duration, scheduler_output.num_batched_tokens)
+        end, prefill_tokens = time.monotonic(), scheduler_output.num_batched_tokens - decode_tokens
+        for s, decode in zip(scheduler_output.scheduled, decodes, strict=True):
+            s.request.stats.step_ran(s.num_computed_tokens, s.num_new_tokens, decode,
+                                     len(decodes), prefill_tokens, duration, end)
         self.last_step_stats = StepStats(
             start, duration, len(scheduler_output.scheduled),
             scheduler_output.num_batched_tokens - decode_tokens, decode_tokens,
             sum(len(o.new_token_ids) for o in outputs), len(scheduler_output.preempted),
-            self.kv_cache_manager.block_pool.usage)
+            self.kv_cache_manager.block_pool.usage, now)
         return expired + outputs
 
     def _run(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
         sequences = [ScheduledSequence(s.token_ids, s.num_computed_tokens, s.block_ids,
                                        all_logits=wants_prompt_logprobs(s.request,
-                                                                        s.num_computed_tokens))
+                                                                        s.num_computed_tokens),
+                                       num_hidden_rows=num_hidden_rows(s.request,
+                                                                       s.num_computed_tokens,
+                                                                       s.num_new_tokens))
                      for s in scheduler_output.scheduled]
         try:
-            logits = self.executor.execute_model(ModelInput(sequences))
+            output = self.executor.execute_model(ModelInput(sequences))
         except Exception:
             logger.exception("model step of %d requests failed; retrying each alone",
                              len(sequences))
             return self._step_one_by_one(scheduler_output, sequences)
-        return self._sample_and_update(scheduler_output, logits)
+        return self._sample_and_update(scheduler_output, output)
 
     def _step_one_by_one(self, scheduler_output: SchedulerOutput,
                          sequences: list[ScheduledSequence]) -> list[EngineCoreOutput]:
@@ -165,16 +234,21 @@ class EngineCore:
         self.kv_cache_manager.reset_prefix_cache()
         if kept:
             outputs += self._sample_and_update(
-                SchedulerOutput(kept, scheduler_output.preempted), torch.cat(rows))
+                SchedulerOutput(kept, scheduler_output.preempted), cat_outputs(rows))
         return outputs
 
     def _sample_and_update(self, scheduler_output: SchedulerOutput,
-                           logits: torch.Tensor) -> list[EngineCoreOutput]:
-        """`logits` rows: per scheduled request in order, one per token of its chunk when it
-        collects prompt logprobs, else one for its last token."""
+                           output: ModelOutput) -> list[EngineCoreOutput]:
+        """`output.logits` rows: per scheduled generating request in order, one per token of its
+        chunk when it collects prompt logprobs, else one for its last token; its hidden states:
+        the rows each pooling request asked for."""
+        logits = output.logits
+        self._pool(scheduler_output, output.hidden_states)
         producing: list[tuple[int, Request]] = []
         row = 0
         for s in scheduler_output.scheduled:
+            if s.request.pooling:
+                continue
             collects = wants_prompt_logprobs(s.request, s.num_computed_tokens)
             num_rows = s.num_new_tokens if collects else 1
             if collects:
@@ -186,18 +260,28 @@ class EngineCore:
         requests = [r for _, r in producing]
         options = [sampling_options(r, self.scheduler.eos_token_ids) for r in requests]
         penalties = any(o.uses_penalties for o in options)
+        matchers = [r.grammar for r in requests]
+        bitmask = (torch.from_numpy(self.structured_output.fill_bitmask(matchers))
+                   if any(m is not None for m in matchers) else None)
         sampler_output = self.sampler(
             logits[[row for row, _ in producing]], options,
             [self.generators.get(r.request_id) for r in requests],
             [r.prompt_token_ids for r in requests] if penalties else None,
-            [r.output_token_ids for r in requests] if penalties else None)
+            [r.output_token_ids for r in requests] if penalties else None,
+            token_bitmask=bitmask)
         sampled = {r.request_id: t
                    for r, t in zip(requests, sampler_output.token_ids, strict=True)}
+        grammar_complete = advance_matchers(requests, sampler_output.token_ids)
         first_tokens = {r.request_id for r in requests if r.num_output_tokens == 0}
-        finished = {r.request_id for r in self.scheduler.update_from_output(scheduler_output,
-                                                                            sampled)}
-        outputs = []
+        finished_requests = self.scheduler.update_from_output(scheduler_output, sampled)
+        finished = {r.request_id for r in finished_requests}
+        for request in grammar_complete:  # its grammar admits nothing more: it stops here
+            if not request.is_finished:
+                self.scheduler.finish_request(request.request_id,
+                                              RequestStatus.FINISHED_STOPPED)
+                finished.add(request.request_id)
         now = time.monotonic()
+        outputs = [embedding_output(r, now) for r in finished_requests if r.pooling]
         for i, request in enumerate(requests):
             done = request.request_id in finished
             if request.request_id in first_tokens:
@@ -214,8 +298,22 @@ class EngineCore:
                 prompt_logprobs=[None, *request.prompt_logprobs]
                 if first and request.sampling_params.prompt_logprobs is not None else None,
                 timings=latency_breakdown(request, now) if done else None,
-                events=request.events if done else None))
+                events=request.events if done else None,
+                stats=request.stats if done else None))
         return outputs
+
+    def _pool(self, scheduler_output: SchedulerOutput, hidden: torch.Tensor | None) -> None:
+        """Hand each pooling request its rows of the step's final hidden states (None: no
+        request asked for any this step)."""
+        if hidden is None:
+            return
+        row = 0
+        for s in scheduler_output.scheduled:
+            if s.request.pooling:
+                end = s.num_computed_tokens + s.num_new_tokens
+                num_rows = num_hidden_rows(s.request, s.num_computed_tokens, s.num_new_tokens)
+                s.request.pooled_hidden.add(end, hidden[row:row + num_rows])
+                row += num_rows
 
     def _collect_prompt_logprobs(self, request: Request, start: int,
                                  rows: torch.Tensor) -> None:
@@ -236,12 +334,47 @@ class EngineCore:
         request.events.append((now, "finished", 0))
         return EngineCoreOutput(request.request_id, [], True, request.finish_reason,
                                 timings=(now - request.arrival_time, 0.0, 0.0),
-                                events=request.events)
+                                events=request.events, stats=request.stats)
 
     def _fail(self, request: Request) -> EngineCoreOutput:
         self.generators.pop(request.request_id, None)
         self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
         return EngineCoreOutput(request.request_id, [], True, "error", request.num_cached_tokens)
+
+
+def advance_matchers(requests: list[Request], token_ids: list[int]) -> list[Request]:
+    """Feed each constrained request its sampled token; the requests whose grammar is now
+    complete (or broken: a token the mask allowed but the matcher refused, logged)."""
+    complete = []
+    for request, token in zip(requests, token_ids, strict=True):
+        matcher = request.grammar
+        if matcher is None:
+            continue
+        if not matcher.consume_token(token):
+            logger.warning("request %s: its grammar refused token %d: %s", request.request_id,
+                           token, matcher.get_error())
+            complete.append(request)
+        elif matcher.is_stopped():
+            complete.append(request)
+    return complete
+
+
+def num_hidden_rows(request: Request, start: int, num_new: int) -> int | None:
+    """Final hidden-state rows a step's chunk must return: None for a generating request."""
+    if not request.pooling:
+        return None
+    return request.pooled_hidden.rows_wanted(start, num_new)
+
+
+def embedding_output(request: Request, now: float) -> EngineCoreOutput:
+    """A pooling request's one output, when its prompt is computed: prefill time counts from
+    its first schedule to now, as a first token's would."""
+    request.first_token_time = now
+    request.events.append((now, "finished", 0))
+    return EngineCoreOutput(request.request_id, [], True, request.finish_reason,
+                            request.num_cached_tokens, timings=latency_breakdown(request, now),
+                            events=request.events, stats=request.stats,
+                            embedding=request.pooled_hidden.embedding())
 
 
 def latency_breakdown(request: Request, now: float) -> tuple[float, float, float]:

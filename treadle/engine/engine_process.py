@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
+from collections.abc import Iterable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
@@ -16,6 +18,7 @@ from treadle.config import EngineConfig
 from treadle.engine.messages import (
     AbortRequest,
     AddRequest,
+    EngineCensus,
     EngineFailed,
     EngineLoad,
     EngineReady,
@@ -28,9 +31,12 @@ from treadle.observability.step_trace import StepTraceWriter
 
 if TYPE_CHECKING:
     from treadle.engine.core import EngineCore, StepStats
+    from treadle.engine.request import Request
 
 # The engine reports its load at least this often when idle.
 HEARTBEAT_SECONDS = 1.0
+# Who waits and runs, by tenant and priority, at most this often: the live dashboard's pace.
+CENSUS_SECONDS = 1.0
 
 
 def engine_process(config: EngineConfig, requests: Connection, outputs: Connection) -> None:
@@ -47,7 +53,9 @@ def engine_process(config: EngineConfig, requests: Connection, outputs: Connecti
         return
     facts = core.executor.facts
     outputs.send(EngineReady(facts.max_model_len, facts.num_blocks, facts.vocab_size,
-                             core.executor.platform_info()))
+                             core.executor.platform_info(),
+                             {"weights_bytes": facts.weights_bytes,
+                              "kv_cache": facts.kv_cache.as_dict()}))
     trace = StepTraceWriter(config.trace_file) if config.trace_file else None
     try:
         serve_engine(core, requests, outputs, trace)
@@ -62,7 +70,7 @@ def engine_process(config: EngineConfig, requests: Connection, outputs: Connecti
 def serve_engine(core: EngineCore, requests: Connection, outputs: Connection,
                  trace: StepTraceWriter | None) -> None:
     """The engine process's loop: take messages, step, send outputs and load."""
-    last_report = 0.0
+    last_report = last_census = 0.0
     traced: StepStats | None = None
     while True:
         busy = core.has_unfinished_requests()
@@ -76,20 +84,34 @@ def serve_engine(core: EngineCore, requests: Connection, outputs: Connection,
                 elif isinstance(message, AddRequest):
                     add_request(core, message, outputs)
         step_outputs = core.step() if core.has_unfinished_requests() else []
-        iteration_tokens = None
+        step = None
         if core.last_step_stats is not traced:  # a step ran
             traced = core.last_step_stats
-            iteration_tokens = traced.num_prefill_tokens + traced.num_decode_tokens
+            step = traced.record()
             if trace is not None:
                 trace.write(traced.trace_event())
         now = time.monotonic()
-        if iteration_tokens is not None or now - last_report >= HEARTBEAT_SECONDS:
+        if step is not None or now - last_report >= HEARTBEAT_SECONDS:
             scheduler, kv = core.scheduler, core.kv_cache_manager
             load = EngineLoad(scheduler.num_running, scheduler.num_waiting, kv.block_pool.usage,
                               core.has_unfinished_requests(), kv.prefix_cache_queries,
-                              kv.prefix_cache_hits, scheduler.num_preemptions, iteration_tokens)
-            outputs.send(StepOutputs(step_outputs, load))
+                              kv.prefix_cache_hits, scheduler.num_preemptions)
+            census = None
+            if now - last_census >= CENSUS_SECONDS:
+                census, last_census = take_census(core), now
+            outputs.send(StepOutputs(step_outputs, load, step, census))
             last_report = now
+
+
+def take_census(core: EngineCore) -> EngineCensus:
+    """Requests by (tenant, priority), waiting and running, and the cached free blocks."""
+    def count(requests: Iterable[Request]) -> tuple[tuple[str, int, int], ...]:
+        counts = Counter((r.tenant, r.priority) for r in requests)
+        return tuple((tenant, priority, n) for (tenant, priority), n in sorted(counts.items()))
+
+    pool = core.kv_cache_manager.block_pool
+    cached_free = sum(1 for b in pool.cached_block_hash_to_block.values() if b.ref_cnt == 0)
+    return EngineCensus(count(core.scheduler.waiting), count(core.scheduler.running), cached_free)
 
 
 def add_request(core: EngineCore, message: AddRequest, outputs: Connection) -> None:
@@ -107,6 +129,6 @@ def add_request(core: EngineCore, message: AddRequest, outputs: Connection) -> N
     try:
         core.add_request(message.request_id, message.prompt_token_ids, message.params,
                          message.priority, message.cache_salt, tenant=message.tenant,
-                         ttft=ttft, tpot=message.tpot)
+                         ttft=ttft, tpot=message.tpot, pooling=message.pooling)
     except ValueError as e:
         outputs.send(RequestRejected(message.request_id, str(e), "invalid_request"))

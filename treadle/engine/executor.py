@@ -4,7 +4,7 @@ The core knows the model only through this interface: the model's facts it sched
 (`ModelFacts`), one `execute_model` call per step, and `platform_info` for logs. An executor
 may run one `ModelRunner` in this process (`InProcessExecutor`, today's only one) or drive
 several worker processes, each holding a shard (tensor parallelism): then `execute_model`
-broadcasts the step's `ModelInput` and returns the logits of the first rank.
+broadcasts the step's `ModelInput` and returns the output of the first rank.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 from treadle.config import EngineConfig
 from treadle.model.capabilities import torch_dtype
 from treadle.model.loader import load_model
-from treadle.model.runner import ModelInput, ModelRunner
+from treadle.model.memory import KVCacheSize, check_weights_fit
+from treadle.model.runner import ModelInput, ModelOutput, ModelRunner
 
 
 @dataclass(frozen=True)
@@ -29,14 +30,17 @@ class ModelFacts:
     num_blocks: int
     vocab_size: int
     eos_token_ids: frozenset[int]
+    kv_cache: KVCacheSize  # what the cache holds, for the startup log and EngineReady
+    weights_bytes: int  # as held in memory (quantized blocks, dense copies)
 
 
 class Executor(ABC):
     facts: ModelFacts
 
     @abstractmethod
-    def execute_model(self, model_input: ModelInput) -> torch.Tensor:
-        """Float32 logits [rows, vocab] of one step (see `ModelRunner.execute`)."""
+    def execute_model(self, model_input: ModelInput) -> ModelOutput:
+        """Float32 logits [rows, vocab] of one step, and the final hidden states pooling
+        sequences asked for (see `ModelRunner.run`)."""
 
     @abstractmethod
     def platform_info(self) -> dict[str, Any]:
@@ -50,13 +54,15 @@ class InProcessExecutor(Executor):
         if config.parallel.engine_threads is not None:
             torch.set_num_threads(config.parallel.engine_threads)
         model = config.model
+        check_weights_fit(model)
         loaded = load_model(model.model, torch_dtype(model.dtype), model.quantization)
-        self.runner = ModelRunner(loaded, model, config.cache)
+        self.runner = ModelRunner(loaded, model, config.cache, config.scheduler)
         self.facts = ModelFacts(self.runner.max_model_len, self.runner.num_blocks,
-                                loaded.spec.vocab_size, frozenset(loaded.spec.eos_token_ids))
+                                loaded.spec.vocab_size, frozenset(loaded.spec.eos_token_ids),
+                                self.runner.kv_size, self.runner.model.resident_bytes())
 
-    def execute_model(self, model_input: ModelInput) -> torch.Tensor:
-        return self.runner.execute(model_input)
+    def execute_model(self, model_input: ModelInput) -> ModelOutput:
+        return self.runner.run(model_input)
 
     def platform_info(self) -> dict[str, Any]:
         return self.runner.platform_info()

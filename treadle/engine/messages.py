@@ -2,7 +2,8 @@
 
 Requests (frontend → engine): `AddRequest`, `AbortRequest`, `Shutdown`. Outputs (engine →
 frontend): first `EngineReady` or `EngineFailed`, then `StepOutputs` (each step's token outputs
-with the engine's load) and `RequestRejected`. Plain dataclasses, pickled over
+with the engine's load, the step's `StepRecord`, now and then an `EngineCensus`) and
+`RequestRejected`. Plain dataclasses, pickled over
 multiprocessing pipes; the offline API uses `EngineCoreOutput` and `TokenLogprobs` in-process.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from treadle.engine.request import RequestStats
 from treadle.engine.sampling_params import SamplingParams
 
 
@@ -39,9 +41,12 @@ class EngineCoreOutput:
     # decode (first token to finish), on the engine's clock.
     timings: tuple[float, float, float] | None = None
     events: list[tuple[float, str, int]] | None = None  # the request's timeline, when finished
+    stats: RequestStats | None = None  # where its engine time went, when finished
     # With the first new token, when asked for: one entry per prompt token, None for the first
     # (nothing precedes it).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # A pooling request's finishing output: its embedding (pooled, normalised hidden states).
+    embedding: list[float] | None = None
 
 
 # Frontend → engine.
@@ -60,6 +65,7 @@ class AddRequest:
     tpot: float | None
     # Refuse it at once if its TTFT objective cannot be met (the deadline policy).
     admit_deadline: bool
+    pooling: bool = False  # an embedding: prefill only, pooled as the engine's `pooling` says
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +91,8 @@ class EngineReady:
     num_blocks: int
     vocab_size: int
     platform: dict[str, Any]  # dtype served and why, fast paths (the executor's platform_info)
+    # {"weights_bytes": as held, "kv_cache": blocks, tokens, bytes per token, max concurrency}
+    memory: dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,13 +114,37 @@ class EngineLoad:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
-    iteration_tokens: int | None  # tokens of the step that just ran; None: no step ran
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What one step ran, for metrics and the live dashboard: a few numbers, nothing per
+    request or token."""
+
+    scheduled_at: float  # CLOCK_MONOTONIC (shared with the frontend): requests' "scheduled"
+    duration: float  # seconds
+    num_requests: int
+    num_prefill_tokens: int  # prompt chunks, and recomputation after preemption
+    num_decode_tokens: int
+    num_preemptions: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCensus:
+    """Who is in the engine, counted at most once a second (it walks the queues and the
+    cached blocks): (tenant, priority, requests) for the waiting and the running."""
+
+    waiting: tuple[tuple[str, int, int], ...]
+    running: tuple[tuple[str, int, int], ...]
+    num_cached_free_blocks: int  # free blocks still holding a prefix (evicted on demand)
 
 
 @dataclass(frozen=True, slots=True)
 class StepOutputs:
     outputs: list[EngineCoreOutput]
     load: EngineLoad
+    step: StepRecord | None = None  # the step that just ran; None: a heartbeat, no step
+    census: EngineCensus | None = None  # when due
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,13 @@
 
 Latency metrics (TTFT, ITL, E2E, the engine's queue/prefill/decode split) on the frontend's
 clock, as a client would measure them; goodput against each request's objectives; at a sample's
-end its timeline (for GET /debug/requests/{id}) and one log line.
+end its timeline (for GET /debug/requests/{id} and /v1/requests/{id}/explain) and one log line
+with its breakdown (observability/explain.py). A REST route marks when its response finished
+(`response_finished`), which ends the breakdown's stream part.
+
+Timelines are keyed by the request's id (a client's sanitised X-Request-Id, or the server's), or
+`id/index` for one of n samples; `find` also takes a response's id (`cmpl-` or `chatcmpl-` and
+the id).
 """
 
 from __future__ import annotations
@@ -14,8 +20,10 @@ from dataclasses import dataclass, field
 
 from treadle.config import ObservabilityConfig
 from treadle.engine.output_processor import RequestState, SampleDelta
-from treadle.engine.request import DEFAULT_TENANT
+from treadle.engine.request import DEFAULT_TENANT, RequestStats
+from treadle.observability.explain import part_seconds
 from treadle.observability.metrics import ServerMetrics
+from treadle.observability.tracing import request_tracer
 from treadle.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -29,7 +37,8 @@ class RequestInfo:
     label: str  # the tenant's metrics label (bounded)
     ttft: float | None  # objectives in seconds
     tpot: float | None
-    arrival: float = field(default_factory=time.monotonic)  # frontend clock
+    arrival: float = field(default_factory=time.monotonic)  # frontend clock: handed over
+    received: float | None = None  # when the frontend received it (None: at `arrival`)
     # Per sample index: (first, last) token times, for TTFT, ITL and the request log.
     token_times: dict[int, tuple[float, float]] = field(default_factory=dict)
 
@@ -41,18 +50,43 @@ class RequestObserver:
                  tokenizer: Tokenizer) -> None:
         self.metrics = metrics
         self.config = config
+        self.tracer = request_tracer(config.otlp_traces_endpoint, metrics.model_name)
         self.tokenizer = tokenizer  # decodes the prompt for the log line, with log_prompts
         self.requests: dict[str, RequestInfo] = {}
         # The last finished samples' timelines, by `id` (or `id/index` for one of n samples).
         self.timelines: OrderedDict[str, dict] = OrderedDict()
 
-    def start(self, request_id: str, tenant: str, ttft: float | None, tpot: float | None
-              ) -> None:
+    def start(self, request_id: str, tenant: str, ttft: float | None, tpot: float | None,
+              received: float | None = None) -> None:
+        """`received`: when the frontend received the request (time.monotonic()), for the
+        breakdown's frontend part; None: now."""
         self.requests[request_id] = RequestInfo(tenant, self.metrics.tenant_label(tenant),
-                                                ttft, tpot)
+                                                ttft, tpot, received=received)
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+
+    def find(self, name: str) -> dict | None:
+        """A recently finished sample's timeline by its id (`id/index` for one of n samples),
+        or by the response's id (`cmpl-` or `chatcmpl-` and the id)."""
+        timeline = self.timelines.get(name)
+        for prefix in ("cmpl-", "chatcmpl-"):
+            if timeline is None and name.startswith(prefix):
+                timeline = self.timelines.get(name.removeprefix(prefix))
+        return timeline
+
+    def response_finished(self, request_id: str) -> list[dict]:
+        """The REST response of engine request `request_id` is written: mark the timelines of
+        its samples (those not yet evicted); returns them."""
+        now = time.monotonic()
+        samples, index = [self.timelines.get(request_id)], 0
+        while (sample := self.timelines.get(f"{request_id}/{index}")) is not None:
+            samples.append(sample)
+            index += 1
+        timelines = [t for t in samples if t is not None]
+        for timeline in timelines:
+            timeline["response_end_s"] = round(now - timeline["arrival_monotonic"], 6)
+        return timelines
 
     def tenant_label(self, request_id: str | None) -> str:
         info = self.requests.get(request_id) if request_id is not None else None
@@ -99,23 +133,56 @@ class RequestObserver:
         sample, arrival = state.samples[delta.index], info.arrival
         name = delta.request_id if len(state.samples) == 1 else f"{delta.request_id}/{delta.index}"
         ttft = None if first_token is None else round(first_token - arrival, 6)
+        received = arrival if info.received is None else info.received
         # Both clocks are CLOCK_MONOTONIC, shared by the frontend and the engine process.
-        self.timelines[name] = {
+        self.timelines[name] = timeline = {
             "request_id": delta.request_id, "index": delta.index, "tenant": info.tenant,
             "prompt_tokens": len(state.prompt_token_ids), "output_tokens": len(sample.token_ids),
             "cached_tokens": state.num_cached_tokens, "finish_reason": delta.finish_reason,
             "ttft_s": ttft, "e2e_s": round(now - arrival, 6),
             "events": [{"t_s": 0.0, "event": "arrival"}] + [
                 {"t_s": round(t - arrival, 6), "event": kind, **({"tokens": n} if n else {})}
-                for t, kind, n in delta.events or ()]}
+                for t, kind, n in delta.events or ()],
+            # For explain (observability/explain.py): the t_s origin on CLOCK_MONOTONIC, the
+            # frontend's time before it, the engine's stats, the REST response's end.
+            "arrival_monotonic": round(arrival, 6), "frontend_s": round(arrival - received, 6),
+            **stats_fields(delta.stats, arrival,
+                           sum(kind == "preempted" for _, kind, _ in delta.events or ())),
+            "response_end_s": None}
+        if self.tracer is not None:  # spans built here, exported by the SDK's own thread
+            self.tracer.record(self.timelines[name], arrival, now, state.params)
         while len(self.timelines) > self.config.max_timelines:
             self.timelines.popitem(last=False)
         prompt = (f" prompt={self.tokenizer.decode(state.prompt_token_ids)!r}"
                   if self.config.log_prompts else "")
+        parts = ", ".join(f"{part} {seconds:.3f}"
+                          for part, seconds in part_seconds(timeline).items())
         logger.info("request %s finished: %s, tenant %s, prompt %d tokens (%d cached), output "
-                    "%d tokens, ttft %s s, e2e %.3f s%s", name, delta.finish_reason, info.tenant,
-                    len(state.prompt_token_ids), state.num_cached_tokens, len(sample.token_ids),
-                    "-" if ttft is None else f"{ttft:.3f}", now - arrival, prompt)
+                    "%d tokens, ttft %s s, e2e %.3f s (s: %s)%s", name, delta.finish_reason,
+                    info.tenant, len(state.prompt_token_ids), state.num_cached_tokens,
+                    len(sample.token_ids), "-" if ttft is None else f"{ttft:.3f}",
+                    now - arrival, parts, prompt)
+
+
+def stats_fields(stats: RequestStats | None, arrival: float, num_preemptions: int) -> dict:
+    """The engine's RequestStats as timeline fields (times relative to `arrival`); None (the
+    frontend aborted it before the engine reported): zeros."""
+    stats = stats or RequestStats()
+    steps = stats.decode_steps
+    return {
+        "queue": {"waiting_ahead": stats.waiting_ahead, "running_ahead": stats.running_ahead,
+                  "tokens_ahead": stats.tokens_ahead},
+        "prefill_chunks": [{"t_s": round(t - arrival, 6), "tokens": tokens, "others": others,
+                            "others_prefill_tokens": others_prefill, "step_s": round(step, 6)}
+                           for t, tokens, others, others_prefill, step in stats.prefill_chunks],
+        "preemptions": {"count": num_preemptions, "recompute_tokens": stats.recompute_tokens,
+                        "prefill_s": round(stats.preempted_prefill_s, 6),
+                        "decode_s": round(stats.preempted_decode_s, 6)},
+        "decode": {"steps": steps,
+                   "avg_batch": round(stats.decode_batch_sum / steps, 3) if steps else 0.0,
+                   "steps_with_prefill": stats.decode_mixed_steps,
+                   "with_prefill_s": round(stats.decode_mixed_s, 6),
+                   "decode_only_s": round(stats.decode_only_s, 6)}}
 
 
 def meets_objectives(info: RequestInfo, first_token: float | None, finished: float,

@@ -1,9 +1,10 @@
 """From engine-core token outputs to what a client sees: text deltas, stop strings, n samples.
 
-A client request with n > 1 runs as n engine requests (`{id}-{i}`), each its own sequence with
-its own seed (seed + i). With prefix caching on, the later samples find the first one's full prompt
-blocks cached and share them by ref count, then diverge; nothing is copied. Stop strings are
-matched here, on text; a match finishes the sample and asks the engine to abort it.
+A client request with n > 1 runs as n engine requests (`{id}/{i}`: no client id holds a "/", so
+none is another's sample), each its own sequence with its own seed (seed + i). With prefix caching
+on, the later samples find the first one's full prompt blocks cached and share them by ref count,
+then diverge; nothing is copied. Stop strings are matched here, on text; a match finishes the
+sample and asks the engine to abort it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from treadle.engine.detokenizer import IncrementalDetokenizer
 from treadle.engine.messages import EngineCoreOutput, TokenLogprobs
+from treadle.engine.request import RequestStats
 from treadle.engine.sampling_params import SamplingParams
 from treadle.tokenizer import Tokenizer
 
@@ -30,6 +32,7 @@ class SampleDelta:
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     timings: tuple[float, float, float] | None = None  # engine's queue, prefill, decode seconds
     events: list[tuple[float, str, int]] | None = None  # the engine's timeline of the sample
+    stats: RequestStats | None = None  # where the sample's engine time went, when finished
 
 
 @dataclass
@@ -59,6 +62,7 @@ class RequestState:
     samples: list[SampleState]
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    embedding: list[float] | None = None  # a pooling request's, once it has finished
 
     @property
     def finished(self) -> bool:
@@ -86,7 +90,7 @@ class OutputProcessor:
         """Track a client request; returns the engine requests to add (id, params)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        engine_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}"
+        engine_ids = [request_id] if params.n == 1 else [f"{request_id}/{i}"
                                                          for i in range(params.n)]
         state = RequestState(request_id, prompt_token_ids, params, [
             SampleState(i, engine_id, IncrementalDetokenizer(
@@ -121,6 +125,8 @@ class OutputProcessor:
             if out.prompt_logprobs is not None:
                 state.prompt_logprobs = out.prompt_logprobs
             state.num_cached_tokens = out.num_cached_tokens
+            if out.embedding is not None:
+                state.embedding = out.embedding
             sample.token_ids += out.new_token_ids
             if sample.logprobs is not None and out.logprobs:
                 sample.logprobs += out.logprobs
@@ -140,5 +146,6 @@ class OutputProcessor:
                     sample.stop_reason = last
             deltas.append(SampleDelta(state.request_id, sample.index, text, out.new_token_ids,
                                       out.logprobs, sample.finished, sample.finish_reason,
-                                      sample.stop_reason, out.timings, out.events))
+                                      sample.stop_reason, out.timings, out.events,
+                                      out.stats))
         return deltas, to_abort

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 from treadle.engine.sampling_params import SamplingParams
 
@@ -39,12 +41,76 @@ FINISH_REASONS = {
 DEFAULT_TENANT = "default"
 
 
+@dataclass(slots=True)
+class RequestStats:
+    """Where a request's engine time went, counted as it runs, for `explain`: counters, and one
+    entry per prefill chunk (as the timeline's events already have), nothing per decode token."""
+
+    # At arrival: the requests queued and running, and the uncomputed tokens of those queued
+    # that the policy puts first.
+    waiting_ahead: int = 0
+    running_ahead: int = 0
+    tokens_ahead: int = 0
+    # Prefill chunks (not recompute): (scheduled time, tokens, other requests in the step, their
+    # prefill tokens, the step's seconds).
+    prefill_chunks: list[tuple[float, int, int, int, float]] = field(default_factory=list)
+    # Preemptions: tokens computed again, and seconds from each preemption until the request had
+    # recomputed what it lost, before and after its first token.
+    recompute_tokens: int = 0
+    preempted_prefill_s: float = 0.0
+    preempted_decode_s: float = 0.0
+    # The preemption in progress: since when, the computed tokens to catch up to (0: none), and
+    # whether it came before the first token.
+    preempted_at: float = 0.0
+    recompute_until: int = 0
+    preempted_in_prefill: bool = True
+    # Decode steps: how many, the sum of their batch sizes, and their seconds with and without
+    # other requests' prefill tokens in the same step.
+    decode_steps: int = 0
+    decode_batch_sum: int = 0
+    decode_mixed_steps: int = 0
+    decode_mixed_s: float = 0.0
+    decode_only_s: float = 0.0
+
+    def preempted(self, now: float, num_computed_tokens: int, in_prefill: bool) -> None:
+        if not self.recompute_until:  # a second preemption before recovering extends the first
+            self.preempted_at, self.preempted_in_prefill = now, in_prefill
+        self.recompute_until = max(self.recompute_until, num_computed_tokens)
+
+    def step_ran(self, start: int, num_new: int, decode: bool, batch_size: int,
+                 prefill_tokens: int, seconds: float, end: float) -> None:
+        """One scheduled share of a step that ran: tokens [start, start + num_new), in a batch of
+        `batch_size` requests with `prefill_tokens` in all, which took `seconds`, ending at
+        `end`."""
+        if decode:
+            self.decode_steps += 1
+            self.decode_batch_sum += batch_size
+            if prefill_tokens:
+                self.decode_mixed_steps += 1
+                self.decode_mixed_s += seconds
+            else:
+                self.decode_only_s += seconds
+            return
+        others_prefill = prefill_tokens - num_new
+        if start >= self.recompute_until:
+            self.prefill_chunks.append((end - seconds, num_new, batch_size - 1, others_prefill,
+                                        seconds))
+            return
+        self.recompute_tokens += min(start + num_new, self.recompute_until) - start
+        if start + num_new >= self.recompute_until:  # caught up: the preemption is over
+            if self.preempted_in_prefill:
+                self.preempted_prefill_s += end - self.preempted_at
+            else:
+                self.preempted_decode_s += end - self.preempted_at
+            self.recompute_until = 0
+
+
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams | None = None, *, priority: int = 0,
                  arrival_time: float | None = None, cache_salt: str | None = None,
                  tenant: str = DEFAULT_TENANT, ttft: float | None = None,
-                 tpot: float | None = None) -> None:
+                 tpot: float | None = None, pooling: str | None = None) -> None:
         for name, objective in (("ttft", ttft), ("tpot", tpot)):
             if objective is not None and not objective > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {objective}")
@@ -57,6 +123,11 @@ class Request:
         # Objectives in seconds (None: none): time to first token, time per output token.
         self.ttft = ttft
         self.tpot = tpot
+        # A pooling (embedding) request, "last" or "mean": prefill only, it finishes when its
+        # prompt is computed, never samples. None: a generating request.
+        self.pooling = pooling
+        # Its pooling accumulator (model/pooling.py's PooledHidden), kept by the engine core.
+        self.pooled_hidden: Any = None
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.status = RequestStatus.WAITING
@@ -66,12 +137,16 @@ class Request:
         self.num_skips = 0  # steps the scheduler passed over it while waiting, for lack of blocks
         # Logprobs of prompt tokens 1.. (sampler objects), filled as prefill chunks run.
         self.prompt_logprobs: list = []
+        # A constrained request's llguidance matcher (engine/structured_output.py), advanced by
+        # each sampled token; None: unconstrained.
+        self.grammar: Any = None
         # Engine-clock (time.monotonic) marks for the latency breakdown: queue, prefill, decode.
         self.scheduled_time: float | None = None  # first scheduled
         self.first_token_time: float | None = None
         # The timeline for debugging: (time.monotonic(), event, tokens) for queued, each
         # scheduled chunk (its token count), preempted, first_token, finished.
         self.events: list[tuple[float, str, int]] = [(self.arrival_time, "queued", 0)]
+        self.stats = RequestStats()
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -101,6 +176,14 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+
+    def preempt(self, now: float) -> None:
+        """Preempted by recompute: its KV is dropped; the caller requeues it."""
+        self.events.append((now, "preempted", 0))
+        self.stats.preempted(now, self.num_computed_tokens, self.first_token_time is None)
+        self.status = RequestStatus.PREEMPTED
+        self.num_computed_tokens = 0
+        self.num_preemptions += 1
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "

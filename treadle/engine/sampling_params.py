@@ -10,12 +10,12 @@ client chooses and the server pays for, on the event loop, in the engine loop or
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any
 
-MAX_LOGPROBS = 20  # OpenAI's top_logprobs allows at most 20
 MAX_N = 128  # OpenAI's limit; each sample is an engine request, so n must stay bounded
 MAX_LOGIT_BIAS = 100.0  # OpenAI: each bias in [-100, 100]
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes at most a 64-bit value
@@ -32,6 +32,10 @@ MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit; the sampler applies every entry 
 # A prompt's characters are checked before it is tokenized: more than this many per token of the
 # context cannot fit it (natural text has about 4), so the tokenizer never sees a huge body.
 MAX_PROMPT_CHARS_PER_TOKEN = 32
+# A grammar (schema, regex, choices, Lark/EBNF text) is compiled for each new one, off the engine
+# loop but still in its process: its size bounds that work and the compiled grammar's memory.
+MAX_GRAMMAR_CHARS = 65536
+MAX_CHOICES = 1024
 
 
 @dataclass
@@ -64,6 +68,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N logprobs of each prompt token
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output's text
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, 1, MAX_N, f"in [1, {MAX_N}]")
@@ -101,11 +106,82 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {_short(getattr(self, name))}")
+        # Their upper bound is the engine's max_logprobs setting: check_max_logprobs.
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
-                setattr(self, name, _check_int(name, getattr(self, name), 0, MAX_LOGPROBS,
-                                               f"None or an int in [0, {MAX_LOGPROBS}]"))
+                setattr(self, name, _check_int(name, getattr(self, name), 0, None,
+                                               "None or an int >= 0"))
         self.logit_bias = _check_logit_bias(self.logit_bias)
+        if not isinstance(self.structured_outputs, StructuredOutputsParams | None):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{_short(self.structured_outputs)}")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match (vLLM's `StructuredOutputsParams`): exactly one of a JSON
+    schema (`json`, a dict or its JSON text), any JSON object (`json_object`), a regular
+    expression, one of several strings (`choice`), or a Lark / GBNF grammar. Checked for shape
+    and size here; whether it compiles, by engine/structured_output.py."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None] + (["json_object"] if self.json_object
+                                                        else [])
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, "
+                             f"grammar and json_object, got {given or 'none'}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got "
+                             f"{_short(self.json_object)}")
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its "
+                             f"JSON text), got {_short(self.json)}")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"structured_outputs.{name} must be a string, got "
+                                 f"{_short(getattr(self, name))}")
+        if self.choice is not None:
+            if not (isinstance(self.choice, list | tuple) and self.choice
+                    and all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError(f"structured_outputs.choice must be a list of non-empty "
+                                 f"strings, got {_short(self.choice)}")
+            if len(self.choice) > MAX_CHOICES:
+                raise ValueError(f"structured_outputs.choice must have at most {MAX_CHOICES} "
+                                 f"strings, got {len(self.choice)}")
+        size = len(self.spec)
+        if size > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"structured_outputs must be at most {MAX_GRAMMAR_CHARS} "
+                             f"characters, got {size}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: json, json_object, regex, choice or grammar."""
+        return next(name for name in ("json", "regex", "choice", "grammar")
+                    if getattr(self, name) is not None) if not self.json_object else "json_object"
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text: the key its compiled grammar is cached under."""
+        value = {"json": self.json, "regex": self.regex, "choice": self.choice,
+                 "grammar": self.grammar, "json_object": None}[self.kind]
+        return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
+def check_max_logprobs(params: SamplingParams, max_logprobs: int) -> None:
+    """ValueError naming the field if `params` asks for more logprobs per token than the
+    engine's `max_logprobs` setting allows."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > max_logprobs:
+            raise ValueError(f"{name} must be at most max_logprobs={max_logprobs} (the "
+                             f"server's --max-logprobs), got {value}")
 
 
 def _is_int(value: Any) -> bool:

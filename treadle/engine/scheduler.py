@@ -9,7 +9,8 @@ A step, each part in the queue policy's order (policies.py): the waiting queue's
 displace running requests the policy ranks below it (priority, fair share); running requests get
 a decode token or a prefill chunk, preempting the policy's victim when blocks run short; then
 waiting requests are admitted, unless blocks ran short, within the token budget, batch slots and
-max_num_partial_prefills.
+max_num_partial_prefills (a prompt that completes in its step takes no prefill slot); last, the
+prefill chunks the policy deferred behind the waiting head get the budget left.
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request, or refuse at once one that could never run."""
-        num_prompt, max_tokens = request.num_prompt_tokens, request.sampling_params.max_tokens
+        num_prompt = request.num_prompt_tokens
+        max_tokens = 0 if request.pooling else request.sampling_params.max_tokens
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if num_prompt == 0:
@@ -111,13 +113,17 @@ class Scheduler:
                              f"{num_prompt + max_tokens} exceeds max_model_len "
                              f"({self.max_model_len})")
         kv = self.kv_cache_manager
-        # The last sampled token is never fed back: the cache holds at most num_tokens - 1.
-        num_blocks = cdiv(num_prompt + max_tokens - 1, kv.block_size)
+        # The last sampled token is never fed back: the cache holds at most num_tokens - 1 (a
+        # pooling request's: its whole prompt).
+        num_blocks = cdiv(max(num_prompt + max_tokens - 1, num_prompt), kv.block_size)
         if num_blocks > kv.num_blocks:
             raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs "
                              f"{num_blocks} KV cache blocks of {kv.block_size} tokens; the "
                              f"whole cache has {kv.num_blocks}")
         self.requests[request.request_id] = request
+        stats = request.stats  # who is ahead of it, for `explain`
+        stats.waiting_ahead, stats.running_ahead = len(self.waiting), len(self.running)
+        stats.tokens_ahead = self.waiting.tokens_ahead(request)
         self.waiting.add(request)
         if self.config.max_queue_wait is not None:
             heapq.heappush(self.unscheduled, (request.arrival_time, id(request), request))
@@ -127,9 +133,11 @@ class Scheduler:
         self.waiting.refresh(self.clock(), self.step_time.seconds_per_token)
         self._displace_for_waiting_head(output)
         num_displaced = len(output.preempted)
-        budget = self._schedule_running(output)
+        deferred: list[Request] = []
+        budget = self._schedule_running(output, deferred)
         if len(output.preempted) == num_displaced:  # blocks ran short: admit nobody this step
-            self._schedule_waiting(output, budget)
+            budget = self._schedule_waiting(output, budget)
+        self._schedule_deferred(output, deferred, budget)
         return output
 
     def _displace_for_waiting_head(self, output: SchedulerOutput) -> None:
@@ -159,17 +167,23 @@ class Scheduler:
         return kv.num_free_blocks_needed(request, num_new, hit_blocks, num_hit) <= \
             kv.num_free_blocks
 
-    def _schedule_running(self, output: SchedulerOutput) -> int:
+    def _schedule_running(self, output: SchedulerOutput, deferred: list[Request]) -> int:
         """Running requests first, in policy order: one decode token each, or a prefill chunk.
-        When blocks run short, the policy's victim (never one scheduled this step) is preempted.
-        Returns the token budget left."""
+        A prefill chunk the policy ranks below the waiting queue's head is deferred (appended to
+        `deferred`) until waiting requests are admitted. When blocks run short, the policy's
+        victim (never one scheduled this step) is preempted. Returns the token budget left."""
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
         kv = self.kv_cache_manager
+        head = self.waiting.peek()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(uncomputed_tokens(request), threshold, budget)
+            if head is not None and num_new > 1 and self.policy.defers_prefill(request, head):
+                deferred.append(request)
+                i += 1
+                continue
             block_ids = kv.allocate_slots(request, num_new)
             while block_ids is None:
                 victim = self.policy.victim(self.running[i:])  # those before i are scheduled
@@ -184,10 +198,11 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        """Then waiting requests, in policy order, while the token budget, batch slots and
-        prefill slots (max_num_partial_prefills) last. One short of blocks is passed over, so
-        smaller ones behind it may go, until it has been passed over MAX_SKIPS times."""
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> int:
+        """Then waiting requests, in policy order, while the token budget and batch slots last.
+        One that would stay mid-prefill while max_num_partial_prefills are is passed over; one
+        short of blocks is passed over too, so smaller ones behind it may go, until it has been
+        passed over MAX_SKIPS times. Returns the token budget left."""
         kv = self.kv_cache_manager
         threshold = self.config.long_prefill_token_threshold
         # Requests still mid-prefill after this step's chunks.
@@ -195,13 +210,20 @@ class Scheduler:
         num_prefills = sum(1 for r in self.running
                            if uncomputed_tokens(r) - chunks.get(r.request_id, 0) > 1)
         passed_over: list[Request] = []
-        while budget > 0 and len(self.running) < self.config.max_num_seqs \
-                and num_prefills < self.config.max_num_partial_prefills:
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request is None:
                 break
             hit_blocks, num_hit = self._prefix_hit(request)
             num_new = min(request.num_tokens - num_hit, threshold, budget)
+            if request.num_tokens - num_hit - num_new > 1 and \
+                    num_prefills >= self.config.max_num_partial_prefills:
+                # It would stay mid-prefill and every prefill slot is taken: pass it over, so a
+                # prompt that completes in this step (a short or high-priority one) still goes.
+                if len(passed_over) >= MAX_LOOKAHEAD:
+                    break
+                passed_over.append(self.waiting.pop())
+                continue
             capped = self._over_tenant_cap(request)
             block_ids = None if capped else kv.allocate_slots(request, num_new, hit_blocks,
                                                               num_hit)
@@ -226,10 +248,27 @@ class Scheduler:
             num_prefills += uncomputed_tokens(request) - num_new > 1
         for request in passed_over:
             self.waiting.restore(request)
+        return budget
+
+    def _schedule_deferred(self, output: SchedulerOutput, deferred: list[Request],
+                           budget: int) -> None:
+        """Deferred prefill chunks, in policy order, from the budget admission left; one short
+        of blocks waits for the next step (no preemption for a chunk that yielded)."""
+        threshold = self.config.long_prefill_token_threshold
+        for request in deferred:
+            if budget <= 0:
+                break
+            num_new = min(uncomputed_tokens(request), threshold, budget)
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if block_ids is None:
+                continue
+            output.scheduled.append(self._scheduled(request, num_new, block_ids))
+            budget -= num_new
 
     def _prefix_hit(self, request: Request) -> tuple[list, int]:
-        # Prompt logprobs need logits at every prompt position: no cached prefix.
-        if request.sampling_params.prompt_logprobs is not None:
+        # Prompt logprobs need logits at every prompt position, mean pooling hidden states at
+        # every one: no cached prefix. (Last pooling needs only the last, always computed.)
+        if request.sampling_params.prompt_logprobs is not None or request.pooling == "mean":
             return [], 0
         return self.kv_cache_manager.get_computed_blocks(request)
 
@@ -250,13 +289,17 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput,
                            sampled: Mapping[str, int]) -> list[Request]:
         """Advance the step's requests; `sampled` holds a token for each one that
-        `produces_token`. Returns the requests that finished, their blocks already freed."""
+        `produces_token`. A pooling request finishes when its prompt is computed. Returns the
+        requests that finished, their blocks already freed."""
         finished = []
         for scheduled in output.scheduled:
             request = scheduled.request
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens += scheduled.num_new_tokens
+            if request.pooling and request.num_computed_tokens == request.num_tokens:
+                self._end(request, RequestStatus.FINISHED_STOPPED)
+                finished.append(request)
             if not scheduled.produces_token:
                 continue
             token = sampled[request.request_id]
@@ -326,17 +369,15 @@ class Scheduler:
     def _scheduled(self, request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
         start = request.num_computed_tokens
         return ScheduledRequest(request, start, num_new, block_ids,
-                                produces_token=start + num_new == request.num_tokens)
+                                produces_token=start + num_new == request.num_tokens
+                                and not request.pooling)
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         """Preempt by recompute: drop its KV; it re-prefills prompt and outputs when readmitted,
         from the prefix cache where its blocks survive."""
         self.running.remove(request)
         self.kv_cache_manager.free(request)
-        request.events.append((time.monotonic(), "preempted", 0))
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
+        request.preempt(time.monotonic())
         self.num_preemptions += 1
         self.waiting.add(request)
         output.preempted.append(request)

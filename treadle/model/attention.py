@@ -16,8 +16,10 @@ stay allocated: freeing them is the KV cache manager's business, not done yet.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -58,13 +60,22 @@ class KVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.keys = [lazy_zeros(shape, dtype) for _ in range(num_layers)]
+        self.values = [lazy_zeros(shape, dtype) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros whose pages the OS commits only when written: numpy's zeros is calloc, fresh
+    zero pages for large sizes (torch.zeros writes every byte: 0.43 s and 1 GiB resident for a
+    1 GiB cache, measured, against 0.3 ms and nothing). Zeros, not torch.empty: the torch decode
+    path reads padding slots under a mask, and garbage NaNs there would poison the sums."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

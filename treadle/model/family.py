@@ -131,7 +131,7 @@ class ModelFamily:
     hf_architectures: dict[str, str]  # config.json `architectures` name → model_type (variant)
     gguf_architectures: tuple[str, ...]  # GGUF `general.architecture` values
     spec_from_config: Callable[[dict, dict | None, str], ModelSpec]  # (config, generation, variant)
-    model_class: type  # (spec, weights, dtype, max_positions, dense_for_batches) → forward(...)
+    model_class: type  # (spec, weights, dtype, max_positions, dense_for_batches) → a DecoderModel
     gguf_tensor_names: dict[str, str]  # GGUF name → Hugging Face name; `{}` is the layer index
     gguf_fix: GGUFFix | None = None  # None: tensors are used as stored
     gguf_ignored_tensors: frozenset[str] = frozenset()

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from treadle.model.attention import AttentionMetadata, paged_attention
+from treadle.model.attention import AttentionMetadata, KVCache, paged_attention
 from treadle.model.linear import Linear, QuantizedLinear
 from treadle.model.quantization import QuantizedWeight
 
@@ -85,13 +85,35 @@ def self_attention(layer: Layer, x: torch.Tensor, rope: tuple[torch.Tensor, torc
 
 class DecoderModel:
     """What every family's model holds and reports: `embed`, `lm_head`, `final_norm`, `layers`
-    (a list of `Layer` dicts) and whether the embedding is tied to the LM head."""
+    (a list of `Layer` dicts) and whether the embedding is tied to the LM head.
+
+    A family computes `hidden_states` (the residual stream after its last layer) and its `norm`;
+    the runner takes the rows it needs, applies the final norm (`final_hidden`, transformers'
+    last_hidden_state, which embeddings pool) and the LM head (`logits`) on those rows only."""
 
     embed: torch.Tensor | QuantizedWeight
     lm_head: Linear | QuantizedLinear
     final_norm: torch.Tensor
     layers: list[Layer]
     tied: bool
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      attention: dict[int | None, AttentionMetadata], kv_cache: KVCache
+                      ) -> torch.Tensor:
+        """[tokens, hidden] after the last layer, before the final norm, for the flattened
+        batch; `attention`: the step's metadata by window (None: global layers)."""
+        raise NotImplementedError
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Rows of `hidden_states` after the final norm, in the model's dtype."""
+        return self.norm(hidden, self.final_norm)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of rows of `final_hidden`."""
+        return self.lm_head(hidden).float()
 
     def num_parameters(self) -> int:
         """Parameters read by a decode step (a tied embedding counts once, as the LM head)."""

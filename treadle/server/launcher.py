@@ -1,5 +1,5 @@
-"""`treadle serve`: one engine, the REST frontend and (unless grpc_port is None) the gRPC frontend
-over it, started and stopped together.
+"""`treadle serve`: one engine, the REST frontend (HTTPS with ssl_keyfile and ssl_certfile) and,
+when grpc_port is set, the gRPC frontend over it, started and stopped together.
 
 Start: the engine (its process loads the model), then gRPC, then REST (uvicorn). A model that
 fails to load ends the server with status 1.
@@ -85,14 +85,20 @@ class Frontends:
     as the tests do: signals are then the caller's, and `stop` stands in for them)."""
 
     def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
-        """ValueError for a chat template that is neither a file nor a template that parses."""
+        """ValueError for a chat template that is neither a file nor a template that parses;
+        OSError (ssl.SSLError) for an unreadable or bad SSL key or certificate."""
         self.engine, self.config = engine, config
         self.app = build_app(engine, config)
         # uvicorn's own cancelling of the requests still running is the backstop: by then ours
         # have ended with their last event.
         self.uvicorn_config = uvicorn.Config(
             self.app, host=config.host, port=config.port,
-            timeout_graceful_shutdown=config.shutdown_timeout + 0.5)
+            timeout_graceful_shutdown=config.shutdown_timeout + 0.5,
+            log_level=config.uvicorn_log_level, access_log=not config.disable_uvicorn_access_log,
+            root_path=config.root_path, ssl_keyfile=config.ssl_keyfile,
+            ssl_certfile=config.ssl_certfile)
+        if config.ssl_certfile is not None:  # a bad key or certificate: an error before starting
+            self.uvicorn_config.load()
         self.rest: GracefulServer | None = None
         self.grpc_server: grpc.aio.Server | None = None
         self.grpc_port: int | None = None  # the port bound, once started
@@ -168,10 +174,10 @@ class Frontends:
 def serve(engine: AsyncEngine, config: ServerConfig) -> int:
     """`treadle serve`: run both frontends over `engine` (not yet started) until SIGTERM or
     SIGINT (0), or until the engine is dead for good or fails to start (1); 2 for a bad chat
-    template, before anything starts."""
+    template or SSL file, before anything starts."""
     try:
         frontends = Frontends(engine, config)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"treadle: {e}", file=sys.stderr)
         return 2
     return frontends.run()

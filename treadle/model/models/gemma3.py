@@ -161,12 +161,10 @@ class Gemma3Model(DecoderModel):
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.spec.rms_norm_eps, scale_in_float32=True)
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attention: dict[int | None, AttentionMetadata], kv_cache: KVCache,
-                logits_indices: torch.Tensor | None) -> torch.Tensor:
-        """Logits (float32) at `logits_indices` of the flattened batch (all tokens if None).
-        `attention`: the step's metadata by window (None: global layers)."""
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      attention: dict[int | None, AttentionMetadata], kv_cache: KVCache
+                      ) -> torch.Tensor:
+        """See `DecoderModel.hidden_states`."""
         spec = self.spec
         ropes = {window: rotary.at(positions) for window, rotary in self.rotary.items()}
         hidden = embed_tokens(self.embed, input_ids, self.dtype) * self.embed_scale
@@ -181,11 +179,12 @@ class Gemma3Model(DecoderModel):
             gate, up = layer["gate_up"](x).chunk(2, dim=-1)
             x = layer["down"](F.gelu(gate, approximate="tanh") * up)
             hidden = hidden + self.norm(x, layer["post_ff_norm"])
-        if logits_indices is not None:
-            hidden = hidden[logits_indices]
-        logits = self.lm_head(self.norm(hidden, self.final_norm))
-        if spec.final_logit_softcapping is not None:
-            cap = spec.final_logit_softcapping
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        cap = self.spec.final_logit_softcapping
+        if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 

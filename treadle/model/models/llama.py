@@ -141,12 +141,10 @@ class LlamaModel(DecoderModel):
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.spec.rms_norm_eps)
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attention: dict[int | None, AttentionMetadata], kv_cache: KVCache,
-                logits_indices: torch.Tensor | None) -> torch.Tensor:
-        """Logits (float32) at `logits_indices` of the flattened batch (all tokens if None).
-        `attention`: the step's metadata by window (here only None: every layer is global)."""
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      attention: dict[int | None, AttentionMetadata], kv_cache: KVCache
+                      ) -> torch.Tensor:
+        """See `DecoderModel.hidden_states` (here only window None: every layer is global)."""
         spec, meta = self.spec, attention[None]
         rope = self.rotary.at(positions)
         hidden = embed_tokens(self.embed, input_ids, self.dtype)
@@ -160,10 +158,7 @@ class LlamaModel(DecoderModel):
             x = self.norm(hidden, layer["post_norm"])
             gate, up = layer["gate_up"](x).chunk(2, dim=-1)
             hidden = residual + layer["down"](F.silu(gate) * up)
-        if logits_indices is not None:
-            hidden = hidden[logits_indices]
-        hidden = self.norm(hidden, self.final_norm)
-        return self.lm_head(hidden).float()
+        return hidden
 
 
 def unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:

@@ -65,10 +65,12 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "seed")
 
 
-def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
-    """SamplingParams from the request's set fields; ValueError names the bad field."""
-    kwargs: dict = {name: getattr(request.sampling, name) for name in SAMPLING_FIELDS
-                    if request.sampling.HasField(name)}
+def sampling_params(request: pb.GenerateRequest, defaults: dict) -> SamplingParams:
+    """SamplingParams from the request's set fields, else `defaults` (the model's generation
+    config); ValueError names the bad field."""
+    kwargs: dict = {**defaults, **{name: getattr(request.sampling, name)
+                                   for name in SAMPLING_FIELDS
+                                   if request.sampling.HasField(name)}}
     stop = request.stop
     if stop.HasField("max_tokens"):
         kwargs["max_tokens"] = stop.max_tokens
@@ -92,9 +94,11 @@ async def overloaded(context: grpc.aio.ServicerContext, error: EngineOverloaded)
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, engine: AsyncEngine, chat_tokenizer: Tokenizer,
-                 api_keys: Sequence[APIKey] = ()) -> None:
-        """`chat_tokenizer`: the engine's tokenizer, or a copy with the server's chat template."""
+                 api_keys: Sequence[APIKey] = (), model_names: Sequence[str] = ()) -> None:
+        """`chat_tokenizer`: the engine's tokenizer, or a copy with the server's chat template;
+        `model_names`: those a request's `model` may be (empty: the model's own name)."""
         self.engine = engine
+        self.model_names = tuple(model_names) or (engine.model_name,)
         self.chat_tokenizer = chat_tokenizer
         self.keys = APIKeys(api_keys) if api_keys else None
         # (peer, API key, client's request_id) -> the engine's request id, while the call runs.
@@ -128,12 +132,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self.engine.check_available()  # first: a down engine answers at once
         except EngineUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        if request.model and request.model != self.engine.model_name:
+        if request.model and request.model not in self.model_names:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"model {request.model!r} is not served here; "
-                                f"this server serves {self.engine.model_name!r}")
+                                f"this server serves {self.model_names[0]!r}")
         try:
-            params = sampling_params(request)
+            params = sampling_params(request, self.engine.sampling_defaults)
             tenant = self.engine.resolve_tenant(self.key_name(context), request.user)
             ttft = objective_seconds("ttft_ms", request.ttft_ms
                                      if request.HasField("ttft_ms") else None)
@@ -230,7 +234,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        return pb.ModelInfo(model=self.engine.model_name, max_model_len=self.engine.max_model_len,
+        return pb.ModelInfo(model=self.model_names[0], max_model_len=self.engine.max_model_len,
                             vocab_size=self.engine.vocab_size)
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
@@ -339,7 +343,8 @@ async def start_grpc_server(engine: AsyncEngine, config: ServerConfig
     interceptors.append(ParseErrorInterceptor())
     server = grpc.aio.server(interceptors=interceptors)
     pb_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(engine, tokenizer, config.api_keys), server)
+        GenerationServicer(engine, tokenizer, config.api_keys, config.served_model_name),
+        server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
 

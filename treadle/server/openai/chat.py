@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request, Response
@@ -16,7 +15,6 @@ from treadle.engine.output_processor import RequestState
 from treadle.server.openai.errors import APIError
 from treadle.server.openai.logprobs import chat_logprobs
 from treadle.server.openai.protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -28,6 +26,7 @@ from treadle.server.openai.protocol import (
 )
 from treadle.server.openai.serving import (
     OpenAIServing,
+    RequestContext,
     Updates,
     check_finish,
     sampling_params,
@@ -35,6 +34,7 @@ from treadle.server.openai.serving import (
     usage,
     wanted,
 )
+from treadle.server.openai.tools import ChatTools, ToolCallStream, tool_message
 
 # Where SamplingParams or the engine name a field otherwise than the request does.
 CHAT_PARAMS = {**{name: name for name in ChatCompletionRequest.model_fields},
@@ -42,29 +42,39 @@ CHAT_PARAMS = {**{name: name for name in ChatCompletionRequest.model_fields},
 
 
 def chat_response(serving: OpenAIServing, body: ChatCompletionRequest, request_id: str,
-                  prompt: list[int], state: RequestState) -> ChatCompletionResponse:
-    choices = [ChatChoice(
-        index=s.index, message=AssistantMessage(content=s.text),
-        logprobs=ChatLogprobs(content=chat_logprobs(serving.table, s.logprobs))
-        if body.logprobs else None,
-        finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-        prompt_logprobs=serving.prompt_logprobs(body, state)) for s in state.samples]
-    return ChatCompletionResponse(id=request_id, model=serving.engine.model_name,
+                  prompt: list[int], state: RequestState,
+                  tools: ChatTools | None) -> ChatCompletionResponse:
+    choices = []
+    for s in state.samples:
+        message, finish_reason = tool_message(tools, serving.tool_parser, s.text,
+                                              s.finish_reason)
+        choices.append(ChatChoice(
+            index=s.index, message=message,
+            logprobs=ChatLogprobs(content=chat_logprobs(serving.table, s.logprobs))
+            if body.logprobs else None,
+            finish_reason=finish_reason, stop_reason=s.stop_reason,
+            prompt_logprobs=serving.prompt_logprobs(body, state)))
+    return ChatCompletionResponse(id=request_id, model=serving.model_name,
                                   choices=choices, usage=usage([prompt], [state]))
 
 
-async def chat_chunks(serving: OpenAIServing, body: ChatCompletionRequest, request_id: str,
-                      prompt: list[int], n: int, updates: Updates
-                      ) -> AsyncIterator[ChatCompletionChunk]:
+async def chat_chunks(serving: OpenAIServing, body: ChatCompletionRequest,
+                      context: RequestContext, prompt: list[int], n: int, updates: Updates,
+                      tools: ChatTools | None) -> AsyncIterator[ChatCompletionChunk]:
     created = int(time.time())
 
-    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=request_id, created=created,
-                                   model=serving.engine.model_name, choices=choices, usage=usage)
+    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None,
+              timings: dict[str, float] | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=f"chatcmpl-{context.request_id}", created=created,
+                                   model=serving.model_name, choices=choices, usage=usage,
+                                   timings=timings)
 
     for index in range(n):  # as OpenAI: the role first, in a chunk of its own
         yield chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))])
     state = None
+    # With tools, each sample's text goes through its ToolCallStream (tools.py).
+    streams = {} if tools is None else {i: ToolCallStream(tools, serving.tool_parser)
+                                        for i in range(n)}
     async for _, update in updates:
         state = update.state
         for delta in update.deltas:
@@ -73,11 +83,19 @@ async def chat_chunks(serving: OpenAIServing, body: ChatCompletionRequest, reque
                 continue
             logprobs = (ChatLogprobs(content=chat_logprobs(serving.table, delta.logprobs))
                         if body.logprobs else None)
-            yield chunk([ChatChunkChoice(index=delta.index, delta=Delta(content=delta.text),
-                                         logprobs=logprobs, finish_reason=delta.finish_reason,
+            out, finish_reason = Delta(content=delta.text), delta.finish_reason
+            if tools is not None:
+                out, finish_reason = streams[delta.index].delta(delta.text, finish_reason)
+                if out is None:
+                    continue
+            yield chunk([ChatChunkChoice(index=delta.index, delta=out, logprobs=logprobs,
+                                         finish_reason=finish_reason,
                                          stop_reason=delta.stop_reason)])
-    if body.stream_options is not None and body.stream_options.include_usage:
-        yield chunk([], usage([prompt], [state]))
+    timings = serving.finish_response(context.request_id, 1)
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    if include_usage or body.return_timings:
+        yield chunk([], usage([prompt], [state]) if include_usage else None,
+                    timings if body.return_timings else None)
 
 
 def chat_router(serving: OpenAIServing) -> APIRouter:
@@ -93,23 +111,31 @@ def chat_router(serving: OpenAIServing) -> APIRouter:
                       else body.max_tokens)
         names = {**CHAT_PARAMS, "max_tokens": "max_completion_tokens"
                  if body.max_completion_tokens is not None else "max_tokens"}
-        fields = body.sampling_fields()
+        fields = serving.sampling_fields(body)
+        tools = serving.chat_tools(body)
+        fields["structured_outputs"] = await serving.structured_output(body, tools)
         if body.logprobs:
             fields["logprobs"] = body.top_logprobs or 0
         # Check the fields before the costly template; with max_tokens left out, the rest of the
         # context is the most it can be.
         sampling_params({**fields, "max_tokens": max_tokens or serving.engine.max_model_len},
                         names)
-        prompt = await serving.apply_template(body.messages)
+        prompt = await serving.apply_template(body.messages, tools=tools)
         fields["max_tokens"] = serving.check_context(len(prompt), max_tokens, "messages")
         params = sampling_params(fields, names)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        updates = serving.generate(request_id, [prompt], params, body.priority, context)
+        updates = serving.generate(context.request_id, [prompt], params, body.priority, context)
         if body.stream:
             updates = await serving.start_stream(request, updates, names)
-            chunks = chat_chunks(serving, body, request_id, prompt, params.n, updates)
-            return StreamingResponse(sse(chunks, names), media_type="text/event-stream")
+            chunks = chat_chunks(serving, body, context, prompt, params.n, updates, tools)
+            return StreamingResponse(sse(chunks, names, serving.keepalive),
+                                     media_type="text/event-stream")
         [state] = await serving.run(request, updates, 1, names)
-        return await asyncio.to_thread(chat_response, serving, body, request_id, prompt, state)
+        response = await asyncio.to_thread(chat_response, serving, body,
+                                           f"chatcmpl-{context.request_id}", prompt, state,
+                                           tools)
+        timings = serving.finish_response(context.request_id, 1)
+        if body.return_timings:
+            response.timings = timings
+        return response
 
     return router

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request, Response
@@ -18,6 +17,7 @@ from treadle.server.openai.logprobs import completion_logprobs
 from treadle.server.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from treadle.server.openai.serving import (
     OpenAIServing,
+    RequestContext,
     Updates,
     check_finish,
     sampling_params,
@@ -81,15 +81,17 @@ def completion_response(serving: OpenAIServing, body: CompletionRequest, request
                 index=p * state.params.n + sample.index, text=text, logprobs=logprobs,
                 finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
                 prompt_logprobs=serving.prompt_logprobs(body, state)))
-    return CompletionResponse(id=request_id, model=serving.engine.model_name, choices=choices,
+    return CompletionResponse(id=request_id, model=serving.model_name, choices=choices,
                               usage=usage(prompts, states))
 
 
-async def completion_chunks(serving: OpenAIServing, body: CompletionRequest, request_id: str,
-                            prompts: list[list[int]], texts: list[str] | None, n: int,
-                            updates: Updates) -> AsyncIterator[CompletionResponse]:
+async def completion_chunks(serving: OpenAIServing, body: CompletionRequest,
+                            context: RequestContext, prompts: list[list[int]],
+                            texts: list[str] | None, n: int, updates: Updates
+                            ) -> AsyncIterator[CompletionResponse]:
+    request_id = f"cmpl-{context.request_id}"
     created = int(time.time())
-    model = serving.engine.model_name
+    model = serving.model_name
     sent: dict[int, int] = {}  # choice index -> characters sent, for text_offset
     states: dict[int, RequestState] = {}
     async for p, update in updates:
@@ -113,9 +115,13 @@ async def completion_chunks(serving: OpenAIServing, body: CompletionRequest, req
                 CompletionChoice(index=index, text=text, logprobs=logprobs,
                                  finish_reason=delta.finish_reason,
                                  stop_reason=delta.stop_reason)])
-    if body.stream_options is not None and body.stream_options.include_usage:
+    timings = serving.finish_response(context.request_id, len(prompts))
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    if include_usage or body.return_timings:
         yield CompletionResponse(id=request_id, created=created, model=model, choices=[],
-                                 usage=usage(prompts, list(states.values())))
+                                 usage=usage(prompts, list(states.values()))
+                                 if include_usage else None,
+                                 timings=timings if body.return_timings else None)
 
 
 def completions_router(serving: OpenAIServing) -> APIRouter:
@@ -125,7 +131,8 @@ def completions_router(serving: OpenAIServing) -> APIRouter:
     async def completions(body: CompletionRequest,
                           request: Request) -> CompletionResponse | Response:
         context = serving.admit(body, request)
-        fields = {**body.sampling_fields(), "max_tokens": body.max_tokens}
+        fields = {**serving.sampling_fields(body), "max_tokens": body.max_tokens}
+        fields["structured_outputs"] = await serving.structured_output(body)
         if body.logprobs is not None:
             fields["logprobs"] = body.logprobs
             if body.echo:  # the echoed prompt carries its logprobs too
@@ -134,17 +141,20 @@ def completions_router(serving: OpenAIServing) -> APIRouter:
         prompts, texts = await completion_prompts(serving, body, params)
         for prompt in prompts:
             serving.check_context(len(prompt), body.max_tokens, "prompt")
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        updates = serving.generate(request_id, prompts, params, body.priority, context)
+        updates = serving.generate(context.request_id, prompts, params, body.priority, context)
         if body.stream:
             updates = await serving.start_stream(request, updates, COMPLETION_PARAMS)
-            chunks = completion_chunks(serving, body, request_id, prompts, texts, params.n,
+            chunks = completion_chunks(serving, body, context, prompts, texts, params.n,
                                        updates)
-            return StreamingResponse(sse(chunks, COMPLETION_PARAMS),
+            return StreamingResponse(sse(chunks, COMPLETION_PARAMS, serving.keepalive),
                                      media_type="text/event-stream")
         states = await serving.run(request, updates, len(prompts), COMPLETION_PARAMS)
         # Formatting many logprobs is slow enough to keep off the event loop.
-        return await asyncio.to_thread(completion_response, serving, body, request_id, prompts,
-                                       texts, states)
+        response = await asyncio.to_thread(completion_response, serving, body,
+                                           f"cmpl-{context.request_id}", prompts, texts, states)
+        timings = serving.finish_response(context.request_id, len(prompts))
+        if body.return_timings:
+            response.timings = timings
+        return response
 
     return router

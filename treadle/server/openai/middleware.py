@@ -6,7 +6,8 @@ response and its client and hide the client's disconnect from the route.
 
 from __future__ import annotations
 
-import uuid
+import time
+from collections.abc import Callable
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -16,22 +17,35 @@ from treadle.server.openai.errors import APIError
 
 
 class RequestIdMiddleware:
-    """Echo the client's X-Request-Id (or a fresh one) on every response."""
+    """Each request's id, held while it is served: the client's X-Request-Id sanitised and made
+    unique by `reserve` (AsyncEngine.reserve_request_id), or a fresh one; the routes key
+    everything by it (`request.state.request_id`) and every response echoes it. Also when the
+    request was received (`request.state.received`, time.monotonic()), where its latency
+    breakdown starts."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, reserve: Callable[[str | None], str],
+                 release: Callable[[str], None]) -> None:
         self.app = app
+        self.reserve = reserve
+        self.release = release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+        received = time.monotonic()
+        request_id = self.reserve(Headers(scope=scope).get("x-request-id"))
+        state = scope.setdefault("state", {})
+        state["request_id"], state["received"] = request_id, received
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 MutableHeaders(scope=message)["x-request-id"] = request_id
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            self.release(request_id)
 
 
 OPEN_PATHS = frozenset({"/health", "/ready"})  # probes, which carry no key
@@ -40,14 +54,17 @@ OPEN_PATHS = frozenset({"/health", "/ready"})  # probes, which carry no key
 class APIKeyMiddleware:
     """With keys set, every route but the probes needs `Authorization: Bearer <key>`: the API,
     tokenizing, request timelines, the docs and the schema; /metrics too unless
-    `metrics_without_auth` (for scrapers that cannot send a header). The key's name goes to the
+    `metrics_without_auth` (for scrapers that cannot send a header); `open_paths` besides (the
+    dashboard's page files, which hold no data). The key's name goes to the
     route as `request.state.api_key_name`: the request's tenant."""
 
     def __init__(self, app: ASGIApp, keys: list[str | APIKey],
-                 metrics_without_auth: bool = False) -> None:
+                 metrics_without_auth: bool = False, open_paths: frozenset[str] = frozenset()
+                 ) -> None:
         self.app = app
         self.keys = APIKeys(keys)
-        self.open_paths = OPEN_PATHS | ({"/metrics"} if metrics_without_auth else set())
+        self.open_paths = (OPEN_PATHS | open_paths
+                           | ({"/metrics"} if metrics_without_auth else set()))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:

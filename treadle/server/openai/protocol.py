@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from treadle.engine.sampling_params import StructuredOutputsParams
 from treadle.server.validation import CHAT_ROLES, check_text
 
 logger = logging.getLogger(__name__)
@@ -74,11 +75,7 @@ class StreamOptions(APIRequest):
 # ask for nothing beyond what it does (the default, an empty list); any other value is a 400
 # naming the field. name -> (whether a value is accepted given the request, what is missing).
 NotYet = dict[str, tuple[Callable[[Any, Any], bool], str]]
-EMPTY_TOOLS = (lambda v, _: v == [], "tool calling")
-NO_TOOL_CHOICE = (lambda v, _: v in ("none", "auto"), "tool calling")
 NOT_YET_SAMPLING: NotYet = {
-    "response_format": (lambda v, _: v.get("type") == "text",
-                        "structured output (a type other than text)"),
     "stream_options": (lambda v, _: not v.include_obfuscation,
                        "include_obfuscation"),
 }
@@ -89,10 +86,9 @@ NOT_YET_COMPLETION: NotYet = {
 }
 NOT_YET_CHAT: NotYet = {
     **NOT_YET_SAMPLING,
-    "tools": EMPTY_TOOLS,
-    "tool_choice": NO_TOOL_CHOICE,
-    "functions": EMPTY_TOOLS,
-    "function_call": NO_TOOL_CHOICE,
+    "functions": (lambda v, _: v == [], "the deprecated functions (send tools instead)"),
+    "function_call": (lambda v, _: v in ("none", "auto"),
+                      "the deprecated function_call (send tool_choice instead)"),
     "audio": (lambda v, _: False, "audio output"),
     "modalities": (lambda v, _: v == ["text"], "output other than text"),
     "moderation": (lambda v, _: False, "moderation"),
@@ -137,13 +133,23 @@ class SamplingRequest(APIRequest):
     stream_options: StreamOptions | None = None
     user: str | None = None  # the tenant, when the request carries no named API key
     safety_identifier: str | None = None  # OpenAI's successor of `user`: the tenant after it
-    response_format: dict[str, Any] | None = None  # vLLM takes it on completions too
+    # Structured output (vLLM takes response_format on completions too), from one of: OpenAI's
+    # response_format, vLLM's structured_outputs, or vLLM's older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # {json|regex|choice|grammar|json_object}
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     priority: int = 0  # lower runs first under --policy priority
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared under one salt only
     # Objectives in milliseconds (else the X-Treadle-TTFT-Ms / X-Treadle-TPOT-Ms headers, else
     # the server's defaults): time to first token, time per output token after the first.
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+    # Treadle's: the response's (a stream's last chunk's) `timings`, where its time went in ms
+    # (frontend, queue, prefill, preemption, decode, stream), as llama.cpp's server returns them.
+    return_timings: bool = False
 
     NOT_YET: ClassVar[NotYet] = NOT_YET_SAMPLING
 
@@ -156,6 +162,26 @@ class SamplingRequest(APIRequest):
                 return name, f"{name}: {what} is not supported yet"
         return None
 
+    def structured_output(self) -> tuple[str, StructuredOutputsParams] | None:
+        """The constraint the request asks for and the field that asks it (None: none).
+        ValueError starting with that field's name for a malformed one, or for two fields."""
+        given = [(name, getattr(self, name)) for name in STRUCTURED_OUTPUT_FIELDS
+                 if getattr(self, name) is not None
+                 and not (name == "response_format" and getattr(self, name).get("type") == "text")]
+        if not given:
+            return None
+        if len(given) > 1:
+            fields = ", ".join(STRUCTURED_OUTPUT_FIELDS)
+            raise ValueError(f"{given[1][0]}: give at most one of {fields}; {given[0][0]} is "
+                             f"given too")
+        name, value = given[0]
+        try:
+            return name, structured_outputs_params(name, value)
+        except ValueError as e:
+            message = str(e)
+            raise ValueError(message if message.startswith(name) else f"{name}: {message}"
+                             ) from None
+
     def sampling_fields(self) -> dict[str, Any]:
         """The SamplingParams fields the client set."""
         names = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
@@ -163,6 +189,37 @@ class SamplingRequest(APIRequest):
                  "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "logit_bias",
                  "skip_special_tokens", "prompt_logprobs")
         return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+
+STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_json",
+                            "guided_regex", "guided_choice", "guided_grammar")
+STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def structured_outputs_params(name: str, value: Any) -> StructuredOutputsParams:
+    """One structured-output field's value as SamplingParams' constraint."""
+    if name == "response_format":
+        kind = value.get("type")
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind != "json_schema":
+            raise ValueError(f"response_format.type must be text, json_object or json_schema, "
+                             f"got {str(kind)[:64]!r}")
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ValueError('response_format.json_schema must be an object {"name", "schema", '
+                             '"strict"}')
+        schema = spec.get("schema")
+        # OpenAI's schema is optional: without one, any JSON object.
+        return (StructuredOutputsParams(json_object=True) if schema is None
+                else StructuredOutputsParams(json=schema))
+    if name == "structured_outputs":
+        unknown = [k for k in value if k not in STRUCTURED_OUTPUT_KEYS]
+        if unknown:
+            raise ValueError(f"structured_outputs: unsupported key {str(unknown[0])[:64]!r} (one "
+                             f"of {', '.join(STRUCTURED_OUTPUT_KEYS)})")
+        return StructuredOutputsParams(**value)
+    return StructuredOutputsParams(**{name.removeprefix("guided_"): value})
 
 
 Prompt = Annotated[str | list[str] | list[int] | list[list[int]],
@@ -191,10 +248,25 @@ Content = Annotated[str | list[TextPart],
                     one_of('a string or a list of {"type": "text", "text": ...} parts')]
 
 
+class FunctionCall(APIRequest):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallMessage(APIRequest):
+    """A call in an earlier assistant message, sent back with the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(APIRequest):
     role: Literal[CHAT_ROLES]
     content: Content | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -209,14 +281,14 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     # Accepted for what they ask of OpenAI: nothing here. metadata is kept only with store (a
-    # 400); one engine's prefix cache matches every prompt, so prompt_cache_key routes nowhere;
-    # parallel_tool_calls means something only with tools (a 400).
+    # 400); one engine's prefix cache matches every prompt, so prompt_cache_key routes nowhere.
     metadata: dict[str, str] | None = None
     prompt_cache_key: str | None = None
-    parallel_tool_calls: bool | None = None
-    # Not supported yet beyond their defaults: see NOT_YET_CHAT.
+    # Tool calling (tools.py): none, auto, required or a named function.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # Not supported yet beyond their defaults: see NOT_YET_CHAT.
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
@@ -255,6 +327,19 @@ class DetokenizeRequest(APIRequest):
     tokens: list[int]
 
 
+class EmbeddingRequest(APIRequest):
+    """OpenAI's embeddings request (every field of its schema), plus vLLM's `priority` and
+    `add_special_tokens`."""
+
+    input: Prompt
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # only for Matryoshka-trained models: refused, as vLLM does
+    user: str | None = None  # the tenant, when the request carries no named API key
+    priority: int = 0
+    add_special_tokens: bool = True
+
+
 # Responses. Built by the server, so not strict.
 
 
@@ -286,6 +371,10 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
+# In a response only when the request set return_timings (a sample's, the slowest of several).
+Timings = Annotated[dict[str, float] | None, Field(exclude_if=lambda value: value is None)]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -304,6 +393,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    timings: Timings = None
 
 
 class TopLogprob(BaseModel):
@@ -320,16 +410,28 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
@@ -341,11 +443,20 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    timings: Timings = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallOut
 
 
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def drop_unset(self, handler: Any) -> dict:
@@ -357,7 +468,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: Delta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 
@@ -368,6 +479,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    timings: Timings = None
 
 
 class ModelCard(BaseModel):
@@ -378,6 +490,8 @@ class ModelCard(BaseModel):
     max_model_len: int
     dtype: str  # what --dtype resolved to on this CPU
     platform: dict[str, str | bool]  # why that dtype, the CPU's level, which fast paths run
+    # weights_bytes, and kv_cache: blocks, tokens, bytes per token, max concurrency at full context
+    memory: dict[str, int | dict[str, int | float]]
 
 
 class ModelList(BaseModel):
@@ -393,3 +507,21 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # a base64 string of little-endian float32 with base64
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage

@@ -39,17 +39,22 @@ from pydantic import BaseModel
 from treadle.engine.admission import EngineOverloaded, check_tenant_name
 from treadle.engine.async_engine import AsyncEngine, EngineUnavailable, RequestUpdate
 from treadle.engine.output_processor import RequestState, SampleDelta
-from treadle.engine.sampling_params import SamplingParams
+from treadle.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from treadle.engine.structured_output import check_structured_outputs
+from treadle.observability.explain import e2e, timings
 from treadle.server.chat_template import apply_chat_template
 from treadle.server.openai.errors import APIError, from_value_error
 from treadle.server.openai.logprobs import TokenTable, prompt_logprobs
 from treadle.server.openai.protocol import (
+    STRUCTURED_OUTPUT_FIELDS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     PromptTokensDetails,
     Usage,
 )
+from treadle.server.openai.tool_parsers import tool_parser
+from treadle.server.openai.tools import ChatTools, chat_tools, template_inputs
 from treadle.server.validation import check_prompt_text, objective_seconds
 
 if TYPE_CHECKING:
@@ -67,6 +72,12 @@ QUEUE_TIMEOUT_MESSAGE = ("the request waited longer than the server's queue time
                          "(max_queue_wait) without being scheduled; retry later")
 
 
+def prompt_ids(request_id: str, num_prompts: int) -> list[str]:
+    """The engine request of each prompt: the request's id, or `id/p` for prompt p of several
+    ("/" is in no client's id)."""
+    return [request_id] if num_prompts == 1 else [f"{request_id}/{p}" for p in range(num_prompts)]
+
+
 class ClientDisconnected(Exception):
     pass
 
@@ -79,6 +90,8 @@ class RequestContext:
     cache_salt: str | None
     ttft: float | None  # seconds
     tpot: float | None
+    request_id: str  # what the request's records are keyed by (RequestIdMiddleware's)
+    received: float  # time.monotonic() when the request came in
 
 
 async def merge(streams: list[AsyncIterator[RequestUpdate]]) -> Updates:
@@ -191,17 +204,46 @@ def usage(prompts: list[list[int]], states: list[RequestState]) -> Usage:
                      cached_tokens=sum(s.num_cached_tokens for s in states)))
 
 
-async def sse(chunks: AsyncIterator[BaseModel], params: dict[str, str]) -> AsyncIterator[str]:
+KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it
+
+
+async def sse(chunks: AsyncIterator[BaseModel], params: dict[str, str], keepalive: float
+              ) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's format: chunks, or chunks and an error event, then
-    `[DONE]`: a client reading to `[DONE]` always sees the stream end (as vLLM's do)."""
+    `[DONE]`: a client reading to `[DONE]` always sees the stream end (as vLLM's do). Each
+    `keepalive` seconds without a chunk (the request still queued, text held back) send a
+    comment, so that proxies with idle timeouts do not cut the stream."""
+    pending: asyncio.Task | None = None
     try:
-        async with aclosing(chunks):
-            async for chunk in chunks:
-                yield f"data: {chunk.model_dump_json()}\n\n"
+        while True:
+            pending = asyncio.ensure_future(anext_of(chunks))
+            while not (await asyncio.wait({pending}, timeout=keepalive))[0]:
+                yield KEEPALIVE
+            chunk, pending = pending.result(), None
+            yield f"data: {chunk.model_dump_json()}\n\n"
+    except StopAsyncIteration:
+        pass
     except Exception as e:
         error = e if isinstance(e, APIError) else engine_error(e, params)
         yield f"data: {json.dumps(error.body())}\n\n"
+    finally:
+        if pending is not None:  # the client left: cancelling it closes the chunks' updates
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        await chunks.aclose()
     yield "data: [DONE]\n\n"
+
+
+async def anext_of(iterator: AsyncIterator[T]) -> T:
+    return await anext(iterator)
+
+
+async def after(first: asyncio.Future, rest: Updates) -> Updates:
+    """The update `first` will give, then the rest."""
+    async with aclosing(rest):
+        yield await first
+        async for item in rest:
+            yield item
 
 
 def sampling_params(fields: dict[str, Any], params: dict[str, str]) -> SamplingParams:
@@ -221,11 +263,28 @@ class OpenAIServing:
     """The engine as every route sees it, with the tokenizer work kept off the event loop.
     `chat_tokenizer`: the engine's tokenizer, or a copy with the server's chat template."""
 
-    def __init__(self, engine: AsyncEngine, chat_tokenizer: Tokenizer) -> None:
+    def __init__(self, engine: AsyncEngine, chat_tokenizer: Tokenizer,
+                 model_names: tuple[str, ...] = (), sse_keepalive_interval: float = 15.0,
+                 tool_call_parser: str = "hermes") -> None:
+        """`model_names`: those a request's `model` may be, the first in responses (empty: the
+        model's own name); `sse_keepalive_interval`: seconds of silence before a streamed
+        response gets a keep-alive comment; `tool_call_parser`: how model outputs' tool calls
+        are written (tool_parsers.py)."""
         self.engine = engine
         self.chat_tokenizer = chat_tokenizer
+        self.tool_parser = tool_parser(tool_call_parser)
+        self.model_names = model_names or (engine.model_name,)
+        self.keepalive = sse_keepalive_interval
         self.tokens: TokenTable | None = None  # built at startup, off the event loop
         self.created = int(time.time())
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def sampling_fields(self, body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+        """The SamplingParams fields the client set, over the model's generation config's."""
+        return {**self.engine.sampling_defaults, **body.sampling_fields()}
 
     @property
     def table(self) -> TokenTable:
@@ -272,10 +331,11 @@ class OpenAIServing:
                                  else headers.get(TPOT_HEADER))
         if body.cache_salt is not None:
             self.engine.cache_salt(tenant, body.cache_salt)  # its length: a 400 now
-        return RequestContext(tenant, body.cache_salt, ttft, tpot)
+        return RequestContext(tenant, body.cache_salt, ttft, tpot, request.state.request_id,
+                              request.state.received)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.engine.model_name:
+        if model is not None and model not in self.model_names:
             raise APIError(404, f"The model `{model}` does not exist.", param="model",
                            code="model_not_found")
 
@@ -299,15 +359,50 @@ class OpenAIServing:
                                           add_special_tokens=add_special_tokens)
         return encoded["input_ids"]
 
+    @staticmethod
+    def chat_tools(body: ChatCompletionRequest) -> ChatTools | None:
+        """The request's tools and tool choice (None: none offered, or tool_choice "none")."""
+        try:
+            return chat_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        except ValueError as e:
+            raise from_value_error(e, {"tools": "tools", "tool_choice": "tool_choice"}) from e
+
     async def apply_template(self, messages: list[ChatMessage],
-                             add_generation_prompt: bool = True) -> list[int]:
+                             add_generation_prompt: bool = True,
+                             tools: ChatTools | None = None) -> list[int]:
+        template = self.chat_tokenizer.chat_template
+        turns, fields, template_tools = template_inputs(
+            messages, tools, self.tool_parser, native=template is not None and "tools" in template)
         try:
             return await asyncio.to_thread(
-                apply_chat_template, self.chat_tokenizer,
-                [(m.role, m.text(), m.name) for m in messages], self.engine.max_model_len,
-                add_generation_prompt)
+                apply_chat_template, self.chat_tokenizer, turns, self.engine.max_model_len,
+                add_generation_prompt, template_tools, fields)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
+
+    async def structured_output(self, body: CompletionRequest | ChatCompletionRequest,
+                                tools: ChatTools | None = None
+                                ) -> StructuredOutputsParams | None:
+        """The request's constraint (its structured-output field's, or the one enforcing a
+        required or named tool choice), checked to compile (in a thread: a large grammar takes
+        a while); a 400 naming its field otherwise."""
+        try:
+            found = body.structured_output()
+        except ValueError as e:
+            raise from_value_error(e, {name: name for name in STRUCTURED_OUTPUT_FIELDS}) from e
+        if tools is not None and tools.constrained:
+            if found is not None:
+                raise APIError(400, f"tool_choice {tools.choice!r} cannot be combined with "
+                               f"{found[0]}", param="tool_choice")
+            found = "tools", tools.constraint()
+        if found is None:
+            return None
+        name, params = found
+        try:
+            await asyncio.to_thread(check_structured_outputs, params)
+        except ValueError as e:
+            raise APIError(400, f"{name}: {e}", param=name) from e
+        return params
 
     def check_prompt_texts(self, texts: list[str]) -> None:
         for text in texts:
@@ -323,13 +418,20 @@ class OpenAIServing:
         return prompt_logprobs(self.table, state.prompt_logprobs)
 
     def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                 priority: int, context: RequestContext) -> Updates:
-        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
-                                                      for i in range(len(prompts))]
+                 priority: int, context: RequestContext, pooling: bool = False) -> Updates:
+        """`pooling`: embedding requests (AsyncEngine.generate's)."""
         return merge([self.engine.generate(i, p, params, priority, tenant=context.tenant,
                                            cache_salt=context.cache_salt, ttft=context.ttft,
-                                           tpot=context.tpot)
-                      for i, p in zip(ids, prompts, strict=True)])
+                                           tpot=context.tpot, received=context.received,
+                                           pooling=pooling)
+                      for i, p in zip(prompt_ids(request_id, len(prompts)), prompts,
+                                      strict=True)])
+
+    def finish_response(self, request_id: str, num_prompts: int) -> dict[str, float] | None:
+        """The response is written, all but its last bytes: mark its samples' timelines; the
+        `timings` of the one that took longest (None: none left to explain)."""
+        timelines = self.engine.response_finished(prompt_ids(request_id, num_prompts))
+        return timings(max(timelines, key=e2e)) if timelines else None
 
     async def run(self, request: Request, updates: Updates, num_prompts: int,
                   params: dict[str, str]) -> list[RequestState]:
@@ -345,9 +447,20 @@ class OpenAIServing:
 
     async def start_stream(self, request: Request, updates: Updates,
                            params: dict[str, str]) -> Updates:
-        """Wait for the first update, so that a request the engine refuses is still a 4xx."""
+        """Wait for the first update, so that a request the engine refuses is still a 4xx; one
+        still queued after the keep-alive interval starts its stream anyway (keep-alives then
+        hold it open, and a later refusal is its last SSE event)."""
+        pending = asyncio.ensure_future(anext_of(updates))
         try:
-            first = await unless_disconnected(request, anext(updates))
+            await unless_disconnected(request, asyncio.wait({pending}, timeout=self.keepalive))
+        except BaseException:
+            pending.cancel()  # aborts the requests
+            await asyncio.gather(pending, return_exceptions=True)
+            raise
+        if not pending.done():
+            return after(pending, updates)
+        try:
+            first = pending.result()
         except ENGINE_ERRORS as e:
             raise engine_error(e, params) from e
         if any(d.finish_reason == "queue_timeout" for d in first[1].deltas):

@@ -1,0 +1,273 @@
+"""The live dashboard: its feed's snapshot from a known workload (LiveFeed alone, numbers checked
+by hand and percentiles against numpy), and the real page in headless Chromium (Debian's
+`chromium`, driven by Playwright) against a live server over a tiny model, behind an API key:
+it loads without console errors, its numbers move under load, a click shows a request's
+timeline. Screenshots go to the test's tmp dir (and /tmp/dashboard.png)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from frontends import start_frontends, stop_frontends, wait_started
+
+from treadle.config import AsyncEngineConfig, ServerConfig, build_config
+from treadle.engine.async_engine import AsyncEngine
+from treadle.engine.messages import EngineCensus, EngineLoad, StepRecord
+from treadle.engine.output_processor import SampleDelta
+from treadle.observability import live
+from treadle.observability.live import LiveFeed, timeline_segments
+from treadle.server.dashboard import router
+
+CHROMIUM = shutil.which("chromium")
+KEY = "dash-key"
+
+
+def delta(request_id: str, tokens: int, finished: bool = False, reason: str | None = None,
+          events: list | None = None, index: int = 0) -> SampleDelta:
+    return SampleDelta(request_id, index, "x" * tokens, [7] * tokens, None, finished, reason,
+                       events=events)
+
+
+def load(running: int, waiting: int, usage: float, queries: int, hits: int,
+         preemptions: int) -> EngineLoad:
+    return EngineLoad(running, waiting, usage, running + waiting > 0, queries, hits, preemptions)
+
+
+def test_snapshot_of_a_known_workload():
+    feed, t0 = LiveFeed(), 1000.0
+    # Ten steps, one every 0.1 s: a prefill of 32 tokens then nine decode steps of 2.
+    for i in range(10):
+        prefill, decode = (32, 0) if i == 0 else (0, 2)
+        step = StepRecord(t0 + 0.1 * i, 0.05, 2, prefill, decode, 1 if i == 5 else 0)
+        census = EngineCensus(waiting=(("alice", 0, 3), ("bob", 1, 1)),
+                              running=(("alice", 0, 2),), num_cached_free_blocks=5)
+        feed.record_engine(load(2, 4, 0.25, 100 + 10 * i, 40 + 5 * i, 1 if i >= 5 else 0),
+                           step, census if i == 0 else None, t0 + 0.1 * i)
+    # Two requests: "a" finishes (3 tokens); "b" gets one token and its client leaves.
+    feed.start("a", 1, "alice", 0, 32, t0)
+    feed.start("b", 1, "bob", 1, 8, t0 + 0.2)
+    feed.observe(delta("a", 1), t0 + 0.5)
+    feed.observe(delta("b", 1), t0 + 0.6)
+    feed.observe(delta("a", 1), t0 + 0.7)
+    events = [(t0 + 0.05, "queued", 0), (t0 + 0.1, "scheduled", 16),
+              (t0 + 0.2, "scheduled", 16), (t0 + 0.45, "first_token", 0),
+              (t0 + 0.45, "scheduled", 1), (t0 + 0.7, "scheduled", 1),
+              (t0 + 0.9, "finished", 0)]
+    feed.observe(delta("a", 1, True, "length", events), t0 + 1.0)
+    feed.forget("b", t0 + 1.1)
+    feed.rejected("queue_full", t0 - 100)  # out of the minute
+    feed.rejected("queue_full", t0 + 0.3)
+    feed.record_engine(load(2, 4, 0.25, 200, 100, 1), None, None, t0 + 1.1)  # a heartbeat
+    snap = feed.snapshot(0, num_blocks=40, now=t0 + 1.2)
+
+    assert snap["cursor"] == 10 and len(snap["steps"]) == 10
+    assert snap["steps"][0] == [-1.2, 0.05, 2, 32, 0, 0]
+    assert feed.snapshot(7, 40, t0 + 1.2)["steps"] == snap["steps"][7:]  # after the cursor
+    now = snap["now"]
+    assert (now["running"], now["waiting"]) == (2, 4)
+    assert now["waiting_by"] == [{"tenant": "alice", "priority": 0, "requests": 3},
+                                 {"tenant": "bob", "priority": 1, "requests": 1}]
+    assert now["running_by"] == [{"tenant": "alice", "priority": 0, "requests": 2}]
+    assert now["kv_blocks"] == {"total": 40, "used": 10, "cached_free": 5, "free": 25}
+    # Counters sampled once a second: (100, 40) at t0, (200, 100) at the heartbeat.
+    assert now["prefix_hit_rate"] == {"total": 0.5, "minute": pytest.approx(60 / 100)}
+    assert now["preemptions"]["total"] == 1
+    assert now["steps_per_s"] == 10 / live.RATE_WINDOW
+    assert now["prefill_tokens_per_s"] == round(32 / live.RATE_WINDOW, 1)
+    assert now["decode_tokens_per_s"] == round(18 / live.RATE_WINDOW, 1)
+    assert snap["rejections"] == {"total": 2, "minute": 1, "by_reason": {"queue_full": 2}}
+
+    b, a = snap["requests"]  # newest first
+    assert (b["id"], b["finish_reason"], b["output_tokens"]) == ("b", "abort", 1)
+    assert (a["id"], a["finish_reason"], a["output_tokens"]) == ("a", "length", 3)
+    assert a["ttft"] == pytest.approx(0.5)
+    assert [s[0] for s in a["segments"]] == ["frontend", "queued", "prefill", "decode"]
+    assert a["segments"][-1][2] == pytest.approx(-0.2)  # ends at the frontend's finish
+    assert a["chunks"] == [pytest.approx(-1.1), pytest.approx(-1.0)]
+    assert [s[0] for s in b["segments"]] == ["pending", "decode"]  # no engine events: aborted
+
+    latency = snap["latency"]
+    assert latency["ttft"]["count"] == 2 and latency["itl"]["count"] == 2
+    assert latency["e2e"]["count"] == 1 and latency["e2e"]["p50"] == pytest.approx(1.0)
+    for name, values in (("ttft", [0.5, 0.4]), ("itl", [0.2, 0.3])):
+        for p in (50, 90, 99):
+            assert latency[name][f"p{p}"] == pytest.approx(np.percentile(values, p))
+    assert feed.row("a", t0 + 1.2) == a and feed.row("nope", t0) is None
+    # Idle since the census: nobody is left in its classes; its cached blocks still are.
+    feed.record_engine(load(0, 0, 0.0, 200, 100, 1), None, None, t0 + 1.3)
+    idle = feed.snapshot(10, 40, t0 + 1.3)["now"]
+    assert idle["waiting_by"] == idle["running_by"] == []
+    assert idle["kv_blocks"] == {"total": 40, "used": 0, "cached_free": 5, "free": 35}
+    # A minute later the latencies and rejections have left the window.
+    later = feed.snapshot(10, 40, t0 + 70)
+    assert later["latency"]["ttft"]["count"] == 0 and later["rejections"]["minute"] == 0
+
+
+def test_segments_through_a_preemption():
+    events = [(1.0, "queued", 0), (2.0, "scheduled", 8), (3.0, "first_token", 0),
+              (3.0, "scheduled", 1), (4.0, "preempted", 0), (5.0, "scheduled", 9),
+              (6.0, "scheduled", 1), (7.0, "finished", 0)]
+    segments, chunks = timeline_segments(events, 0.5, 7.5)
+    assert segments == [("frontend", 0.5, 1.0), ("queued", 1.0, 2.0), ("prefill", 2.0, 3.0),
+                        ("decode", 3.0, 4.0), ("preempted", 4.0, 5.0), ("prefill", 5.0, 6.0),
+                        ("decode", 6.0, 7.5)]
+    assert chunks == [2.0, 5.0]
+
+
+def test_buffers_stay_bounded():
+    feed = LiveFeed()
+    for i in range(live.REQUEST_HISTORY + 50):
+        feed.start(f"r{i}", 1, "t", 0, 1, float(i))
+        feed.observe(delta(f"r{i}", 1, True, "stop"), float(i) + 0.5)
+    feed.start("open", 1, "t", 0, 1, 1e3)
+    assert len(feed.requests) == live.REQUEST_HISTORY + 1
+    assert ("open", 0) in feed.requests and ("r0", 0) not in feed.requests
+    assert len(feed.snapshot(0, 1, 1e3)["requests"]) == live.MAX_ROWS
+
+
+@pytest.fixture(scope="module")
+def server(tiny_folder):
+    engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
+        model=str(tiny_folder), dtype="float32", kv_cache_memory_bytes=4 << 20,
+        max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64)))
+    frontends, thread = start_frontends(engine, ServerConfig(port=0, api_keys=(KEY,)))
+    wait_started(frontends, thread)
+    yield engine, frontends.port
+    stop_frontends(frontends, thread)
+
+
+def first_event(port: int, headers: dict) -> dict:
+    with httpx.stream("GET", f"http://127.0.0.1:{port}/dashboard/feed", headers=headers,
+                      timeout=10) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                return json.loads(line[6:])
+    raise AssertionError("the feed ended without an event")
+
+
+def test_page_open_feed_keyed(server):
+    engine, port = server
+    base = f"http://127.0.0.1:{port}"
+    page = httpx.get(f"{base}/dashboard")
+    assert page.status_code == 200 and "<canvas" in page.text  # open: it holds no data
+    assert httpx.get(f"{base}/dashboard/app.js").headers["content-type"].startswith(
+        "text/javascript")
+    refused = httpx.get(f"{base}/dashboard/feed")
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{base}/dashboard/requests/x").status_code == 401
+    missing = httpx.get(f"{base}/dashboard/requests/x", headers={"Authorization": f"Bearer {KEY}"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "request_not_found"
+    event = first_event(port, {"Authorization": f"Bearer {KEY}"})
+    assert event["engine"]["status"] == "ok"
+    assert event["now"]["kv_blocks"]["total"] == engine.num_blocks
+
+
+def run_load(port: int, model: str, stop: threading.Event, errors: list) -> None:
+    """Four clients sending completions until told to stop."""
+    def client() -> None:
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        try:
+            while not stop.is_set():
+                api.completions.create(model=model, prompt="The quick brown fox " * 8,
+                                       max_tokens=24, temperature=0)
+        except Exception as e:  # reported by the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium: apt-get install chromium (.ci/run "
+                    "does); Playwright's own browser downloads fail here")
+def test_page_in_chromium(server, tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    engine, port = server
+    model = engine.model_name
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    problems: list[str] = []
+    stop, errors = threading.Event(), []
+    load_thread = threading.Thread(target=run_load, args=(port, model, stop, errors))
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                             args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 900})
+            page.on("console", lambda m: m.type == "error" and problems.append(m.text))
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            page.goto(f"http://127.0.0.1:{port}/dashboard?key={KEY}")
+            page.wait_for_function("document.getElementById('status').textContent"
+                                   " === 'engine ok'", timeout=10_000)
+            assert "key=" not in page.url  # taken into sessionStorage, out of the address bar
+            idle_rate = page.text_content("#step-rate")
+            load_thread.start()
+            # Numbers move: steps per second and the Gantt's rows, while the load runs.
+            page.wait_for_function("parseFloat(document.getElementById('step-rate')"
+                                   ".textContent) > 0", timeout=10_000)
+            page.wait_for_function("document.querySelectorAll('#gantt .grow').length >= 4",
+                                   timeout=10_000)
+            page.wait_for_timeout(1500)
+            page.screenshot(path=str(shots / "under_load.png"))
+            assert idle_rate == "0.0" and float(page.text_content("#step-rate")) > 0
+            stop.set()
+            load_thread.join(30)
+            assert not errors, errors
+            # Click a finished request: its timeline (events from arrival to finished).
+            page.wait_for_selector("#gantt .grow .reason.length", timeout=10_000)
+            page.click("#gantt .grow:has(.reason.length)")
+            page.wait_for_selector("#timeline table", timeout=10_000)
+            timeline = page.text_content("#timeline")
+            assert "arrival" in timeline and "first_token" in timeline and "finished" in timeline
+            assert "decode steps" in timeline
+            if page.evaluate("lastData.engine.explain"):  # the server has the explain route
+                page.wait_for_selector("#explain .cause", timeout=10_000)
+                parts = page.text_content("#explain table")
+                assert "queue" in parts and "decode" in parts, parts
+            page.screenshot(path=str(shots / "request.png"), full_page=True)
+            assert page.text_content("#prefix-total").startswith("since start")
+        finally:
+            stop.set()
+            browser.close()
+    shutil.copy(shots / "request.png", "/tmp/dashboard.png")
+    assert model and not problems, problems
+
+
+def test_feeds_are_bounded_and_released(server, monkeypatch):
+    engine, port = server
+    monkeypatch.setattr(router, "MAX_FEEDS", 1)
+    url, headers = f"http://127.0.0.1:{port}/dashboard/feed", {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(timeout=10) as client:
+        first = open_feed(client, url, headers)  # once earlier tests' feeds have ended
+        second = client.get(url, headers=headers)
+        assert second.status_code == 429 and second.json()["error"]["code"] == "too_many_feeds"
+        first.close()
+        open_feed(client, url, headers).close()  # the closed one's slot is free again
+
+
+def open_feed(client: httpx.Client, url: str, headers: dict) -> httpx.Response:
+    """A feed, as soon as a slot is free (within 5 s)."""
+    deadline = time.monotonic() + 5
+    while True:
+        response = client.send(client.build_request("GET", url, headers=headers), stream=True)
+        if response.status_code == 200:
+            return response
+        response.close()
+        assert time.monotonic() < deadline, f"no feed within 5 s: {response.status_code}"
+        time.sleep(0.1)
+
+
+def test_package_ships_the_page():
+    static = Path(router.__file__).parent / "static"
+    assert {p.name for p in static.iterdir()} >= {"index.html", "app.js", "style.css"}

@@ -1,0 +1,297 @@
+"""Why was this request slow: explain.py on hand-built timelines, RequestStats' accounting, and
+GET /v1/requests/{id}/explain against a live server (a tiny random-weight model, the engine in
+its own process) where requests are made slow on purpose: one queued behind long ones, one
+preempted by a KV cache of 16 blocks. Every breakdown's parts must sum to the end-to-end time,
+and that must match the client's own clock."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from frontends import start_frontends, stop_frontends, wait_started
+from model_utils import TINY
+
+from treadle.config import AsyncEngineConfig, ServerConfig, build_config
+from treadle.engine.async_engine import AsyncEngine, sanitize_request_id
+from treadle.engine.request import RequestStats
+from treadle.observability.explain import PARTS, e2e, explain, timings
+
+# Hand-built timelines, as the observer writes them.
+
+
+def timeline(engine_events: list[tuple[float, str]], **fields) -> dict:
+    base = {"request_id": "r", "index": 0, "tenant": "default", "prompt_tokens": 100,
+            "output_tokens": 20, "cached_tokens": 0, "finish_reason": "length",
+            "ttft_s": None, "e2e_s": max(t for t, _ in engine_events) + 0.01 if engine_events
+            else 0.0, "frontend_s": 0.02,
+            "events": [{"t_s": 0.0, "event": "arrival"}]
+            + [{"t_s": t, "event": kind} for t, kind in engine_events],
+            "queue": {"waiting_ahead": 0, "running_ahead": 0, "tokens_ahead": 0},
+            "prefill_chunks": [], "response_end_s": None,
+            "preemptions": {"count": 0, "recompute_tokens": 0, "prefill_s": 0.0,
+                            "decode_s": 0.0},
+            "decode": {"steps": 19, "avg_batch": 1.0, "steps_with_prefill": 0,
+                       "with_prefill_s": 0.0, "decode_only_s": 0.1}}
+    return base | fields
+
+
+def seconds(explained: dict) -> dict[str, float]:
+    return {p["name"]: p["seconds"] for p in explained["parts"]}
+
+
+def assert_sums_to_e2e(explained: dict) -> None:
+    total = sum(p["seconds"] for p in explained["parts"])
+    assert [p["name"] for p in explained["parts"]] == list(PARTS)
+    assert all(p["seconds"] >= 0 for p in explained["parts"]), explained["parts"]
+    assert total == pytest.approx(explained["e2e_s"], rel=0.05, abs=1e-5)
+
+
+def test_queue_is_the_main_cause_when_the_wait_is_longest():
+    t = timeline([(0.001, "queued"), (4.101, "scheduled"), (4.2, "first_token"),
+                  (4.5, "finished")], response_end_s=4.52,
+                 queue={"waiting_ahead": 30, "running_ahead": 7, "tokens_ahead": 9000})
+    explained = explain(t)
+    assert explained["main_cause"] == ("waited 4.1 s behind 37 requests (9000 tokens queued "
+                                       "ahead): queue")
+    assert seconds(explained) == pytest.approx({
+        "frontend": 0.021, "queue": 4.1, "prefill": 0.099, "preemption": 0.0, "decode": 0.3,
+        "stream": 0.02})
+    assert explained["e2e_s"] == pytest.approx(0.02 + 4.52)
+    assert_sums_to_e2e(explained)
+    assert explained["timeline"] is t
+
+
+def test_preemption_time_comes_out_of_prefill_and_decode():
+    t = timeline([(0.0, "queued"), (0.1, "scheduled"), (0.3, "preempted"), (1.5, "first_token"),
+                  (1.6, "preempted"), (3.5, "finished")],
+                 preemptions={"count": 2, "recompute_tokens": 150, "prefill_s": 1.0,
+                              "decode_s": 1.5})
+    explained = explain(t)
+    parts = seconds(explained)
+    assert parts["prefill"] == pytest.approx(1.4 - 1.0)
+    assert parts["decode"] == pytest.approx(2.0 - 1.5)
+    assert parts["preemption"] == pytest.approx(2.5)
+    assert explained["main_cause"].startswith("preempted twice for 2.5 s, 150 tokens recomputed")
+    assert explained["main_cause"].endswith(": KV cache full")
+    assert_sums_to_e2e(explained)
+
+
+def test_decode_blames_others_prefills_or_the_batch():
+    events = [(0.0, "queued"), (0.01, "scheduled"), (0.1, "first_token"), (3.0, "finished")]
+    # 10 decode-only steps of 10 ms, 90 carrying others' prefill at 30 ms: 1.8 s inflation.
+    slowed = explain(timeline(events, decode={
+        "steps": 100, "avg_batch": 4.0, "steps_with_prefill": 90, "with_prefill_s": 2.7,
+        "decode_only_s": 0.1}))
+    assert slowed["main_cause"] == ("decode slowed 1.8 s by others' prefills in 90 of 100 steps:"
+                                    " prefill interference")
+    assert "costing 1.8 s more than decode-only steps" in slowed["parts"][4]["detail"]
+    shared = explain(timeline(events, decode={
+        "steps": 100, "avg_batch": 61.0, "steps_with_prefill": 0, "with_prefill_s": 0.0,
+        "decode_only_s": 2.9}))
+    assert shared["main_cause"] == "decode steps shared with 60 others for 2.9 s: batch"
+    alone = explain(timeline(events))
+    assert alone["main_cause"] == "generated 20 tokens in 2.9 s: decode"
+    for explained in (slowed, shared, alone):
+        assert_sums_to_e2e(explained)
+
+
+def test_a_request_the_engine_never_reported_is_all_queue_and_timings_are_milliseconds():
+    t = timeline([], e2e_s=0.8, finish_reason="abort", response_end_s=0.9)
+    explained = explain(t)
+    assert seconds(explained)["queue"] == pytest.approx(0.9)
+    assert_sums_to_e2e(explained)
+    ms = timings(t)
+    assert ms["queue_ms"] == pytest.approx(900.0) and ms["e2e_ms"] == pytest.approx(920.0)
+    assert (ms["prompt_n"], ms["predicted_n"]) == (100, 20)
+    assert e2e(t) == pytest.approx(0.92)
+
+
+def test_request_stats_count_recompute_until_caught_up():
+    stats = RequestStats()
+    stats.step_ran(0, 64, False, 3, 100, 0.02, 10.0)  # a chunk beside 2 others' 36 tokens
+    assert stats.prefill_chunks == [(10.0 - 0.02, 64, 2, 36, 0.02)]
+    stats.preempted(10.5, 64, in_prefill=True)
+    stats.step_ran(16, 32, False, 1, 32, 0.01, 12.0)  # a prefix hit of 16, then 32 recomputed
+    assert (stats.recompute_tokens, stats.preempted_prefill_s) == (32, 0.0)
+    stats.step_ran(48, 40, False, 1, 40, 0.01, 12.5)  # 16 more recomputed, then new prompt
+    assert stats.recompute_tokens == 48
+    assert stats.preempted_prefill_s == pytest.approx(2.0) and stats.recompute_until == 0
+    stats.step_ran(88, 1, True, 4, 0, 0.01, 13.0)
+    stats.step_ran(89, 1, True, 2, 50, 0.03, 13.1)
+    assert (stats.decode_steps, stats.decode_batch_sum, stats.decode_mixed_steps) == (2, 6, 1)
+    assert (stats.decode_only_s, stats.decode_mixed_s) == pytest.approx((0.01, 0.03))
+
+
+def test_client_request_ids_are_sanitised():
+    assert sanitize_request_id("abc-123_x.y:z") == "abc-123_x.y:z"
+    assert sanitize_request_id("a b/c\u00e9%") == "a_b_c__"
+    assert len(sanitize_request_id("x" * 1000)) == 128
+
+
+# A live server: 2 batch slots and 16 blocks of 4 tokens.
+
+
+@pytest.fixture(scope="module")
+def server(tiny_folder) -> Iterator[str]:
+    engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
+        model=str(tiny_folder), dtype="float32", num_blocks=16, block_size=4, max_num_seqs=2,
+        max_model_len=TINY["max_position_embeddings"])))
+    frontends, thread = start_frontends(engine, ServerConfig(port=0, grpc_port=None))
+    try:
+        wait_started(frontends, thread)
+        yield f"http://127.0.0.1:{frontends.port}"
+    finally:
+        stop_frontends(frontends, thread)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    """Distinct prompts, so that no prefix-cache hit shortens a prefill."""
+    return random.Random(seed).choices(range(3, 250), k=n)
+
+
+def complete(base: str, body: dict, request_id: str | None = None
+             ) -> tuple[dict, str, tuple[float, float]]:
+    """The response, the X-Request-Id it carried, and when the client sent it and had the
+    answer (time.monotonic(): the server runs in this process, on the same clock)."""
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    start = time.monotonic()
+    response = httpx.post(f"{base}/v1/completions", timeout=120, headers=headers,
+                          json={"max_tokens": 4, "temperature": 0, "ignore_eos": True, **body})
+    assert response.status_code == 200, response.text
+    return response.json(), response.headers["x-request-id"], (start, time.monotonic())
+
+
+def assert_within(explained: dict, client: tuple[float, float]) -> None:
+    """The breakdown spans the server's part of what the client measured: from the request
+    received to the response written, inside the client's send and receipt, and most of it."""
+    record = explained["timeline"]
+    received = record["arrival_monotonic"] - record["frontend_s"]
+    assert client[0] - 1e-3 <= received
+    assert received + explained["e2e_s"] <= client[1] + 1e-3
+    assert explained["e2e_s"] >= 0.5 * (client[1] - client[0])
+
+
+def at(record: dict, event: str) -> float:
+    """When a timeline's first `event` happened, on time.monotonic()."""
+    return record["arrival_monotonic"] + next(e["t_s"] for e in record["events"]
+                                              if e["event"] == event)
+
+
+def explained(base: str, request_id: str) -> dict:
+    response = httpx.get(f"{base}/v1/requests/{request_id}/explain", timeout=30)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert_sums_to_e2e(body)
+    return body
+
+
+class Background(threading.Thread):
+    """A streamed completion in a thread: `started` once its first token arrived."""
+
+    def __init__(self, base: str, body: dict, request_id: str) -> None:
+        super().__init__(daemon=True)
+        self.base, self.body, self.request_id = base, body, request_id
+        self.started, self.echoed = threading.Event(), None
+
+    def run(self) -> None:
+        with httpx.stream("POST", f"{self.base}/v1/completions", timeout=120,
+                          headers={"X-Request-Id": self.request_id},
+                          json={"temperature": 0, "ignore_eos": True, "stream": True,
+                                **self.body}) as response:
+            self.echoed = response.headers["x-request-id"]
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    self.started.set()
+
+
+def test_queued_behind_running_requests(server, caplog):
+    caplog.set_level(logging.INFO, logger="treadle.engine.observer")
+    # Both batch slots taken (and all 16 blocks: 31 tokens each).
+    ahead = [Background(server, {"prompt": prompt(8, i), "max_tokens": 24}, "same")
+             for i in range(2)]
+    for thread in ahead:
+        thread.start()
+    for thread in ahead:
+        assert thread.started.wait(60)
+    body, echoed, client = complete(server, {"prompt": prompt(8, 9)}, "slow one/%")
+    for thread in ahead:
+        thread.join(60)
+    assert echoed == "slow_one__" and body["id"] == "cmpl-slow_one__"
+    # A client id already in flight gets a suffix; both requests are explained apart.
+    assert sorted(t.echoed for t in ahead) == ["same", "same~2"]
+    by_header = explained(server, echoed)
+    assert explained(server, body["id"]) == by_header
+    assert by_header["request_id"] == "slow_one__"
+    assert by_header["main_cause"].startswith("waited ")
+    assert by_header["main_cause"].endswith(": queue")
+    assert by_header["timeline"]["queue"]["running_ahead"] == 2
+    assert_within(by_header, client)
+    # It cannot be scheduled before a slot frees, when the first of those ahead has finished.
+    freed = min(at(explained(server, t.echoed)["timeline"], "finished") for t in ahead)
+    assert seconds(by_header)["queue"] >= freed - at(by_header["timeline"], "queued") - 1e-3
+    for thread in ahead:  # never preempted: one chunk for the prompt, a step per later token
+        record = explained(server, thread.echoed)["timeline"]
+        assert sum(c["tokens"] for c in record["prefill_chunks"]) == 8
+        assert record["decode"]["steps"] == record["output_tokens"] - 1 == 23
+        assert record["preemptions"]["count"] == 0
+    log = [r.getMessage() for r in caplog.records if "request slow_one__ finished" in
+           r.getMessage()]
+    assert len(log) == 1 and "queue " in log[0] and "decode " in log[0]
+
+
+def test_preempted_when_the_cache_runs_out(server):
+    # Each fits alone (63 and 36 tokens of 64), not together: past 32 tokens each, the later
+    # one is the victim and waits for the first to finish.
+    first = Background(server, {"prompt": prompt(20, 1), "max_tokens": 43}, "big")
+    first.start()
+    assert first.started.wait(60)
+    body, echoed, client = complete(server, {"prompt": prompt(20, 2), "max_tokens": 16},
+                                    "victim")
+    first.join(60)
+    victim = explained(server, echoed)
+    record = victim["timeline"]
+    assert record["preemptions"]["count"] >= 1
+    assert victim["main_cause"].endswith(": KV cache full"), victim
+    assert seconds(victim)["preemption"] > seconds(victim)["decode"]
+    assert_within(victim, client)
+    assert body["usage"]["completion_tokens"] == 16
+    assert explained(server, "big")["timeline"]["preemptions"]["count"] == 0
+
+
+def test_timings_are_opt_in_and_chat_ids_are_explained(server):
+    plain, _, _ = complete(server, {"prompt": "Hello"})
+    assert "timings" not in plain
+    timed, echoed, _ = complete(server, {"prompt": "Hello", "return_timings": True})
+    record = explained(server, echoed)
+    assert timed["timings"]["e2e_ms"] == pytest.approx(record["e2e_s"] * 1e3, rel=0.05)
+    assert set(timed["timings"]) == {f"{p}_ms" for p in PARTS} | {"e2e_ms", "prompt_n",
+                                                                  "predicted_n"}
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model=client.models.list().data[0].id,
+                                          messages=messages, max_tokens=3, n=2,
+                                          extra_body={"ignore_eos": True})
+    assert chat.id.startswith("chatcmpl-") and chat.model_extra.get("timings") is None
+    for index in range(2):
+        assert explained(server, f"{chat.id}/{index}")["timeline"]["index"] == index
+    stream = client.chat.completions.create(
+        model=chat.model, messages=messages, max_tokens=3, stream=True,
+        extra_body={"ignore_eos": True, "return_timings": True})
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].model_extra["timings"]["decode_ms"] >= 0
+    assert all("timings" not in c.model_extra for c in chunks[:-1])
+    assert explained(server, chunks[-1].id)["timeline"]["response_end_s"] is not None
+
+
+def test_unknown_ids_are_404_in_openai_shape(server):
+    for request_id in ("nope", "cmpl-nope", "a/b/c"):
+        response = httpx.get(f"{server}/v1/requests/{request_id}/explain", timeout=30)
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "request_not_found"

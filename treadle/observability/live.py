@@ -1,0 +1,290 @@
+"""What the live dashboard shows, kept in the frontend process: the engine's recent steps, its
+last load and census, recent requests (in flight and finished) and a minute of latencies.
+
+AsyncEngine feeds it (the reader thread: steps, load, tokens, finishes; the event loop: a
+request's start and end); the dashboard's feed reads `snapshot()` about once a second. Every
+buffer is bounded whatever the load. Times are CLOCK_MONOTONIC, shared with the engine process;
+a snapshot gives them as seconds before its `now` (negative), so the page needs no clock of ours.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from treadle.engine.messages import EngineCensus, EngineLoad, StepRecord
+    from treadle.engine.output_processor import SampleDelta
+
+STEP_HISTORY = 4096  # steps kept: over a minute at the tiny model's ~50 steps/s
+REQUEST_HISTORY = 200  # finished requests kept for the Gantt, newest first
+MAX_ROWS = 60  # requests a snapshot carries (the page's Gantt shows about 40)
+LATENCY_WINDOW = 60.0  # seconds the percentiles cover
+MAX_LATENCY_SAMPLES = 50_000  # per series (ITL has one per token): bounded under any load
+RATE_WINDOW = 5.0  # seconds the step and token rates average over
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class LiveRequest:
+    """One sample of a request, as the Gantt draws it."""
+
+    name: str  # the request id, or `id/index` for one of n samples (as the timelines)
+    tenant: str
+    priority: int
+    prompt_tokens: int
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    output_tokens: int = 0
+    finished_at: float | None = None
+    finish_reason: str | None = None
+    # At the end, from the engine's events: (kind, start, end) and prefill chunk starts.
+    segments: list[tuple[str, float, float]] = field(default_factory=list)
+    chunks: list[float] = field(default_factory=list)
+
+    def row(self, now: float) -> dict:
+        """The Gantt's row: times in seconds before `now`. In flight, only the frontend's view:
+        pending until the first token, then decode."""
+        segments = self.segments
+        if self.finished_at is None or not segments:
+            end = self.finished_at or now
+            first = self.first_token or end
+            segments = [("pending", self.arrival, first)]
+            if self.first_token is not None:
+                segments.append(("decode", first, end))
+        return {"id": self.name, "tenant": self.tenant, "priority": self.priority,
+                "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+                "arrival": round(self.arrival - now, 4),
+                "ttft": None if self.first_token is None
+                else round(self.first_token - self.arrival, 4),
+                "end": None if self.finished_at is None else round(self.finished_at - now, 4),
+                "finish_reason": self.finish_reason,
+                "segments": [[kind, round(start - now, 4), round(end - now, 4)]
+                             for kind, start, end in segments],
+                "chunks": [round(t - now, 4) for t in self.chunks]}
+
+
+def timeline_segments(events: list[tuple], arrival: float, finished: float
+                      ) -> tuple[list[tuple[str, float, float]], list[float]]:
+    """A finished sample's phases from the engine's events (queued, scheduled with its token
+    count, preempted, first_token, finished): frontend (arrival to the engine's queue), queued,
+    prefill (chunks, and the recompute after a preemption), preempted, decode; and the start of
+    each prefill chunk."""
+    segments: list[tuple[str, float, float]] = []
+    chunks: list[float] = []
+    state, since, has_token = "frontend", arrival, False
+    for event in events:
+        t, kind, num_tokens = event[0], event[1], event[2]
+        if kind == "queued":
+            new = "queued"
+        elif kind == "scheduled":
+            new = "decode" if has_token and num_tokens == 1 else "prefill"
+            if new == "prefill":
+                chunks.append(t)
+        elif kind == "preempted":
+            new = "preempted"
+        elif kind == "first_token":
+            has_token, new = True, "decode"
+        elif kind == "finished":
+            break
+        else:  # a kind this view does not draw
+            continue
+        if new != state:
+            if t > since:
+                segments.append((state, since, t))
+            state, since = new, t
+    if finished > since:
+        segments.append((state, since, finished))
+    return segments, chunks
+
+
+def percentiles(values: list[float]) -> dict:
+    """p50/p90/p99 with linear interpolation between ranks (numpy's default), and the count."""
+    ordered = sorted(values)
+    out: dict = {"count": len(ordered)}
+    for p in PERCENTILES:
+        if not ordered:
+            out[f"p{p}"] = None
+            continue
+        rank = (len(ordered) - 1) * p / 100
+        low = int(rank)
+        high = min(low + 1, len(ordered) - 1)
+        out[f"p{p}"] = round(ordered[low] + (ordered[high] - ordered[low]) * (rank - low), 6)
+    return out
+
+
+class LiveFeed:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.steps: deque[tuple[int, StepRecord]] = deque(maxlen=STEP_HISTORY)
+        self.num_steps = 0  # steps seen: the feed's cursor
+        self.load: EngineLoad | None = None
+        self.census: EngineCensus | None = None
+        # (time, prefix queries, prefix hits, preemptions), about once a second.
+        self.counters: deque[tuple[float, int, int, int]] = deque(maxlen=int(LATENCY_WINDOW) + 5)
+        self.requests: OrderedDict[tuple[str, int], LiveRequest] = OrderedDict()
+        self.num_finished = 0  # of those, finished (kept to REQUEST_HISTORY)
+        self.latency: dict[str, deque[tuple[float, float]]] = {
+            name: deque(maxlen=MAX_LATENCY_SAMPLES) for name in ("ttft", "itl", "e2e")}
+        self.rejections: Counter[str] = Counter()  # by reason, since the server started
+        self.rejection_times: deque[float] = deque(maxlen=MAX_LATENCY_SAMPLES)
+
+    def record_engine(self, load: EngineLoad, step: StepRecord | None,
+                      census: EngineCensus | None, now: float) -> None:
+        """One message of the engine: its load, the step it ran, its census when sent."""
+        with self.lock:
+            if step is not None:
+                self.num_steps += 1
+                self.steps.append((self.num_steps, step))
+            if census is not None:
+                self.census = census
+            self.load = load
+            counts = (load.prefix_cache_queries, load.prefix_cache_hits, load.num_preemptions)
+            last = self.counters[-1][1:] if self.counters else counts
+            if any(c < before for c, before in zip(counts, last, strict=True)):  # a new engine
+                self.counters.clear()
+            if not self.counters or now - self.counters[-1][0] >= 1.0:
+                self.counters.append((now, *counts))
+
+    def engine_restarted(self) -> None:
+        """The engine process died: nothing of its load or census holds any more."""
+        with self.lock:
+            self.load = self.census = None
+            self.counters.clear()
+
+    def rejected(self, reason: str, now: float) -> None:
+        """Admission (or the engine, under deadlines) refused a request."""
+        with self.lock:
+            self.rejections[reason] += 1
+            self.rejection_times.append(now)
+
+    def start(self, request_id: str, num_samples: int, tenant: str, priority: int,
+              prompt_tokens: int, now: float) -> None:
+        with self.lock:
+            for index in range(num_samples):
+                name = request_id if num_samples == 1 else f"{request_id}/{index}"
+                self.requests[request_id, index] = LiveRequest(name, tenant, priority,
+                                                               prompt_tokens, now)
+
+    def observe(self, delta: SampleDelta, now: float) -> None:
+        """One sample's update: its token times (TTFT, ITL) and, at its end, E2E and phases."""
+        with self.lock:
+            request = self.requests.get((delta.request_id, delta.index))
+            if request is None or request.finished_at is not None:
+                return
+            if delta.token_ids:
+                if request.first_token is None:
+                    request.first_token = now
+                    self.latency["ttft"].append((now, now - request.arrival))
+                else:
+                    self.latency["itl"].append((now, now - request.last_token))
+                request.last_token = now
+                request.output_tokens += len(delta.token_ids)
+            if delta.finished:
+                self.latency["e2e"].append((now, now - request.arrival))
+                self._finish(request, delta.finish_reason, now)
+                if delta.events:
+                    request.segments, request.chunks = timeline_segments(
+                        delta.events, request.arrival, now)
+
+    def forget(self, request_id: str, now: float) -> None:
+        """The request's stream ended: samples the engine did not finish were aborted (the
+        client left, or the engine died)."""
+        with self.lock:
+            index = 0
+            while (request := self.requests.get((request_id, index))) is not None:
+                if request.finished_at is None:
+                    self._finish(request, "abort", now)
+                index += 1
+
+    def _finish(self, request: LiveRequest, reason: str | None, now: float) -> None:
+        request.finished_at, request.finish_reason = now, reason
+        self.num_finished += 1
+        if self.num_finished > REQUEST_HISTORY:  # drop the oldest finished
+            for key, old in self.requests.items():
+                if old.finished_at is not None:
+                    del self.requests[key]
+                    self.num_finished -= 1
+                    break
+
+    def row(self, name: str, now: float) -> dict | None:
+        """A recent request's Gantt row, by its name (the id, or `id/index`)."""
+        with self.lock:
+            for request in self.requests.values():
+                if request.name == name:
+                    return request.row(now)
+        return None
+
+    def snapshot(self, after_step: int, num_blocks: int, now: float | None = None) -> dict:
+        """What the page draws: steps after the cursor `after_step` (0: all kept), the engine
+        now, the newest requests first and the last minute's latency percentiles."""
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            steps = [s for seq, s in self.steps if seq > after_step]
+            recent = [s for _, s in self.steps if s.scheduled_at > now - RATE_WINDOW]
+            rows = [r.row(now) for r in reversed(self.requests.values())][:MAX_ROWS]
+            windows = {}
+            for name, samples in self.latency.items():
+                while samples and samples[0][0] < now - LATENCY_WINDOW:
+                    samples.popleft()
+                windows[name] = [v for _, v in samples]
+            load, census, counters = self.load, self.census, list(self.counters)
+            cursor = self.num_steps
+            while self.rejection_times and self.rejection_times[0] < now - LATENCY_WINDOW:
+                self.rejection_times.popleft()
+            rejections = {"total": sum(self.rejections.values()),
+                          "minute": len(self.rejection_times),
+                          "by_reason": dict(self.rejections)}
+        minute = [c for c in counters if c[0] >= now - LATENCY_WINDOW]
+        return {
+            "cursor": cursor,
+            "now": self._now(load, census, minute, recent, num_blocks),
+            "steps": [[round(s.scheduled_at - now, 4), round(s.duration, 5), s.num_requests,
+                       s.num_prefill_tokens, s.num_decode_tokens, s.num_preemptions]
+                      for s in steps],
+            "rejections": rejections,
+            "requests": rows,
+            "latency": {name: percentiles(values) for name, values in windows.items()},
+        }
+
+    @staticmethod
+    def _now(load: EngineLoad | None, census: EngineCensus | None,
+             minute: list[tuple[float, int, int, int]], recent: list[StepRecord],
+             num_blocks: int) -> dict:
+        used = round(load.kv_cache_usage * num_blocks) if load is not None else 0
+        cached_free = min(census.num_cached_free_blocks, num_blocks - used) if census else 0
+        queries = hits = preemptions = 0
+        if load is not None:
+            queries, hits = load.prefix_cache_queries, load.prefix_cache_hits
+            preemptions = load.num_preemptions
+        minute_queries = minute[-1][1] - minute[0][1] if minute else 0
+        minute_hits = minute[-1][2] - minute[0][2] if minute else 0
+
+        def by_class(entries: tuple[tuple[str, int, int], ...] | None) -> list[dict]:
+            return [{"tenant": t, "priority": p, "requests": n} for t, p, n in entries or ()]
+
+        # Idle since the census (taken once a second): nobody is left in its classes.
+        idle = load is not None and not load.num_running + load.num_waiting
+
+        return {
+            "running": load.num_running if load else 0,
+            "waiting": load.num_waiting if load else 0,
+            "waiting_by": by_class(census.waiting if census and not idle else None),
+            "running_by": by_class(census.running if census and not idle else None),
+            "kv_blocks": {"total": num_blocks, "used": used, "cached_free": cached_free,
+                          "free": num_blocks - used - cached_free},
+            "prefix_hit_rate": {"total": hits / queries if queries else None,
+                                "minute": minute_hits / minute_queries if minute_queries
+                                else None},
+            "preemptions": {"total": preemptions,
+                            "minute": minute[-1][3] - minute[0][3] if minute else 0},
+            "steps_per_s": round(len(recent) / RATE_WINDOW, 2),
+            "prefill_tokens_per_s": round(sum(s.num_prefill_tokens for s in recent)
+                                          / RATE_WINDOW, 1),
+            "decode_tokens_per_s": round(sum(s.num_decode_tokens for s in recent)
+                                         / RATE_WINDOW, 1),
+        }
