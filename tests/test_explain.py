@@ -170,12 +170,13 @@ def complete(base: str, body: dict, request_id: str | None = None
 
 def assert_within(explained: dict, client: tuple[float, float]) -> None:
     """The breakdown spans the server's part of what the client measured: from the request
-    received to the response written, inside the client's send and receipt, and most of it."""
+    received to the response written, inside the client's send and receipt. (How much of the
+    client's time it covers is not asserted: the client shares this process and two busy
+    cores with the server, and measured 0.36 s around a 0.12 s request in CI.)"""
     record = explained["timeline"]
     received = record["arrival_monotonic"] - record["frontend_s"]
     assert client[0] - 1e-3 <= received
     assert received + explained["e2e_s"] <= client[1] + 1e-3
-    assert explained["e2e_s"] >= 0.5 * (client[1] - client[0])
 
 
 def at(record: dict, event: str) -> float:
