@@ -296,3 +296,22 @@ def test_unknown_ids_are_404_in_openai_shape(server):
         response = httpx.get(f"{server}/v1/requests/{request_id}/explain", timeout=30)
         assert response.status_code == 404
         assert response.json()["error"]["code"] == "request_not_found"
+
+
+def test_latency_histograms_carry_the_request_id_as_an_exemplar(server):
+    """OpenMetrics, as Prometheus asks for it: a latency bucket names a request that fell in it,
+    and that id is one explain knows. Prometheus' own text format has no exemplars."""
+    complete(server, {"prompt": prompt(6, 99)}, request_id="exemplar-me")
+    text = httpx.get(f"{server}/metrics", timeout=30,
+                     headers={"Accept": "application/openmetrics-text; version=1.0.0"}).text
+    ttft = [line for line in text.splitlines()
+            if line.startswith("treadle_time_to_first_token_seconds_bucket")  # ":" escaped
+            and 'request_id="exemplar-me"' in line]
+    assert len(ttft) == 1, text
+    e2e = [line for line in text.splitlines()
+           if line.startswith("treadle_e2e_request_latency_seconds_bucket")
+           and 'request_id="exemplar-me"' in line]
+    assert len(e2e) == 1
+    assert explained(server, "exemplar-me")["request_id"] == "exemplar-me"
+    plain = httpx.get(f"{server}/metrics", timeout=30).text
+    assert "treadle:time_to_first_token_seconds_bucket" in plain and "exemplar-me" not in plain

@@ -128,7 +128,7 @@ def test_sigterm_lets_the_in_flight_stream_finish(tmp_path: Path) -> None:
         reader.join(15)
         assert not reader.is_alive() and stream.error is None, stream.error
         assert stream.events[-1] == "[DONE]"
-        assert stream.finish_reasons() == ["length"]
+        assert stream.finish_reasons() == ["length"], stream.events[-3:]
         assert stream.chunks()[-1]["usage"]["completion_tokens"] == max_tokens
         assert proc.wait(15) == 0, (tmp_path / "server.log").read_text()
 

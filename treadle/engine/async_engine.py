@@ -66,6 +66,7 @@ from treadle.engine.messages import (
 from treadle.engine.observer import RequestObserver
 from treadle.engine.output_processor import OutputProcessor, RequestState, SampleDelta
 from treadle.engine.request import DEFAULT_TENANT
+from treadle.engine.request_sender import RequestSender
 from treadle.engine.sampling_params import SamplingParams, check_max_logprobs
 from treadle.model.source import resolve_model
 from treadle.observability.live import LiveFeed
@@ -207,10 +208,10 @@ class AsyncEngine:
                     self.platform["quantization"], self.platform["quantized_types"],
                     self.platform["gemv_rows"])
         with self.lock:
-            self.process, self.requests_out = process, requests_out
+            self.process, self.sender = process, RequestSender(requests_out)
             self.load_state = LoadState()
         self.started_at = time.monotonic()
-        threading.Thread(target=self._read_outputs, args=(outputs_in, process),
+        threading.Thread(target=self._read_outputs, args=(outputs_in, process, self.sender),
                          name="treadle-outputs", daemon=True).start()
 
     def _spawn_task(self, coroutine) -> None:
@@ -230,8 +231,8 @@ class AsyncEngine:
         process, self.process = self.process, None
         if process is None:
             return
-        with self.lock, contextlib.suppress(OSError):  # the engine may be gone already
-            self.requests_out.send(Shutdown())
+        with self.lock:
+            self.sender.send(Shutdown())
         await asyncio.to_thread(process.join, SHUTDOWN_JOIN_SECONDS)
         if process.is_alive():
             process.kill()
@@ -432,13 +433,12 @@ class AsyncEngine:
             self.observer.start(request_id, tenant, ttft, tpot, received)
             self.live.start(request_id, params.n, tenant, priority, len(prompt_token_ids),
                             time.monotonic() if received is None else received)
-            # A dead engine's pipe: the reader has seen its end, or is about to, and then fails
-            # this stream with the others.
-            with contextlib.suppress(OSError):
-                for engine_id, engine_params in engine_requests:
-                    self.requests_out.send(AddRequest(
-                        engine_id, prompt_token_ids, engine_params, priority, tenant, salt,
-                        ttft, tpot, admit_deadline, pooling))
+            # To a dead engine they are dropped: the reader has seen its end, or is about to,
+            # and then fails this stream with the others.
+            for engine_id, engine_params in engine_requests:
+                self.sender.send(AddRequest(
+                    engine_id, prompt_token_ids, engine_params, priority, tenant, salt,
+                    ttft, tpot, admit_deadline, pooling))
         finished = False
         try:
             while not finished:
@@ -464,8 +464,7 @@ class AsyncEngine:
                 if sample.finished:
                     continue
                 sample.finish_reason = "abort"  # the reader drops this sample's later tokens
-                with contextlib.suppress(OSError):
-                    self.requests_out.send(AbortRequest(sample.engine_request_id))
+                self.sender.send(AbortRequest(sample.engine_request_id))
                 deltas.append(SampleDelta(request_id, sample.index, "", [], None, True, "abort"))
                 self.observer.observe(deltas[-1], state)
         # call_soon, not put_nowait: after the updates the reader has already scheduled.
@@ -479,13 +478,12 @@ class AsyncEngine:
             self.live.forget(request_id, time.monotonic())
             self.streams.pop(request_id, None)
             if abort and self.process is not None:
-                with contextlib.suppress(OSError):  # the engine died: nothing to abort
-                    for engine_id in self.processor.engine_ids(request_id):
-                        self.requests_out.send(AbortRequest(engine_id))
+                for engine_id in self.processor.engine_ids(request_id):
+                    self.sender.send(AbortRequest(engine_id))
             self.processor.remove(request_id)
 
-    def _read_outputs(self, outputs: Connection, process: multiprocessing.process.BaseProcess
-                      ) -> None:
+    def _read_outputs(self, outputs: Connection, process: multiprocessing.process.BaseProcess,
+                      sender: RequestSender) -> None:
         """Reader thread of one engine process: receive its messages, detokenize, hand updates
         to the loop; at their end, tell the loop."""
         while True:
@@ -500,6 +498,7 @@ class AsyncEngine:
                 process.kill()
                 break
         outputs.close()
+        sender.close()
         if not self.closing:  # shutdown() joins it itself
             process.join(1)  # for its exit code: a dead process's end comes at once
         with contextlib.suppress(RuntimeError):  # the loop is closed: the server has exited
@@ -527,9 +526,8 @@ class AsyncEngine:
     def _dispatch(self, message: StepOutputs) -> None:
         with self.lock:
             deltas, to_abort = self.processor.process(message.outputs)
-            with contextlib.suppress(OSError):  # a dead engine: the reader sees its end next
-                for engine_id in to_abort:
-                    self.requests_out.send(AbortRequest(engine_id))
+            for engine_id in to_abort:
+                self.sender.send(AbortRequest(engine_id))
             updates: dict[str, list[SampleDelta]] = {}
             now = time.monotonic()
             for delta in deltas:

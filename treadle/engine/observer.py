@@ -102,7 +102,8 @@ class RequestObserver:
         if delta.token_ids:
             first, last = info.token_times.get(delta.index, (None, None))
             if last is None:
-                m.labels(m.ttft, tenant=tenant).observe(now - info.arrival)
+                m.labels(m.ttft, tenant=tenant).observe(now - info.arrival,
+                                                        exemplar(delta.request_id))
                 if delta.index == 0:
                     m.labels(m.prompt_tokens, tenant=tenant).inc(len(state.prompt_token_ids))
             else:
@@ -112,7 +113,7 @@ class RequestObserver:
         if not delta.finished:
             return
         m.labels(m.request_success, finished_reason=delta.finish_reason, tenant=tenant).inc()
-        m.labels(m.e2e, tenant=tenant).observe(now - info.arrival)
+        m.labels(m.e2e, tenant=tenant).observe(now - info.arrival, exemplar(delta.request_id))
         if delta.finish_reason == "queue_timeout":
             m.labels(m.queue_timeouts, tenant=tenant).inc()
         if delta.timings is not None:
@@ -183,6 +184,13 @@ def stats_fields(stats: RequestStats | None, arrival: float, num_preemptions: in
                    "steps_with_prefill": stats.decode_mixed_steps,
                    "with_prefill_s": round(stats.decode_mixed_s, 6),
                    "decode_only_s": round(stats.decode_only_s, 6)}}
+
+
+def exemplar(request_id: str) -> dict[str, str]:
+    """The request id as an OpenMetrics exemplar (shown on /metrics to a client that asks for
+    OpenMetrics): from a slow bucket to its `explain`. A label set holds at most 128 characters,
+    and ids may have 128."""
+    return {"request_id": request_id[:118]}
 
 
 def meets_objectives(info: RequestInfo, first_token: float | None, finished: float,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics_exposition
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -117,5 +118,8 @@ class ServerMetrics:
         if iteration_tokens is not None:
             self.labels(self.iteration_tokens).observe(iteration_tokens)
 
-    def render(self) -> bytes:
+    def render(self, openmetrics: bool = False) -> bytes:
+        """Prometheus text, or OpenMetrics (with the latency histograms' request-id exemplars)."""
+        if openmetrics:
+            return openmetrics_exposition.generate_latest(self.registry)
         return generate_latest(self.registry)
