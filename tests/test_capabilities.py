@@ -20,7 +20,7 @@ from conftest import AVX2_ENV, ROOT, free_port, run_forced
 
 from treadle.model import capabilities
 from treadle.model.capabilities import probe, resolve_dtype
-from treadle.model.kernels import build_flags, build_folder
+from treadle.model.kernels import STALE_LOCK_SECONDS, build_flags, build_folder, remove_stale_lock
 from treadle.model.linear import Linear
 
 PROBE = ("import json; from treadle.model.capabilities import probe, resolve_dtype; "
@@ -180,3 +180,16 @@ def ready(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=1).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_a_killed_builds_lock_is_removed_and_a_live_ones_kept(tmp_path):
+    """A build killed mid-way leaves torch's lock behind; waiting on it hung every later start."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    remove_stale_lock(lock)  # fresh: a build may be running in another process
+    assert lock.exists()
+    old = time.time() - STALE_LOCK_SECONDS - 1
+    os.utime(lock, (old, old))
+    remove_stale_lock(lock)
+    assert not lock.exists()
+    remove_stale_lock(lock)  # no lock: nothing to do

@@ -28,6 +28,8 @@ from treadle.model.capabilities import probe
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
+# A build lock older than this is a killed build's (a build takes about a minute here).
+STALE_LOCK_SECONDS = 600
 # Extension name -> source file.
 KERNELS = {"treadle_paged_attention": CSRC / "paged_attention.cpp",
            "treadle_quant_linear": CSRC / "quant_linear.cpp"}
@@ -89,6 +91,7 @@ def load_kernel(name: str) -> ModuleType | None:
     start = time.perf_counter()
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        remove_stale_lock(folder / "lock")
         module = load(name=name, sources=[str(KERNELS[name])], extra_cflags=cflags,
                       extra_ldflags=ldflags, build_directory=str(folder), verbose=False)
     except Exception as e:  # no compiler, a library that fails to load: serve without it
@@ -97,6 +100,19 @@ def load_kernel(name: str) -> ModuleType | None:
     if fresh:
         logger.info("%s built in %.0f s", name, time.perf_counter() - start)
     return module
+
+
+def remove_stale_lock(lock: Path) -> None:
+    """torch's build lock outlives a build that was killed, and then every later start waits on
+    it forever (seen: a server killed while compiling hung every start after it). A build takes
+    about a minute: a lock older than STALE_LOCK_SECONDS is a dead build's."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        logger.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 def paged_decode_attention() -> Callable | None:
