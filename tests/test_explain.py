@@ -11,6 +11,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -135,20 +136,33 @@ def test_client_request_ids_are_sanitised():
     assert len(sanitize_request_id("x" * 1000)) == 128
 
 
-# A live server: 2 batch slots and 16 blocks of 4 tokens.
-
-
-@pytest.fixture(scope="module")
-def server(tiny_folder) -> Iterator[str]:
+@contextmanager
+def live_server(tiny_folder, num_blocks: int) -> Iterator[str]:
+    """A live server with 2 batch slots and `num_blocks` blocks of 4 tokens."""
     engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
-        model=str(tiny_folder), dtype="float32", num_blocks=16, block_size=4, max_num_seqs=2,
-        max_model_len=TINY["max_position_embeddings"])))
+        model=str(tiny_folder), dtype="float32", num_blocks=num_blocks, block_size=4,
+        max_num_seqs=2, max_model_len=TINY["max_position_embeddings"])))
     frontends, thread = start_frontends(engine, ServerConfig(port=0, grpc_port=None))
     try:
         wait_started(frontends, thread)
         yield f"http://127.0.0.1:{frontends.port}"
     finally:
         stop_frontends(frontends, thread)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_folder) -> Iterator[str]:
+    """16 blocks: 64 tokens, so that two requests of 36 and 63 tokens preempt each other."""
+    with live_server(tiny_folder, 16) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def roomy_server(tiny_folder) -> Iterator[str]:
+    """64 blocks: two requests long enough to surely still run when a third arrives (24
+    tokens each were done before it, in CI)."""
+    with live_server(tiny_folder, 64) as url:
+        yield url
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -212,10 +226,11 @@ class Background(threading.Thread):
                     self.started.set()
 
 
-def test_queued_behind_running_requests(server, caplog):
+def test_queued_behind_running_requests(roomy_server, caplog):
+    server = roomy_server
     caplog.set_level(logging.INFO, logger="treadle.engine.observer")
-    # Both batch slots taken (and all 16 blocks: 31 tokens each).
-    ahead = [Background(server, {"prompt": prompt(8, i), "max_tokens": 24}, "same")
+    # Both batch slots taken (and all 64 blocks: 127 tokens each).
+    ahead = [Background(server, {"prompt": prompt(8, i), "max_tokens": 120}, "same")
              for i in range(2)]
     for thread in ahead:
         thread.start()
@@ -240,7 +255,7 @@ def test_queued_behind_running_requests(server, caplog):
     for thread in ahead:  # never preempted: one chunk for the prompt, a step per later token
         record = explained(server, thread.echoed)["timeline"]
         assert sum(c["tokens"] for c in record["prefill_chunks"]) == 8
-        assert record["decode"]["steps"] == record["output_tokens"] - 1 == 23
+        assert record["decode"]["steps"] == record["output_tokens"] - 1 == 119
         assert record["preemptions"]["count"] == 0
     log = [r.getMessage() for r in caplog.records if "request slow_one__ finished" in
            r.getMessage()]

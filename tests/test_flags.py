@@ -13,7 +13,6 @@ import ssl
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -131,20 +130,23 @@ def test_root_path_and_https(server):
 
 def test_keep_alive_comments_while_a_stream_is_queued(server, client):
     url, cert = server
-    long = threading.Thread(target=client.completions.create, kwargs=dict(
-        model="alpha", prompt="x", max_tokens=60, temperature=0,
-        extra_body={"ignore_eos": True}))
-    long.start()
+    # A long stream holds the one sequence slot from its first token on (a thread started
+    # 0.1 s earlier had not yet reached the engine in CI, and 60 tokens ended too soon).
+    long = client.completions.create(model="alpha", prompt="x", max_tokens=240,
+                                     temperature=0, stream=True,
+                                     extra_body={"ignore_eos": True})
+    next(iter(long))
+    drain = threading.Thread(target=lambda: list(long))
+    drain.start()
     lines: list[str] = []
     try:
-        time.sleep(0.1)  # the long request holds the one sequence slot
         with httpx.Client(verify=trusting(cert), timeout=60) as http, http.stream(
                 "POST", f"{url}/v1/completions", json={"model": "alpha", "prompt": "hi",
                                                        "max_tokens": 3, "stream": True}) as r:
             assert r.status_code == 200
             lines = [line for line in r.iter_lines() if line]
     finally:
-        long.join(60)
+        drain.join(60)
     first_data = next(i for i, line in enumerate(lines) if line.startswith("data:"))
     assert ": keep-alive" in lines[:first_data], lines[:5]
     assert lines[-1] == "data: [DONE]"
