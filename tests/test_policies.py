@@ -432,6 +432,43 @@ def test_fair_a_newcomer_takes_a_slot_from_a_tenant_holding_two_more():
     assert_scheduler_empty(s)
 
 
+def test_fair_a_dominant_tenant_sits_out_the_step_that_admits_a_light_one():
+    """Heavy decodes and a heavy prompt's chunks fill the budget; a light request's admission
+    step is its prompt alone (whole, not chunked behind them), and heavy resumes the next."""
+    s = make_scheduler(num_blocks=256, block_size=4, max_num_seqs=8, policy="fair",
+                       max_num_batched_tokens=24, long_prefill_token_threshold=24)
+    model = model_for(s)
+    for i in range(4):
+        s.add_request(req(f"heavy{i}", 4, max_tokens=30, arrival=i, tenant="heavy"))
+    step(s, model)
+    s.add_request(req("heavy-long", 200, max_tokens=2, arrival=5, tenant="heavy"))
+    output, _ = step(s, model)
+    assert output.num_batched_tokens == 24  # heavy alone fills the budget
+    s.add_request(req("light", 20, max_tokens=3, arrival=9, tenant="light"))
+    output, _ = step(s, model)
+    assert {x.request.request_id: x.num_new_tokens for x in output.scheduled} == {"light": 20}
+    output, _ = step(s, model)
+    assert {"heavy0", "heavy-long"} <= set(scheduled_ids(output))
+    check_outputs(run_until_done(s, model))
+    assert_scheduler_empty(s)
+
+
+def test_fair_nobody_sits_out_for_a_request_that_cannot_be_admitted():
+    """The light request does not fit in the free blocks: the heavy tenant's requests run on
+    (an empty step would wait forever), and the light one goes once blocks free."""
+    s = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=8, policy="fair",
+                       max_policy_preemptions=0)
+    model = model_for(s)
+    for i in range(3):
+        s.add_request(req(f"heavy{i}", 8, max_tokens=6, arrival=i, tenant="heavy"))
+    step(s, model)
+    s.add_request(req("light", 28, max_tokens=2, arrival=9, tenant="light"))
+    output, _ = step(s, model)
+    assert sorted(scheduled_ids(output)) == ["heavy0", "heavy1", "heavy2"]
+    check_outputs(run_until_done(s, model))
+    assert_scheduler_empty(s)
+
+
 def test_queue_timeout_ends_never_scheduled_requests_and_frees_them():
     s = make_scheduler(num_blocks=8, block_size=4, max_queue_wait=5.0)
     model = model_for(s)

@@ -6,8 +6,10 @@ hit (tokens counted computed at admission), a decode step and a recompute after 
 all that one rule.
 
 A step, each part in the queue policy's order (policies.py): the waiting queue's head may
-displace running requests the policy ranks below it (priority, fair share); running requests get
-a decode token or a prefill chunk, preempting the policy's victim when blocks run short; then
+displace running requests the policy ranks below it (priority, fair share), and when it is sure
+to be admitted, the tenants the policy says yield to it (fair share) sit the step out; running
+requests get a decode token or a prefill chunk, preempting the policy's victim when blocks run
+short; then
 waiting requests are admitted, unless blocks ran short, within the token budget, batch slots and
 max_num_partial_prefills (a prompt that completes in its step takes no prefill slot); last, the
 prefill chunks the policy deferred behind the waiting head get the budget left.
@@ -133,12 +135,28 @@ class Scheduler:
         self.waiting.refresh(self.clock(), self.step_time.seconds_per_token)
         self._displace_for_waiting_head(output)
         num_displaced = len(output.preempted)
+        yielding = self._yielding_tenants()
         deferred: list[Request] = []
-        budget = self._schedule_running(output, deferred)
+        budget = self._schedule_running(output, deferred, yielding)
         if len(output.preempted) == num_displaced:  # blocks ran short: admit nobody this step
-            budget = self._schedule_waiting(output, budget)
+            budget = self._schedule_waiting(output, budget, yielding)
         self._schedule_deferred(output, deferred, budget)
         return output
+
+    def _yielding_tenants(self) -> frozenset[str]:
+        """Tenants whose running requests sit out this step, by the policy, for the waiting
+        head's admission: only when the head is sure to be admitted (a slot, blocks, and a
+        prefill slot unless its prompt completes in the step), so a step never stays empty."""
+        head = self.waiting.peek()
+        if head is None or self._over_tenant_cap(head) or not self._fits(head):
+            return frozenset()
+        _, num_hit = self._prefix_hit(head)
+        num_left = head.num_tokens - num_hit - min(self.config.long_prefill_token_threshold,
+                                                    self.config.max_num_batched_tokens)
+        num_prefills = sum(1 for r in self.running if uncomputed_tokens(r) > 1)
+        if num_left > 1 and num_prefills >= self.config.max_num_partial_prefills:
+            return frozenset()
+        return self.policy.yielding_tenants(head, self.running)
 
     def _displace_for_waiting_head(self, output: SchedulerOutput) -> None:
         """Under priority and fair share, the waiting queue's head may take the batch slot and
@@ -167,11 +185,13 @@ class Scheduler:
         return kv.num_free_blocks_needed(request, num_new, hit_blocks, num_hit) <= \
             kv.num_free_blocks
 
-    def _schedule_running(self, output: SchedulerOutput, deferred: list[Request]) -> int:
-        """Running requests first, in policy order: one decode token each, or a prefill chunk.
-        A prefill chunk the policy ranks below the waiting queue's head is deferred (appended to
-        `deferred`) until waiting requests are admitted. When blocks run short, the policy's
-        victim (never one scheduled this step) is preempted. Returns the token budget left."""
+    def _schedule_running(self, output: SchedulerOutput, deferred: list[Request],
+                          yielding: frozenset[str]) -> int:
+        """Running requests first, in policy order: one decode token each, or a prefill chunk;
+        none for the `yielding` tenants. A prefill chunk the policy ranks below the waiting
+        queue's head is deferred (appended to `deferred`) until waiting requests are admitted.
+        When blocks run short, the policy's victim (never one scheduled this step) is
+        preempted. Returns the token budget left."""
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
         kv = self.kv_cache_manager
@@ -179,6 +199,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.tenant in yielding:
+                i += 1
+                continue
             num_new = min(uncomputed_tokens(request), threshold, budget)
             if head is not None and num_new > 1 and self.policy.defers_prefill(request, head):
                 deferred.append(request)
@@ -198,11 +221,13 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> int:
-        """Then waiting requests, in policy order, while the token budget and batch slots last.
-        One that would stay mid-prefill while max_num_partial_prefills are is passed over; one
-        short of blocks is passed over too, so smaller ones behind it may go, until it has been
-        passed over MAX_SKIPS times. Returns the token budget left."""
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int,
+                          yielding: frozenset[str]) -> int:
+        """Then waiting requests, in policy order, while the token budget and batch slots last,
+        up to the first of a `yielding` tenant (the step stays short). One that would stay
+        mid-prefill while max_num_partial_prefills are is passed over; one short of blocks is
+        passed over too, so smaller ones behind it may go, until it has been passed over
+        MAX_SKIPS times. Returns the token budget left."""
         kv = self.kv_cache_manager
         threshold = self.config.long_prefill_token_threshold
         # Requests still mid-prefill after this step's chunks.
@@ -212,7 +237,7 @@ class Scheduler:
         passed_over: list[Request] = []
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            if request is None:
+            if request is None or request.tenant in yielding:
                 break
             hit_blocks, num_hit = self._prefix_hit(request)
             num_new = min(request.num_tokens - num_hit, threshold, budget)
