@@ -185,16 +185,18 @@ def test_tenant_from_user_and_labels_bounded(open_server):
 
 
 def long_and_waiting(port: int, second: dict) -> httpx.Response:
-    """One long request holds the only batch slot; `second` waits behind it."""
+    """One long request holds the only batch slot from its first token on (a thread given
+    0.05 s had not reached the engine in CI); `second` waits behind it."""
     url = f"http://127.0.0.1:{port}/v1/completions"
     with httpx.Client(timeout=60) as http:
-        holder = threading.Thread(target=http.post, args=(url,), kwargs={"json": {
-            "prompt": "Hi", "max_tokens": 60, "ignore_eos": True}})
-        holder.start()
-        time.sleep(0.05)
-        response = http.post(url, json={"prompt": "Hello", "max_tokens": 4, **second})
-        body = response.read()
-        holder.join(60)
+        with http.stream("POST", url, json={"prompt": "Hi", "max_tokens": 200,
+                                            "ignore_eos": True, "stream": True}) as holder:
+            lines = holder.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            response = http.post(url, json={"prompt": "Hello", "max_tokens": 4, **second})
+            body = response.read()
+            for _ in lines:
+                pass
     return response, body
 
 
@@ -209,7 +211,7 @@ def test_queue_timeout_is_503_or_an_error_event(open_server):
     # Two samples, one batch slot: the first streams, the second times out: an error event.
     with httpx.Client(timeout=60) as http:
         response = http.post(f"http://127.0.0.1:{port}/v1/completions", json={
-            "prompt": "Hello", "stream": True, "n": 2, "max_tokens": 60, "ignore_eos": True})
+            "prompt": "Hello", "stream": True, "n": 2, "max_tokens": 200, "ignore_eos": True})
         body = response.read()
     events = [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
     assert response.status_code == 200 and events[-1] == "[DONE]"
