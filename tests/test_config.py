@@ -19,6 +19,7 @@ from treadle.config import (
     AdmissionConfig,
     AsyncEngineConfig,
     CacheConfig,
+    DataParallelConfig,
     EngineConfig,
     ModelConfig,
     ObservabilityConfig,
@@ -49,7 +50,8 @@ def test_no_flags_give_the_dataclass_defaults():
 def test_every_setting_is_a_flag_and_names_are_unique():
     names = [f.name for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig,
                                 AdmissionConfig, SupervisionConfig, ObservabilityConfig,
-                                ServerConfig) for f in dataclasses.fields(cls)]
+                                DataParallelConfig, ServerConfig)
+             for f in dataclasses.fields(cls)]
     names += ["policy", "trace_file"]
     assert len(names) == len(set(names)) == len(setting_fields(ServeConfig))
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()

@@ -120,6 +120,7 @@ def test_converted_folder_has_no_chat_template(gemma_path):
     assert read_spec(folder).layer_windows().count(None) == 3  # every 6th of 18 is global
 
 
+@pytest.mark.slow  # 80 s (transformers dequantizes the GGUF); tiny Gemma 3 models run by default
 @pytest.mark.gemma3_model
 def test_real_gguf_matches_transformers(gemma_path, gemma_prompt):
     """Our load of the GGUF (dequantized, float32) against transformers loading the same file:

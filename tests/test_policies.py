@@ -571,6 +571,7 @@ def mean_schedule_time(policy: str, num_waiting: int, steps: int = 100) -> float
     return spent / steps
 
 
+@pytest.mark.slow  # 160 s for the four policies: a measurement, kept out of CI's 20 minutes
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_schedule_time_at_a_thousand_waiting(policy, capsys):
     """Prints schedule()'s mean time per step at 1,000 and 10,000 waiting; asserts nothing

@@ -188,15 +188,15 @@ def long_and_waiting(port: int, second: dict) -> httpx.Response:
     """One long request holds the only batch slot from its first token on (a thread given
     0.05 s had not reached the engine in CI); `second` waits behind it."""
     url = f"http://127.0.0.1:{port}/v1/completions"
-    with httpx.Client(timeout=60) as http:
-        with http.stream("POST", url, json={"prompt": "Hi", "max_tokens": 200,
-                                            "ignore_eos": True, "stream": True}) as holder:
-            lines = holder.iter_lines()
-            assert next(line for line in lines if line.startswith("data: {"))
-            response = http.post(url, json={"prompt": "Hello", "max_tokens": 4, **second})
-            body = response.read()
-            for _ in lines:
-                pass
+    with httpx.Client(timeout=60) as http, http.stream(
+            "POST", url, json={"prompt": "Hi", "max_tokens": 200, "ignore_eos": True,
+                               "stream": True}) as holder:
+        lines = holder.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        response = http.post(url, json={"prompt": "Hello", "max_tokens": 4, **second})
+        body = response.read()
+        for _ in lines:
+            pass
     return response, body
 
 

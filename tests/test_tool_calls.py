@@ -154,7 +154,8 @@ def streamed(client: openai.OpenAI, **request) -> tuple[str, list[dict], str]:
 
 
 @pytest.mark.default_model
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("stream", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["whole", "streamed"])  # whole: 60 s, run with -m slow
 def test_round_trip(client: openai.OpenAI, stream: bool) -> None:
     """required: a valid call, even from a 135M model; its result goes back as a tool message
     with the assistant's call; the model then answers in text."""

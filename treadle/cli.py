@@ -16,6 +16,7 @@ from treadle.config import (
     POLICY_NAMES,
     POOLING_TYPES,
     QUANTIZATION_CHOICES,
+    ROUTER_NAMES,
     UVICORN_LOG_LEVELS,
     ServeConfig,
     build_config,
@@ -114,6 +115,8 @@ def add_serve_settings(srv: argparse.ArgumentParser) -> None:
                 "seed of their own", none="not seeded")
     add_setting(model, "engine_threads", "torch threads of the engine process; this process "
                 "keeps to HTTP and tokenizing", "--threads", none="one per core")
+    add_setting(model, "tensor_parallel_size", "split the model's layers across this many "
+                "processes (torch.distributed), each on engine_threads / N threads")
     cache = srv.add_argument_group("KV cache")
     add_setting(cache, "block_size", "token slots per KV cache block")
     add_setting(cache, "num_blocks", "KV cache blocks",
@@ -199,6 +202,12 @@ def add_serve_settings(srv: argparse.ArgumentParser) -> None:
                 "root_path)")
     add_setting(server, "ssl_keyfile", "serve REST over HTTPS with this private key (PEM)")
     add_setting(server, "ssl_certfile", "... and this certificate (PEM)")
+    replicas = srv.add_argument_group("data parallelism (Ray; pip install -e \".[ray]\")")
+    add_setting(replicas, "data_parallel_size", "engine replicas, each a Ray actor with its own "
+                "KV cache and --engine-threads, on the cluster RAY_ADDRESS names or a local one")
+    add_setting(replicas, "router", "how a request's replica is picked: round-robin; least-load "
+                "(fewest outstanding tokens); prefix (where its first blocks were last sent, "
+                "unless that replica is overloaded)", choices=ROUTER_NAMES)
     ops = srv.add_argument_group("observability and supervision")
     add_setting(ops, "otlp_traces_endpoint", "send one OpenTelemetry span per request (queue, "
                 "prefill, decode inside) to this OTLP endpoint, http://host:4317 (gRPC) or "

@@ -203,10 +203,17 @@ class ParallelConfig:
     """How the engine process computes."""
 
     engine_threads: int | None = None  # torch intra-op threads; None: torch's, one per core
+    # Ranks the model is split across (treadle/engine/tp_executor.py), each on
+    # engine_threads // tensor_parallel_size threads; whether the model's heads allow it is
+    # checked when its config is read, before any worker starts.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.engine_threads is not None and self.engine_threads < 1:
             raise ValueError(f"engine_threads must be >= 1, got {self.engine_threads}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got "
+                             f"{self.tensor_parallel_size}")
 
 
 # The queue orderings of treadle/engine/policies.py (its POLICIES registry; a test keeps the two
@@ -296,6 +303,25 @@ class ObservabilityConfig:
             raise ValueError(f"max_tenant_labels must be >= 0, got {self.max_tenant_labels}")
 
 
+# How a request's replica is picked under data parallelism (treadle/engine/router.py).
+ROUTER_NAMES = ("round-robin", "least-load", "prefix")
+
+
+@dataclass(frozen=True)
+class DataParallelConfig:
+    """Engine replicas as Ray actors behind the frontend's router (treadle/engine/
+    data_parallel.py); 1: one engine process, no Ray."""
+
+    data_parallel_size: int = 1
+    router: str = "prefix"
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.router not in ROUTER_NAMES:
+            raise ValueError(f"router must be one of {ROUTER_NAMES}, got {self.router!r}")
+
+
 @dataclass(frozen=True)
 class AsyncEngineConfig:
     """What `AsyncEngine` needs: the engine process's config and the frontend's side of it."""
@@ -304,6 +330,7 @@ class AsyncEngineConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,11 @@ the status is "dead" for good. An engine alive but with no step finished for
 but not restarted, since it may recover and its requests are not lost; the orchestrator's
 liveness probe decides how long to wait.
 
+Data parallelism (data_parallel_size > 1): a ReplicaGroup (treadle/engine/data_parallel.py) of
+Ray actors stands where the engine process, its pipes and its sender stand; it routes each
+request to a replica, retries or fails (RequestFailed) the requests of a replica that dies, and
+Ray restarts that replica; the group as a whole is supervised as one engine process is.
+
 Ids: the keys of `generate` come from `reserve_request_id`: a client's X-Request-Id sanitised
 (letters, digits and `-_.:@+=~`, at most 128 characters; others become `_`) or a fresh uuid, with
 a suffix (`~2`, ...) while another request in flight holds it; held until `release_request_id`.
@@ -51,6 +56,7 @@ from multiprocessing.connection import Connection
 
 from treadle.config import AsyncEngineConfig
 from treadle.engine.admission import Admission, EngineOverloaded
+from treadle.engine.data_parallel import ReplicaGroup, import_ray
 from treadle.engine.engine_process import engine_process
 from treadle.engine.generation_defaults import sampling_defaults
 from treadle.engine.messages import (
@@ -59,6 +65,7 @@ from treadle.engine.messages import (
     EngineFailed,
     EngineOutput,
     EngineReady,
+    RequestFailed,
     RequestRejected,
     Shutdown,
     StepOutputs,
@@ -137,6 +144,8 @@ class AsyncEngine:
         source = resolve_model(config.engine.model.model)
         self.model_name = source.name
         self.tokenizer = Tokenizer.from_folder(source.folder)
+        if config.data_parallel.data_parallel_size > 1:
+            import_ray()  # ValueError now, saying how to install it, if it is missing
         # For requests that leave them out (--generation-config).
         self.sampling_defaults = sampling_defaults(source.folder,
                                                    config.engine.model.generation_config)
@@ -173,7 +182,19 @@ class AsyncEngine:
         self._spawn_task(self._watch())
 
     async def _spawn(self) -> None:
-        """Start an engine process, wait for its ready message, start reading its outputs."""
+        """Start an engine process (with data_parallel_size > 1: the Ray replicas, which stand
+        where the process, its pipes and its sender stand), wait for its ready message, start
+        reading its outputs."""
+        if self.config.data_parallel.data_parallel_size > 1:
+            group = ReplicaGroup(self.config, self.metrics)
+            spawned = time.monotonic()
+            try:
+                first = await asyncio.to_thread(group.start)
+            except BaseException:  # cancelled by a shutdown, or Ray failed
+                group.kill()
+                raise
+            self._started(first, spawned, group, group, group)
+            return
         context = multiprocessing.get_context("spawn")
         requests_in, requests_out = context.Pipe(duplex=False)
         outputs_in, outputs_out = context.Pipe(duplex=False)
@@ -193,6 +214,12 @@ class AsyncEngine:
         except BaseException:  # cancelled by a shutdown: the reading thread ends at EOF
             process.kill()
             raise
+        sender = RequestSender(requests_out) if isinstance(first, EngineReady) else None
+        self._started(first, spawned, process, outputs_in, sender)
+
+    def _started(self, first: EngineReady | EngineFailed, spawned: float, process,
+                 outputs_in, sender) -> None:
+        """Take the engine's ready message (RuntimeError for a failure) and start reading."""
         if not isinstance(first, EngineReady):
             process.kill()
             raise RuntimeError(f"the engine failed to start: {first.error}")
@@ -208,7 +235,7 @@ class AsyncEngine:
                     self.platform["quantization"], self.platform["quantized_types"],
                     self.platform["gemv_rows"])
         with self.lock:
-            self.process, self.sender = process, RequestSender(requests_out)
+            self.process, self.sender = process, sender
             self.load_state = LoadState()
         self.started_at = time.monotonic()
         threading.Thread(target=self._read_outputs, args=(outputs_in, process, self.sender),
@@ -509,6 +536,9 @@ class AsyncEngine:
         if isinstance(message, RequestRejected):
             self._reject(message)
             return
+        if isinstance(message, RequestFailed):
+            self._fail_request(message)
+            return
         load, step = message.load, message.step
         self.metrics.observe_engine(
             load.num_running, load.num_waiting, load.kv_cache_usage,
@@ -555,6 +585,15 @@ class AsyncEngine:
             error = (EngineOverloaded(message.message, reason=message.reason)
                      if message.reason == "deadline" else ValueError(message.message))
             self.loop.call_soon_threadsafe(queue.put_nowait, error)
+
+    def _fail_request(self, message: RequestFailed) -> None:
+        """The replica running one of a request's samples died: the request ends with
+        EngineUnavailable (its other samples are aborted as it ends)."""
+        with self.lock:
+            entry = self.processor.samples.get(message.request_id)
+            queue = self.streams.get(entry[0].request_id) if entry is not None else None
+        if queue is not None:
+            self.loop.call_soon_threadsafe(queue.put_nowait, EngineUnavailable(message.message))
 
 
 def exit_status(process: multiprocessing.process.BaseProcess) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from treadle.config import EngineConfig
-from treadle.engine.executor import Executor, InProcessExecutor
+from treadle.engine.executor import Executor, build_executor
 from treadle.engine.kv_cache import KVCacheManager
 from treadle.engine.messages import EngineCoreOutput, StepRecord
 from treadle.engine.policies import make_policy
@@ -63,13 +63,13 @@ class StepStats:
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
-        """Loads the model (an `InProcessExecutor`) and sizes the KV cache."""
+        """Loads the model (the executor `build_executor` picks) and sizes the KV cache."""
         scheduling_policy = make_policy(config.policy, config.scheduler)
         if config.model.seed is not None:  # vLLM's --seed: the global generator, for unseeded
             torch.manual_seed(config.model.seed)
         self.max_logprobs = config.model.max_logprobs
         self.pooling = config.model.pooling  # how embedding requests pool: last or mean
-        self.executor: Executor = InProcessExecutor(config)
+        self.executor: Executor = build_executor(config)
         facts = self.executor.facts
         logger.info("weights %s; %s", gib(facts.weights_bytes), facts.kv_cache.describe())
         self.kv_cache_manager = KVCacheManager(facts.num_blocks, config.cache.block_size,

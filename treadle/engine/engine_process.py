@@ -51,11 +51,7 @@ def engine_process(config: EngineConfig, requests: Connection, outputs: Connecti
     except Exception as e:
         outputs.send(EngineFailed(f"{type(e).__name__}: {e}"))
         return
-    facts = core.executor.facts
-    outputs.send(EngineReady(facts.max_model_len, facts.num_blocks, facts.vocab_size,
-                             core.executor.platform_info(),
-                             {"weights_bytes": facts.weights_bytes,
-                              "kv_cache": facts.kv_cache.as_dict()}))
+    outputs.send(ready_message(core))
     trace = StepTraceWriter(config.trace_file) if config.trace_file else None
     try:
         serve_engine(core, requests, outputs, trace)
@@ -65,6 +61,14 @@ def engine_process(config: EngineConfig, requests: Connection, outputs: Connecti
     # Nothing is left to save: skip the interpreter's teardown of torch (seconds), so that a
     # server stops within its shutdown timeout.
     os._exit(0)
+
+
+def ready_message(core: EngineCore) -> EngineReady:
+    """What the frontend learns of a started core."""
+    facts = core.executor.facts
+    return EngineReady(facts.max_model_len, facts.num_blocks, facts.vocab_size,
+                       core.executor.platform_info(),
+                       {"weights_bytes": facts.weights_bytes, "kv_cache": facts.kv_cache.as_dict()})
 
 
 def serve_engine(core: EngineCore, requests: Connection, outputs: Connection,

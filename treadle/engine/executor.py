@@ -2,9 +2,10 @@
 
 The core knows the model only through this interface: the model's facts it schedules by
 (`ModelFacts`), one `execute_model` call per step, and `platform_info` for logs. An executor
-may run one `ModelRunner` in this process (`InProcessExecutor`, today's only one) or drive
-several worker processes, each holding a shard (tensor parallelism): then `execute_model`
-broadcasts the step's `ModelInput` and returns the output of the first rank.
+may run one `ModelRunner` in this process (`InProcessExecutor`) or drive several worker
+processes, each holding a shard (`TensorParallelExecutor`, treadle/engine/tp_executor.py): then
+`execute_model` sends the step's `ModelInput` to every rank and returns the output of the first.
+`build_executor` picks one from the config.
 """
 
 from __future__ import annotations
@@ -46,6 +47,20 @@ class Executor(ABC):
     def platform_info(self) -> dict[str, Any]:
         """The dtype served and why, and which fast paths run: for logs and /v1/models."""
 
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the processes the executor started; safe to call twice."""
+
+
+def build_executor(config: EngineConfig) -> Executor:
+    """The executor `config` asks for: one in-process runner, or tensor-parallel ranks."""
+    if config.parallel.tensor_parallel_size > 1:
+        # Imported here: tp_executor builds on this module's Executor.
+        from treadle.engine.tp_executor import TensorParallelExecutor
+
+        return TensorParallelExecutor(config)
+    return InProcessExecutor(config)
+
 
 class InProcessExecutor(Executor):
     """One `ModelRunner` in this process, on `engine_threads` torch threads."""
@@ -66,3 +81,6 @@ class InProcessExecutor(Executor):
 
     def platform_info(self) -> dict[str, Any]:
         return self.runner.platform_info()
+
+    def close(self) -> None:
+        pass  # no processes of its own

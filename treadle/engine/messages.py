@@ -3,8 +3,9 @@
 Requests (frontend → engine): `AddRequest`, `AbortRequest`, `Shutdown`. Outputs (engine →
 frontend): first `EngineReady` or `EngineFailed`, then `StepOutputs` (each step's token outputs
 with the engine's load, the step's `StepRecord`, now and then an `EngineCensus`) and
-`RequestRejected`. Plain dataclasses, pickled over
-multiprocessing pipes; the offline API uses `EngineCoreOutput` and `TokenLogprobs` in-process.
+`RequestRejected` (and from data-parallel replicas, `RequestFailed`). Plain dataclasses,
+pickled over multiprocessing pipes; the offline API uses `EngineCoreOutput` and `TokenLogprobs`
+in-process.
 """
 
 from __future__ import annotations
@@ -156,4 +157,13 @@ class RequestRejected:
     reason: str
 
 
-EngineOutput = EngineReady | EngineFailed | StepOutputs | RequestRejected
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    """The engine replica running a request died (data parallelism): it ends with
+    EngineUnavailable; the others go on."""
+
+    request_id: str
+    message: str
+
+
+EngineOutput = EngineReady | EngineFailed | StepOutputs | RequestRejected | RequestFailed

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from treadle.model.attention import AttentionMetadata, KVCache, paged_attention
 from treadle.model.linear import Linear, QuantizedLinear
+from treadle.model.parallel import VocabParallelEmbedding
 from treadle.model.quantization import QuantizedWeight
 
 Layer = dict[str, torch.Tensor | Linear | QuantizedLinear | None]
@@ -56,8 +57,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def embed_tokens(embed: torch.Tensor | QuantizedWeight, input_ids: torch.Tensor,
-                 dtype: torch.dtype) -> torch.Tensor:
+def embed_tokens(embed: torch.Tensor | QuantizedWeight | VocabParallelEmbedding,
+                 input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(embed, VocabParallelEmbedding):  # a tensor-parallel rank's slice
+        return embed.lookup(input_ids, dtype)
     if isinstance(embed, QuantizedWeight):
         return embed.rows(input_ids).to(dtype)
     return F.embedding(input_ids, embed)

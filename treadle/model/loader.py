@@ -13,6 +13,7 @@ import json
 import logging
 import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,8 @@ from treadle.model.source import ModelLoadError, resolve_model
 
 logger = logging.getLogger(__name__)
 
+WeightSelect = Callable[[str, torch.Tensor | QuantizedWeight], torch.Tensor | QuantizedWeight]
+
 @dataclass
 class LoadedModel:
     spec: ModelSpec
@@ -49,9 +52,11 @@ class LoadedModel:
 
 
 def load_model(model: str | os.PathLike | None, dtype: torch.dtype,
-               quantization: str = "none") -> LoadedModel:
+               quantization: str = "none", select: WeightSelect | None = None) -> LoadedModel:
     """Load `model` (an HF folder, a .gguf file, or None for the default model) in `dtype`,
-    its matrices quantized as `quantization` says (see treadle/model/quantization.py)."""
+    its matrices quantized as `quantization` says (see treadle/model/quantization.py).
+    `select(name, weight)`: the part of each weight to keep (a tensor-parallel rank's slice,
+    treadle/model/parallel.py), taken before the conversion to `dtype` or quantization."""
     source = resolve_model(model)
     spec = read_spec(source.folder)
     quantization = resolve_quantization(quantization, source.gguf is not None)
@@ -59,6 +64,8 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype,
                if source.gguf is not None else read_safetensors_weights(source.folder))
     check_weights(weights, spec)
     expected = spec.expected_shapes()
+    if select is not None:
+        weights = {k: select(k, v) for k, v in weights.items() if k in expected}
     at_load = AT_LOAD.get(quantization)
     weights = {k: v if isinstance(v, QuantizedWeight)
                else quantize(v, at_load) if at_load is not None and quantizable(k, v.shape)

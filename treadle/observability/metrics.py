@@ -37,8 +37,8 @@ class ServerMetrics:
         label = ["model_name"]
         tenant = ("tenant",)
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"treadle:{name}", doc, label, registry=self.registry)
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(f"treadle:{name}", doc, label + list(extra), registry=self.registry)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(f"treadle:{name}", doc, label + list(extra), registry=self.registry)
@@ -52,6 +52,16 @@ class ServerMetrics:
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
         self.kv_blocks = gauge("kv_cache_num_blocks", "KV cache blocks in the engine's pool.")
+        # Data parallelism: each replica's (the gauges above sum them; KV usage: their mean).
+        replica = ("replica",)
+        self.replica_up = gauge("replica_up", "1 while the engine replica is in rotation.",
+                                replica)
+        self.replica_running = gauge("replica_num_requests_running",
+                                     "Requests in the replica's running batch.", replica)
+        self.replica_waiting = gauge("replica_num_requests_waiting",
+                                     "Requests waiting in the replica.", replica)
+        self.replica_kv_usage = gauge("replica_kv_cache_usage_perc",
+                                      "Fraction of the replica's KV cache blocks in use.", replica)
         self.prefix_queries = counter("prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
@@ -117,6 +127,13 @@ class ServerMetrics:
         self._cache_counts = cumulative
         if iteration_tokens is not None:
             self.labels(self.iteration_tokens).observe(iteration_tokens)
+
+    def observe_replica(self, replica: str, up: bool, running: int, waiting: int,
+                        kv_usage: float) -> None:
+        """One data-parallel replica's state."""
+        for metric, value in ((self.replica_up, int(up)), (self.replica_running, running),
+                              (self.replica_waiting, waiting), (self.replica_kv_usage, kv_usage)):
+            self.labels(metric, replica=replica).set(value)
 
     def render(self, openmetrics: bool = False) -> bytes:
         """Prometheus text, or OpenMetrics (with the latency histograms' request-id exemplars)."""
