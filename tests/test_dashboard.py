@@ -111,6 +111,17 @@ def test_snapshot_of_a_known_workload():
     assert later["latency"]["ttft"]["count"] == 0 and later["rejections"]["minute"] == 0
 
 
+def test_replicas_in_the_snapshot():
+    feed = LiveFeed()
+    assert feed.snapshot(0, 40, 1.0)["now"]["replicas"] == []  # one engine: no rows
+    feed.record_replica(1, True, load(3, 2, 0.5, 0, 0, 0))
+    feed.record_replica(0, False, load(0, 0, 0.0, 0, 0, 0))
+    feed.record_replica(1, True, load(4, 1, 0.25, 0, 0, 0))  # the latest state wins
+    assert feed.snapshot(0, 40, 1.0)["now"]["replicas"] == [
+        {"replica": 0, "up": False, "running": 0, "waiting": 0, "kv_usage": 0.0},
+        {"replica": 1, "up": True, "running": 4, "waiting": 1, "kv_usage": 0.25}]
+
+
 def test_segments_through_a_preemption():
     events = [(1.0, "queued", 0), (2.0, "scheduled", 8), (3.0, "first_token", 0),
               (3.0, "scheduled", 1), (4.0, "preempted", 0), (5.0, "scheduled", 9),
@@ -211,6 +222,17 @@ def test_page_in_chromium(server, tmp_path):
             page.wait_for_function("document.getElementById('status').textContent"
                                    " === 'engine ok'", timeout=10_000)
             assert "key=" not in page.url  # taken into sessionStorage, out of the address bar
+            assert page.is_hidden("#replicas-table")  # one engine: no replica rows
+            # Under data parallelism (tests/test_data_parallel.py has the feed's rows from a Ray
+            # cluster): the page's own update() draws a row per replica, a dead one marked.
+            rows = page.evaluate("""() => {
+                update({...lastData, steps: [], now: {...lastData.now, replicas: [
+                    {replica: 0, up: true, running: 2, waiting: 1, kv_usage: 0.5},
+                    {replica: 1, up: false, running: 0, waiting: 0, kv_usage: 0}]}});
+                return [...document.querySelectorAll('#replicas tr')].map(
+                    (tr) => [tr.className, tr.textContent]);
+            }""")
+            assert rows == [["", "0up1250.0%"], ["down", "1down000.0%"]]
             idle_rate = page.text_content("#step-rate")
             load_thread.start()
             # Numbers move: steps per second and the Gantt's rows, while the load runs.

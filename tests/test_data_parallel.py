@@ -154,6 +154,19 @@ def replica_up(port: int) -> dict[str, float]:
             if name == "treadle:replica_up"}
 
 
+def dashboard_replicas(port: int) -> list[tuple[int, bool]]:
+    """(replica, up) of each row the dashboard's feed sends."""
+    import json
+
+    import httpx
+
+    with httpx.stream("GET", f"http://127.0.0.1:{port}/dashboard/feed", timeout=30) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                return [(r["replica"], r["up"]) for r in json.loads(line[6:])["now"]["replicas"]]
+    raise AssertionError("the feed ended without an event")
+
+
 def greedy_texts(offline, prompts: list[list[int]], max_tokens: int) -> list[str]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [output.outputs[0].text
@@ -193,6 +206,7 @@ def test_replicas_serve_greedy_outputs_and_survive_a_killed_replica(ray_cluster,
     expected = greedy_texts(offline, prompts, 24)
     with replicas(tiny_folder, "least-load") as (client, port, engine):
         assert replica_up(port) == {"0": 1.0, "1": 1.0}
+        assert dashboard_replicas(port) == [(0, True), (1, True)]
         texts = run_threads(lambda p: complete(client, p, 24), prompts)
         assert texts == expected
         # Both replicas ran some: their prefix-cache queries add up to every prompt token.
@@ -239,6 +253,7 @@ def test_replicas_serve_greedy_outputs_and_survive_a_killed_replica(ray_cluster,
         while replica_up(port).get("0") != 1.0:
             assert time.monotonic() < deadline, "replica 0 did not come back"
             time.sleep(0.5)
+        assert dashboard_replicas(port) == [(0, True), (1, True)]
         texts = run_threads(lambda p: complete(client, p, 24), prompts)
         assert texts == expected
         assert engine.load() == IDLE

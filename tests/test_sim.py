@@ -164,8 +164,9 @@ def test_replicas_split_the_load():
     assert sum(least["per_replica_requests"]) == 400 and min(least["per_replica_requests"]) > 60
     assert rr["duration_s"] < one["duration_s"] / 2  # overloaded alone: four drain it faster
     assert rr["ttft_ms"]["median"] < one["ttft_ms"]["median"]
-    # Prefix affinity: requests sharing a first block meet on one replica.
-    shared = [SimRequest(i * 0.01, [5] * 32 + unique_prompt(i, 8), 4) for i in range(20)]
+    # Prefix affinity (the server's router): requests sharing their first blocks meet on one
+    # replica while it is not a step's token budget more loaded than the others.
+    shared = [SimRequest(i * 0.01, [5] * 32 + unique_prompt(i, 8), 4) for i in range(10)]
     result = simulate(shared, SimSettings(replicas=3, router="prefix"), PROFILE)
     assert len({t.replica for t in result.timelines}) == 1
     assert summarize(result)["cached_prompt_tokens"] > 0

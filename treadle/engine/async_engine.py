@@ -186,7 +186,7 @@ class AsyncEngine:
         where the process, its pipes and its sender stand), wait for its ready message, start
         reading its outputs."""
         if self.config.data_parallel.data_parallel_size > 1:
-            group = ReplicaGroup(self.config, self.metrics)
+            group = ReplicaGroup(self.config, self.metrics, self.live)
             spawned = time.monotonic()
             try:
                 first = await asyncio.to_thread(group.start)

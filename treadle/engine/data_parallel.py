@@ -13,8 +13,8 @@ outputs), so Ray's per-call cost (about a millisecond) is paid per step, not per
 Load: the frontend counts each replica's outstanding tokens (prompt left to prefill, known
 done with the first token, plus max_tokens less the tokens seen) for the least-load and prefix
 routers; the load AsyncEngine sees sums the replicas' (KV usage: their mean), its cache
-counters summed over every life of every replica; /metrics has each replica's running,
-waiting, KV usage and whether it is in rotation (`replica` label).
+counters summed over every life of every replica; /metrics (`replica` label) and the
+dashboard's feed show each replica's running, waiting, KV usage and whether it is in rotation.
 
 Faults: when a replica's actor dies (its pending `pull` fails at once) it leaves the rotation.
 Its requests that have streamed no token yet are sent once more, to another replica: the client
@@ -56,6 +56,7 @@ from treadle.engine.messages import (
 )
 from treadle.engine.ray_replica import EngineReplica
 from treadle.engine.router import Router
+from treadle.observability.live import LiveFeed
 from treadle.observability.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -106,10 +107,10 @@ class Replica:
 
 
 class ReplicaGroup:
-    def __init__(self, config: AsyncEngineConfig, metrics: ServerMetrics) -> None:
+    def __init__(self, config: AsyncEngineConfig, metrics: ServerMetrics, live: LiveFeed) -> None:
         self.ray = import_ray()
         self.config = config
-        self.metrics = metrics
+        self.metrics, self.live = metrics, live  # where each replica's state is shown
         self.size = config.data_parallel.data_parallel_size
         self.lock = threading.Lock()  # flights, replicas' state, the router
         self.flights: dict[str, Flight] = {}
@@ -407,3 +408,4 @@ class ReplicaGroup:
     def _observe_replica(self, replica: Replica) -> None:
         self.metrics.observe_replica(str(replica.index), replica.live, replica.load.num_running,
                                      replica.load.num_waiting, replica.load.kv_cache_usage)
+        self.live.record_replica(replica.index, replica.live, replica.load)

@@ -132,6 +132,7 @@ class LiveFeed:
             name: deque(maxlen=MAX_LATENCY_SAMPLES) for name in ("ttft", "itl", "e2e")}
         self.rejections: Counter[str] = Counter()  # by reason, since the server started
         self.rejection_times: deque[float] = deque(maxlen=MAX_LATENCY_SAMPLES)
+        self.replicas: dict[int, dict] = {}  # under data parallelism: each replica's state
 
     def record_engine(self, load: EngineLoad, step: StepRecord | None,
                       census: EngineCensus | None, now: float) -> None:
@@ -149,6 +150,13 @@ class LiveFeed:
                 self.counters.clear()
             if not self.counters or now - self.counters[-1][0] >= 1.0:
                 self.counters.append((now, *counts))
+
+    def record_replica(self, index: int, up: bool, load: EngineLoad) -> None:
+        """One data-parallel replica's state: in rotation or not, and its load."""
+        with self.lock:
+            self.replicas[index] = {"replica": index, "up": up, "running": load.num_running,
+                                    "waiting": load.num_waiting,
+                                    "kv_usage": round(load.kv_cache_usage, 4)}
 
     def engine_restarted(self) -> None:
         """The engine process died: nothing of its load or census holds any more."""
@@ -233,6 +241,7 @@ class LiveFeed:
                     samples.popleft()
                 windows[name] = [v for _, v in samples]
             load, census, counters = self.load, self.census, list(self.counters)
+            replicas = [self.replicas[i] for i in sorted(self.replicas)]
             cursor = self.num_steps
             while self.rejection_times and self.rejection_times[0] < now - LATENCY_WINDOW:
                 self.rejection_times.popleft()
@@ -242,7 +251,7 @@ class LiveFeed:
         minute = [c for c in counters if c[0] >= now - LATENCY_WINDOW]
         return {
             "cursor": cursor,
-            "now": self._now(load, census, minute, recent, num_blocks),
+            "now": self._now(load, census, minute, recent, num_blocks) | {"replicas": replicas},
             "steps": [[round(s.scheduled_at - now, 4), round(s.duration, 5), s.num_requests,
                        s.num_prefill_tokens, s.num_decode_tokens, s.num_preemptions]
                       for s in steps],

@@ -8,7 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from treadle.sim.settings import ROUTERS, SimSettings, parse_setting
+from treadle.config import ROUTER_NAMES
+from treadle.sim.settings import SimSettings, parse_setting
 from treadle.sim.workload import SimRequest
 
 # SmolLM2-135M's KV bytes per block of 16 tokens: layers x (K, V) x 16 x kv heads x dim x bf16.
@@ -60,7 +61,7 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--max-model-len-engine", dest="engine_max_model_len", type=int,
                    default=8192, help="the engine's context limit")
     e.add_argument("--replicas", type=int, default=1)
-    e.add_argument("--router", choices=ROUTERS, default="round-robin")
+    e.add_argument("--router", choices=ROUTER_NAMES, default="round-robin")
     e.add_argument("--sweep", default=None, metavar="NAME=V1,V2",
                    help="one run per value of a setting, e.g. max_num_batched_tokens=256,512")
 

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from treadle.config import SchedulerConfig
+from treadle.config import ROUTER_NAMES, SchedulerConfig
 from treadle.engine.policies import POLICIES
-
-ROUTERS = ("round-robin", "least-load", "prefix")
 
 
 @dataclass(frozen=True)
@@ -28,8 +26,8 @@ class SimSettings:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
-        if self.router not in ROUTERS:
-            raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
+        if self.router not in ROUTER_NAMES:
+            raise ValueError(f"router must be one of {ROUTER_NAMES}, got {self.router!r}")
         for name in ("block_size", "num_blocks", "max_model_len", "replicas"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from treadle.engine.router import Router
 from treadle.sim.profile import StepProfile
 from treadle.sim.replica import SimReplica, StepRecord, Timeline
-from treadle.sim.router import Router
 from treadle.sim.settings import SimSettings
 from treadle.sim.workload import SimRequest
 
@@ -43,7 +43,12 @@ def simulate(requests: list[SimRequest], settings: SimSettings, profile: StepPro
     began = time.perf_counter()
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
     replicas = [SimReplica(settings, profile, i, record_batches) for i in range(settings.replicas)]
-    router = Router(settings.router, settings.block_size)
+    # The data-parallel server's own router (treadle/engine/router.py), over the simulated
+    # replicas' outstanding tokens; every simulated replica stays live.
+    router = Router(settings.router, settings.replicas, settings.block_size,
+                    index_blocks=settings.num_blocks,
+                    overload_tokens=settings.max_num_batched_tokens)
+    live = [True] * settings.replicas
     timelines: list[Timeline | None] = [None] * len(requests)
     rejected: dict[int, str] = {}
     pos = 0
@@ -56,7 +61,9 @@ def simulate(requests: list[SimRequest], settings: SimSettings, profile: StepPro
             index = order[pos]
             pos += 1
             request = requests[index]
-            replica = replicas[router.route(request, replicas)]
+            choice = router.pick(request.prompt_token_ids, None,
+                                 [r.outstanding_tokens for r in replicas], live)
+            replica = replicas[choice]
             try:
                 timelines[index] = replica.add(index, request)
             except ValueError as e:

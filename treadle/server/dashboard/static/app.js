@@ -153,6 +153,24 @@ function drawNow(now, rejections) {
     tr.innerHTML = '<td class="muted" colspan="4">no requests in the engine</td>';
     body.appendChild(tr);
   }
+  drawReplicas(now.replicas);
+}
+
+// Data-parallel replicas (--data-parallel-size): one row each; hidden with one engine.
+function drawReplicas(replicas) {
+  $("replicas-table").hidden = !replicas.length;
+  const body = $("replicas");
+  body.replaceChildren();
+  for (const r of replicas) {
+    const tr = document.createElement("tr");
+    if (!r.up) tr.className = "down";
+    for (const v of [r.replica, r.up ? "up" : "down", r.waiting, r.running, fmtPct(r.kv_usage)]) {
+      const td = document.createElement("td");
+      td.textContent = v;
+      tr.appendChild(td);
+    }
+    body.appendChild(tr);
+  }
 }
 
 function drawLatency(latency, objectives) {
