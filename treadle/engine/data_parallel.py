@@ -37,7 +37,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from treadle.config import AsyncEngineConfig
@@ -56,6 +56,7 @@ from treadle.engine.messages import (
 )
 from treadle.engine.ray_replica import EngineReplica
 from treadle.engine.router import Router
+from treadle.model.memory import DEFAULT_KV_MEMORY_FRACTION, available_memory
 from treadle.observability.live import LiveFeed
 from treadle.observability.metrics import ServerMetrics
 
@@ -124,23 +125,33 @@ class ReplicaGroup:
         """Start the replicas and wait until each has loaded its model (blocking: call it in a
         thread); then route and read. EngineFailed if one cannot start."""
         ray = self.ray
+        started_locally = False
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS") or None
             # A local cluster without the dashboard: less to start, and nothing it would show.
             ray.init(address=address, namespace=RAY_NAMESPACE,
                      **({} if address else {"include_dashboard": False}))
+            started_locally = address is None
         cpus = self.config.engine.parallel.engine_threads or 1
         total = ray.cluster_resources().get("CPU", 0)
         if total < self.size * cpus:
             return EngineFailed(f"{self.size} replicas of {cpus} CPU each need {self.size * cpus}"
                                 f" CPUs; the Ray cluster has {total:g}")
+        engine = self.config.engine
+        cache = engine.cache
+        if started_locally and cache.num_blocks is None and cache.kv_cache_memory_bytes is None:
+            # Every replica on this machine, all loading at once: each would size its default
+            # cache from the same free memory (two took 10.6 GiB each of a 23 GiB machine).
+            # Each gets its share of the default's instead.
+            share = int(DEFAULT_KV_MEMORY_FRACTION * available_memory() / self.size)
+            engine = replace(engine, cache=replace(cache, kv_cache_memory_bytes=share))
         group = uuid.uuid4().hex[:8]
         actor_class = self.ray.remote(EngineReplica)
         for i in range(self.size):
             actor = actor_class.options(
                 name=f"treadle-replica-{i}-{group}", namespace=RAY_NAMESPACE, num_cpus=cpus,
                 max_restarts=self.config.supervision.max_engine_restarts, max_task_retries=0,
-                max_concurrency=2, scheduling_strategy="SPREAD").remote(self.config.engine)
+                max_concurrency=2, scheduling_strategy="SPREAD").remote(engine)
             self.replicas.append(Replica(i, actor))
         try:
             firsts = ray.get([replica.actor.ready.remote() for replica in self.replicas])
