@@ -148,7 +148,12 @@ class Scheduler:
         head's admission: only when the head is sure to be admitted (a slot, blocks, and a
         prefill slot unless its prompt completes in the step), so a step never stays empty."""
         head = self.waiting.peek()
-        if head is None or self._over_tenant_cap(head) or not self._fits(head):
+        if head is None:
+            return frozenset()
+        # The policy first: the checks below hash the head's prompt, work a step of a policy
+        # that never yields (fcfs, priority, deadline) must not do.
+        yielding = self.policy.yielding_tenants(head, self.running)
+        if not yielding or self._over_tenant_cap(head) or not self._fits(head):
             return frozenset()
         _, num_hit = self._prefix_hit(head)
         num_left = head.num_tokens - num_hit - min(self.config.long_prefill_token_threshold,
@@ -156,7 +161,7 @@ class Scheduler:
         num_prefills = sum(1 for r in self.running if uncomputed_tokens(r) > 1)
         if num_left > 1 and num_prefills >= self.config.max_num_partial_prefills:
             return frozenset()
-        return self.policy.yielding_tenants(head, self.running)
+        return yielding
 
     def _displace_for_waiting_head(self, output: SchedulerOutput) -> None:
         """Under priority and fair share, the waiting queue's head may take the batch slot and
