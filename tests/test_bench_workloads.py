@@ -155,6 +155,43 @@ def test_file_workload_reads_text_and_token_prompts(tokenizer, tmp_path):
             file_workload(tokenizer, path)
 
 
+def test_file_workload_tenants_are_sent_as_those_tenants(tokenizer, tmp_path):
+    """A "tenant" column (the field name of `treadle sim` traces): bench serve sends each row
+    as its tenant (`user`, or the tenant's key) and reports per tenant; rows without one are
+    the default tenant; --tenants beside it is an error."""
+    from treadle.bench.serve import OpenAIBackend, bench_serve, workload_tenants
+    from treadle.sim.workload import from_bench, from_row
+
+    path = tmp_path / "w.jsonl"
+    rows = [{"prompt": [5, 6, 7], "output_len": 2, "tenant": "heavy"},
+            {"prompt": "hello there", "output_len": 3, "tenant": "light"},
+            {"prompt": [8, 9], "output_len": 1}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    requests = file_workload(tokenizer, path)
+    assert [r.tenant for r in requests] == ["heavy", "light", None]
+    names = workload_tenants(requests, None)
+    assert names == ["heavy", "light", "default"]
+    backend = OpenAIBackend("http://x", "m", requests, "ids", True, tenants=names,
+                            tenant_keys={"light": "kl"})
+    assert [p.get("user") for p in backend.payloads] == ["heavy", None, "default"]
+    assert backend.request_headers == [None, {"Authorization": "Bearer kl"}, None]
+    with pytest.raises(ValueError, match="drop --tenants"):
+        bench_serve("http://127.0.0.1:9", "m", requests, [1.0], tenants={"a": 1.0},
+                    progress=False)
+    path.write_text('{"prompt": [5], "output_len": 1}\n')
+    plain = file_workload(tokenizer, path)
+    assert plain[0].tenant is None and workload_tenants(plain, None) is None
+    assert workload_tenants(plain * 4, {"a": 1.0}) == ["a"] * 4
+    # The simulator reads the same field: a trace row and a bench file row agree.
+    replay = from_bench(requests, [0.0, 0.5, 1.0])
+    assert [r.tenant for r in replay] == names
+    assert from_row({"arrival": 0, "prompt_len": 3, "output_len": 2, "tenant": "heavy"},
+                    0).tenant == "heavy"
+    path.write_text('{"prompt": [5], "output_len": 1, "tenant": 3}\n')
+    with pytest.raises(ValueError, match="tenant must be"):
+        file_workload(tokenizer, path)
+
+
 @pytest.mark.default_model
 def test_prompts_round_trip_through_the_default_tokenizer():
     from transformers import AutoTokenizer

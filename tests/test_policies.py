@@ -4,10 +4,12 @@ caps; and schedule()'s cost at a thousand waiting requests (printed, not asserte
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 import zlib
 from collections import Counter
 
+import numpy as np
 import pytest
 from conftest import assert_engine_empty, assert_scheduler_empty
 from engine_sim import make_scheduler, model_for, reference_output, run_until_done, step
@@ -17,11 +19,15 @@ from model_utils import build_tiny_model
 
 from treadle.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from treadle.engine.core import EngineCore
+from treadle.engine.engine_process import add_request
+from treadle.engine.messages import AddRequest, RequestRejected
 from treadle.engine.policies import (
     POLICIES,
     FairPolicy,
-    StepTimeEstimator,
+    StepFit,
+    StepTimeModel,
     make_policy,
+    predict_tpot,
     predict_ttft,
 )
 from treadle.engine.request import Request, RequestStatus
@@ -301,7 +307,7 @@ def test_a_request_that_can_no_longer_meet_its_deadline_yields():
     now = [0.0]
     s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=1, policy="deadline",
                        clock=lambda: now[0])
-    s.step_time.seconds_per_token = 0.1
+    s.step_time.fit = StepFit(0.0, 0.1)
     s.add_request(req("hopeless", 40, arrival=0, ttft=3.0))  # 40 tokens take 4 s
     s.add_request(req("feasible", 10, arrival=0, ttft=6.0))
     s.add_request(req("none", 4, arrival=0))
@@ -311,43 +317,107 @@ def test_a_request_that_can_no_longer_meet_its_deadline_yields():
 
 def test_predict_ttft():
     # 300 tokens ahead + 100 own, 50 decodes per step in a 250-token budget: 2 steps of
-    # prefill, each also running 50 decode tokens: 500 tokens at 1 ms.
-    assert predict_ttft(300, 100, 50, 250, 0.001) == pytest.approx(0.5)
-    assert predict_ttft(0, 10, 0, 512, 0.01) == pytest.approx(0.1)
+    # prefill, each also running 50 decode tokens: 500 tokens at 1 ms, plus 2 fixed costs.
+    assert predict_ttft(300, 100, 50, 250, StepFit(0.0, 0.001)) == pytest.approx(0.5)
+    assert predict_ttft(300, 100, 50, 250, StepFit(0.02, 0.001)) == pytest.approx(0.54)
+    assert predict_ttft(0, 10, 0, 512, StepFit(0.0, 0.01)) == pytest.approx(0.1)
 
 
-def test_step_time_estimator_is_an_ewma_per_token():
-    estimator = StepTimeEstimator(alpha=0.5)
-    assert estimator.seconds_per_token is None
-    estimator.update(1.0, 100)
-    estimator.update(3.0, 100)
-    estimator.update(5.0, 0)  # an empty step says nothing
-    assert estimator.seconds_per_token == pytest.approx(0.02)
+def test_predict_tpot():
+    # 60 decodes and 1000 prefill tokens in a 256-token budget: steps of 256 tokens.
+    assert predict_tpot(60, 1000, 256, StepFit(0.01, 0.0001)) == pytest.approx(0.0356)
+    assert predict_tpot(60, 10, 256, StepFit(0.01, 0.0001)) == pytest.approx(0.017)
+    assert predict_tpot(300, 1000, 256, StepFit(0.0, 0.001)) == pytest.approx(0.3)
+
+
+def test_step_time_model_recovers_fixed_and_per_token_cost():
+    """Synthetic steps of 8 ms + 50 us per token, with noise: the fit recovers both terms, as
+    numpy's least squares over the same (recent) steps does."""
+    rng = np.random.default_rng(0)
+    model = StepTimeModel(forgetting=0.99)
+    assert model.fit is None and model.seconds_per_token(100) is None
+    tokens = rng.integers(1, 512, size=400)
+    seconds = 0.008 + 50e-6 * tokens + rng.normal(0, 2e-4, size=400)
+    for n, t in zip(tokens, seconds, strict=True):
+        model.update(float(t), int(n))
+    model.update(5.0, 0)  # an empty step says nothing
+    assert model.fit.fixed == pytest.approx(0.008, rel=0.05)
+    assert model.fit.per_token == pytest.approx(50e-6, rel=0.02)
+    weights = np.sqrt(0.99 ** np.arange(399, -1, -1))
+    design = np.stack([np.ones(400), tokens], axis=1) * weights[:, None]
+    reference, *_ = np.linalg.lstsq(design, seconds * weights, rcond=None)
+    assert model.fit == pytest.approx(tuple(reference), rel=1e-6)
+    assert model.seconds_per_token(400) == pytest.approx(0.008 / 400 + 50e-6, rel=0.05)
+
+
+def test_step_time_model_forgets_and_falls_back():
+    model = StepTimeModel(forgetting=0.5)
+    for _ in range(5):
+        model.update(0.2, 100)  # one size only: no intercept to separate, per token only
+    assert model.fit == pytest.approx((0.0, 0.002))
+    for _ in range(40):  # the engine got twice as fast, at two sizes: the old steps fade
+        model.update(0.01 + 0.0005 * 100, 100)
+        model.update(0.01 + 0.0005 * 300, 300)
+    assert model.fit == pytest.approx((0.01, 0.0005), rel=1e-3)
+    falling = StepTimeModel()
+    falling.update(0.3, 10)
+    falling.update(0.1, 100)  # larger steps faster: no slope to trust, the (weighted) mean
+    assert falling.fit == pytest.approx(((0.95 * 0.3 + 0.1) / 1.95, 0.0))
 
 
 def test_admission_prediction_counts_the_queue_ahead():
     s = make_scheduler(num_blocks=256, block_size=4, max_num_batched_tokens=100,
                        policy="deadline")
     probe = req("probe", 100, arrival=0, ttft=1.5)
-    assert s.can_meet_ttft(probe)  # nothing measured yet: admit
-    s.step_time.seconds_per_token = 0.01  # 100 tokens a second
-    assert s.can_meet_ttft(probe)  # 100 tokens: 1 s
+    assert s.objective_out_of_reach(probe) is None  # nothing measured yet: admit
+    s.step_time.fit = StepFit(0.0, 0.01)  # 100 tokens a second
+    assert s.objective_out_of_reach(probe) is None  # 100 tokens: 1 s
     s.add_request(req("later", 200, arrival=0, ttft=10.0))  # its deadline is after probe's
     s.add_request(req("none", 200, arrival=0))
-    assert s.can_meet_ttft(probe)  # EDF: neither is ahead of it
+    assert s.objective_out_of_reach(probe) is None  # EDF: neither is ahead of it
     s.add_request(req("sooner", 100, arrival=0, ttft=1.0))
-    assert not s.can_meet_ttft(probe)  # 200 tokens: 2 s > 1.5 s
-    assert s.can_meet_ttft(req("patient", 100, arrival=0, ttft=2.5))
+    why = s.objective_out_of_reach(probe)  # 200 tokens: 2 s > 1.5 s
+    assert why is not None and "TTFT objective of 1500 ms" in why and "2000 ms" in why
+    assert s.objective_out_of_reach(req("patient", 100, arrival=0, ttft=2.5)) is None
+    s.step_time.fit = StepFit(0.3, 0.01)  # two steps, each 0.3 s more: 2.6 s
+    assert s.objective_out_of_reach(req("patient", 100, arrival=0, ttft=2.5)) is not None
 
 
 def test_admission_never_refuses_a_request_with_nothing_ahead():
     """However pessimistic the estimate, a request that would run next is admitted: refusing it
     cannot serve it sooner, and an idle engine would never measure a better estimate."""
     s = make_scheduler(num_blocks=256, block_size=4, policy="deadline")
-    s.step_time.seconds_per_token = 10.0
-    assert s.can_meet_ttft(req("alone", 200, arrival=0, ttft=0.001))
+    s.step_time.fit = StepFit(0.0, 10.0)
+    assert s.objective_out_of_reach(req("alone", 200, arrival=0, ttft=0.001)) is None
+    assert s.objective_out_of_reach(req("alone", 200, arrival=0, tpot=0.001)) is None
     s.add_request(req("first", 50, arrival=0, ttft=0.5))
-    assert not s.can_meet_ttft(req("second", 200, arrival=1, ttft=0.001))
+    assert s.objective_out_of_reach(req("second", 200, arrival=1, ttft=0.001)) is not None
+
+
+def test_tpot_admission_counts_the_requests_decoding_with_it():
+    """A step of 10 ms + 1 ms per token, a 64-token budget, at most 8 sequences: with 6
+    decoding, a newcomer's steps carry 7 decode tokens (17 ms); with 8 running and a long
+    prompt waiting ahead, 8 decodes (the cap) and 56 prefill tokens fill the budget (74 ms)."""
+    s = make_scheduler(num_blocks=512, block_size=4, max_num_batched_tokens=64,
+                       max_num_seqs=8, policy="deadline")
+    model = model_for(s)
+    for i in range(6):
+        s.add_request(req(f"d{i}", 4, max_tokens=100, arrival=0))
+    step(s, model)
+    step(s, model)  # all six decode
+    probe = req("probe", 4, arrival=1, tpot=0.020)
+    assert s.objective_out_of_reach(probe) is None  # nothing measured: admit
+    s.step_time.fit = StepFit(0.010, 0.001)
+    assert s.objective_out_of_reach(probe) is None  # 7 decodes: 17 ms <= 20 ms
+    assert s.objective_out_of_reach(req("probe", 4, arrival=1, tpot=0.016)) is not None
+    s.add_request(req("d6", 4, max_tokens=100, arrival=0))
+    s.add_request(req("d7", 4, max_tokens=100, arrival=0))
+    step(s, model)
+    s.add_request(req("long", 200, arrival=0, ttft=60.0))  # ahead of a TPOT-only request
+    why = s.objective_out_of_reach(req("probe", 4, arrival=1, tpot=0.050))
+    assert why == ("the TPOT objective of 50 ms cannot be met: predicted 74.0 ms per token "
+                   "with 8 requests decoding; retry later")
+    assert s.objective_out_of_reach(req("probe", 4, arrival=1, tpot=0.080)) is None
 
 
 # Long requests, queue time limit
@@ -528,7 +598,7 @@ def test_engine_core_tenants_objectives_queue_timeout_and_admission(tiny_model):
     assert (second.tenant, second.ttft, second.tpot) == ("default", None, None)
     with pytest.raises(ValueError, match="ttft must be > 0"):
         engine.add_request("bad", [5], params, ttft=0.0)
-    assert engine.can_meet_ttft(10, 1e-9)  # nothing measured yet
+    assert engine.objective_out_of_reach(10, ttft=1e-9, tpot=1e-9) is None  # nothing measured
     engine.step()  # first runs; second waits for the one batch slot
     time.sleep(0.2)
     outputs = engine.step()
@@ -536,11 +606,46 @@ def test_engine_core_tenants_objectives_queue_timeout_and_admission(tiny_model):
     assert len(timed_out) == 1 and timed_out[0].finished and timed_out[0].new_token_ids == []
     assert timed_out[0].finish_reason == "queue_timeout" and timed_out[0].timings[0] >= 0.2
     assert engine.num_queue_timeouts == 1
-    assert engine.scheduler.step_time.seconds_per_token > 0
+    assert engine.scheduler.step_time.seconds_per_token(16) > 0
     # Nothing ahead (first is decoding): refusing could not serve it sooner.
-    assert engine.can_meet_ttft(10, 60.0) and engine.can_meet_ttft(10, 1e-9)
+    assert engine.objective_out_of_reach(10, ttft=60.0) is None
+    assert engine.objective_out_of_reach(10, ttft=1e-9) is None
     engine.add_request("queued", list(range(3, 40)), params, ttft=1e-6)  # its deadline first
-    assert engine.can_meet_ttft(10, 60.0) and not engine.can_meet_ttft(10, 1e-9)
+    assert engine.objective_out_of_reach(10, ttft=60.0) is None
+    assert "TTFT objective" in engine.objective_out_of_reach(10, ttft=1e-9)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_engine_empty(engine)
+
+
+def test_engine_process_refuses_an_unreachable_tpot_with_reason_deadline(tiny_model):
+    """The engine process's admission: with two requests decoding, a third's steps carry
+    three decodes, which no measured step does in a nanosecond: RequestRejected, reason
+    deadline (the frontend's 429), and it is never queued; a reachable TPOT is queued."""
+    engine = EngineCore(EngineConfig(
+        ModelConfig(model=str(tiny_model), dtype="float32"),
+        CacheConfig(block_size=4, num_blocks=64), SchedulerConfig(max_num_seqs=4),
+        policy="deadline"))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], params)
+    engine.add_request("b", [8, 9], params)
+    engine.step()
+    engine.step()  # both decode, and steps are measured
+    receiving, sending = multiprocessing.Pipe(duplex=False)
+
+    def message(request_id: str, tpot: float) -> AddRequest:
+        return AddRequest(request_id, [3, 4, 5], params, priority=0, tenant="t",
+                          cache_salt=None, ttft=None, tpot=tpot, admit_deadline=True)
+
+    add_request(engine, message("hopeless", 1e-9), sending)
+    assert receiving.poll(5)
+    refusal = receiving.recv()
+    assert isinstance(refusal, RequestRejected) and refusal.reason == "deadline"
+    assert refusal.message.startswith("the TPOT objective of 1e-06 ms cannot be met")
+    assert "with 3 requests decoding" in refusal.message
+    assert "hopeless" not in engine.scheduler.requests
+    add_request(engine, message("patient", 60.0), sending)
+    assert not receiving.poll() and "patient" in engine.scheduler.requests
     while engine.has_unfinished_requests():
         engine.step()
     assert_engine_empty(engine)

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
 from treadle.engine.kv_cache import cdiv
-from treadle.engine.policies import POLICIES
+from treadle.engine.policies import POLICIES, StepFit
 from treadle.engine.request import Request, RequestStatus
 from treadle.engine.sampling_params import SamplingParams
 from treadle.engine.scheduler import Scheduler
@@ -71,7 +71,7 @@ def schedulers(draw: st.DrawFn, policy: str) -> Scheduler:
                        max_kv_blocks_per_tenant=draw(st.sampled_from([None, 2, 5])),
                        tenant_weights=draw(st.dictionaries(st.sampled_from(TENANTS),
                                                            st.sampled_from([0.5, 1.0, 4.0]))))
-    s.step_time.seconds_per_token = draw(st.sampled_from([None, 0.05, 1.0]))
+    s.step_time.fit = draw(st.sampled_from([None, StepFit(0.0, 0.05), StepFit(0.2, 1.0)]))
     return s
 
 

@@ -137,8 +137,9 @@ def test_clock_moves_forward_and_every_request_ends_once(policy):
         if t.finish_reason == "length":
             assert r.arrival <= t.scheduled < t.first_token <= t.finished
             assert t.num_output_tokens == r.output_len and len(t.itl) == r.output_len - 1
-        else:
-            assert t.finish_reason == "queue_timeout" and t.scheduled is None
+        else:  # deadline admission refuses what it predicts late, as the engine does
+            refused = ("deadline",) if policy == "deadline" else ()
+            assert t.finish_reason in ("queue_timeout", *refused) and t.scheduled is None
     report = summarize(result, {"ttft": 2000})
     assert report["successful"] + report["failed"] == len(requests)
     assert report["preemptions"] == result.num_preemptions > 0
@@ -152,6 +153,23 @@ def test_requests_the_engine_would_refuse_fail_alone():
     result = simulate(requests, SimSettings(num_blocks=64), PROFILE)
     assert [t.finish_reason for t in result.timelines] == ["length", "rejected"]
     assert "KV cache blocks" in result.rejected[1]
+
+
+def test_deadline_admission_refuses_an_unreachable_tpot_as_the_engine_does():
+    """Sixty requests decoding: a step costs 10 ms + 60 * 0.5 ms (and context) in the profile,
+    so a newcomer's 20 ms TPOT is out of reach and refused at arrival, by the scheduler's own
+    objective_out_of_reach; a 1 s TPOT is admitted, and under fcfs nothing is refused."""
+    requests = [SimRequest(0.0, unique_prompt(i, 8), 200) for i in range(60)]
+    requests += [SimRequest(1.0, unique_prompt(60, 8), 10, tpot=0.020),
+                 SimRequest(1.0, unique_prompt(61, 8), 10, tpot=1.0)]
+    result = simulate(requests, SimSettings(policy="deadline"), PROFILE)
+    reasons = [t.finish_reason for t in result.timelines]
+    assert reasons == ["length"] * 60 + ["deadline", "length"]
+    assert list(result.rejected) == [60]
+    assert result.rejected[60].startswith("the TPOT objective of 20 ms cannot be met")
+    assert "with 61 requests decoding" in result.rejected[60]
+    fcfs = simulate(requests, SimSettings(policy="fcfs"), PROFILE)
+    assert [t.finish_reason for t in fcfs.timelines] == ["length"] * 62
 
 
 def test_replicas_split_the_load():

@@ -43,7 +43,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--question-len", type=int, default=32, help="shared-prefix")
     parser.add_argument("--group-size", type=int, default=8, help="shared-prefix")
     parser.add_argument("--file", default=None,
-                        help='file: JSONL rows {"prompt": text or token ids, "output_len": N}')
+                        help='file: JSONL rows {"prompt": text or token ids, "output_len": N, '
+                             '"tenant": NAME (optional: sent as that tenant, per-tenant '
+                             'report)}')
     parser.add_argument("--request-rate", type=float_list, default=[float("inf")],
                         help="requests/s, comma-separated for one run each (default: inf, "
                              "all at once)")
@@ -55,7 +57,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenants", default=None, metavar="NAME:SHARE,...",
                         help="draw each request's tenant in proportion to the shares; sent as "
                              "`user` (or the tenant's --tenant-key); reports per-tenant "
-                             "statistics and Jain's fairness index")
+                             "statistics and Jain's fairness index (a --file with a "
+                             "tenant column names them itself)")
     parser.add_argument("--tenant-key", action="append", default=[], metavar="NAME=KEY",
                         help="send that tenant's requests with this API key (repeatable)")
     parser.add_argument("--slo", default=None, metavar="ttft:MS,tpot:MS",

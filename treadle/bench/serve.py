@@ -14,8 +14,10 @@ defined.
 Tenants (`--tenants NAME:SHARE,...`): each request is drawn for a tenant in proportion to the
 shares (seeded), so each tenant's arrivals are its share of the request rate; it is sent with the
 tenant's API key where one is given (`--tenant-key NAME=KEY`), else with `user` set to the
-tenant's name. Objectives (`--slo ttft:MS,tpot:MS`) go on every request (`ttft_ms`, `tpot_ms`;
-over gRPC the fields of those names) and are the goodput SLOs.
+tenant's name. A workload file may name each request's tenant instead (its "tenant" column;
+rows without one are the default tenant); `--tenants` then is an error. Objectives
+(`--slo ttft:MS,tpot:MS`) go on every request (`ttft_ms`, `tpot_ms`; over gRPC the fields of
+those names) and are the goodput SLOs.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from treadle.bench.grpc_client import GrpcBackend
 from treadle.bench.metrics import PERCENTILES, RequestRecord, compute_metrics, tenant_metrics
 from treadle.bench.streaming import Backend, Clock, Send, StreamTimer
 from treadle.bench.workloads import BenchRequest
+from treadle.engine.request import DEFAULT_TENANT
 
 
 def assign_tenants(n: int, shares: dict[str, float], seed: int = 0) -> list[str]:
@@ -45,6 +48,17 @@ def assign_tenants(n: int, shares: dict[str, float], seed: int = 0) -> list[str]
     rng = random.Random(seed + 1)
     names = list(shares)
     return rng.choices(names, weights=[shares[t] for t in names], k=n)
+
+
+def workload_tenants(requests: list[BenchRequest], shares: dict[str, float] | None,
+                     seed: int = 0) -> list[str] | None:
+    """Each request's tenant: the workload's own when it names any (a file's "tenant" column),
+    else drawn by `shares`; None without either."""
+    if any(r.tenant is not None for r in requests):
+        if shares:
+            raise ValueError("the workload file names its tenants; drop --tenants")
+        return [r.tenant or DEFAULT_TENANT for r in requests]
+    return assign_tenants(len(requests), shares, seed) if shares else None
 
 
 def parse_tenants(text: str) -> dict[str, float]:
@@ -221,7 +235,8 @@ def bench_serve(base_url: str, model: str, requests: list[BenchRequest],
                 objectives: dict[str, float] | None = None) -> dict:
     """One run per request rate, after one untimed request that checks the server answers.
     `backend` "openai" takes an http(s) base URL; "grpc" a host:port of Treadle's gRPC API.
-    `tenants`: name -> share of the requests; `tenant_keys`: name -> API key; `objectives`:
+    `tenants`: name -> share of the requests (not with a workload that names its tenants,
+    which are sent as given); `tenant_keys`: name -> API key; `objectives`:
     ttft / tpot in ms, set on every request and counted as goodput SLOs."""
     if not requests:
         raise ValueError("the workload has no requests")
@@ -230,7 +245,7 @@ def bench_serve(base_url: str, model: str, requests: list[BenchRequest],
     if prompt_format == "text" and any(r.prompt is None for r in requests):
         raise ValueError("prompt format text needs the workload's prompt text")
     times = [arrival_times(len(requests), rate, burstiness, seed) for rate in request_rates]
-    names = assign_tenants(len(requests), tenants, seed) if tenants else None
+    names = workload_tenants(requests, tenants, seed)
     if objectives:
         slos = {**(slos or {}), **objectives}
     client: Backend

@@ -50,6 +50,7 @@ class BenchRequest:
     prompt_token_ids: list[int]
     output_len: int  # tokens to generate (sampled with ignore_eos, so exactly this many)
     prompt: str | None = None  # the ids' decoded text
+    tenant: str | None = None  # whose request (a workload file's "tenant"); None: not given
 
     @property
     def prompt_len(self) -> int:
@@ -246,9 +247,10 @@ def shared_prefix(tokenizer: Tokenizer, num_prompts: int, prefix_len: int, quest
 
 def file_workload(tokenizer: Tokenizer, path: str | Path, with_text: bool = True
                   ) -> list[BenchRequest]:
-    """Requests from a JSONL file of {"prompt": text or token ids, "output_len": int} rows.
-    A text prompt is tokenized without special tokens (the server adds its own) and kept as
-    given for frontends that take text."""
+    """Requests from a JSONL file of {"prompt": text or token ids, "output_len": int} rows,
+    each optionally with "tenant": a name (the field `treadle sim` traces use), whose requests
+    bench serve sends as that tenant. A text prompt is tokenized without special tokens (the
+    server adds its own) and kept as given for frontends that take text."""
     requests = []
     for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
@@ -270,7 +272,10 @@ def file_workload(tokenizer: Tokenizer, path: str | Path, with_text: bool = True
             raise ValueError(f"{path}:{line_no}: prompt must be a string or a list of token ids")
         if not ids:
             raise ValueError(f"{path}:{line_no}: empty prompt")
-        requests.append(BenchRequest(ids, output_len, text))
+        tenant = row.get("tenant")
+        if tenant is not None and not (isinstance(tenant, str) and tenant):
+            raise ValueError(f"{path}:{line_no}: tenant must be a non-empty string")
+        requests.append(BenchRequest(ids, output_len, text, tenant))
     return requests
 
 

@@ -36,8 +36,8 @@ maps to its own ids.
 
 Objectives: a request may carry a TTFT and a TPOT objective (seconds; server-wide defaults
 apply otherwise). Under the deadline policy the engine process refuses at once a request whose
-TTFT it predicts it cannot meet (EngineOverloaded, reason "deadline"); under every policy the
-metrics count the samples that finished within their objectives (goodput).
+TTFT or TPOT it predicts it cannot meet (EngineOverloaded, reason "deadline"); under every
+policy the metrics count the samples that finished within their objectives (goodput).
 """
 
 from __future__ import annotations
@@ -438,8 +438,8 @@ class AsyncEngine:
         (time.monotonic(); None: now), where its breakdown starts. `tenant`: from
         resolve_tenant; `ttft`, `tpot`: objectives in seconds (None: the server's defaults).
         ValueError before any update if the engine refuses the request, EngineOverloaded if the
-        queue is full, a tenant limit is reached or (deadline policy) its TTFT cannot be met,
-        EngineUnavailable if the engine is down or dies, or the server shuts down. Leaving the
+        queue is full, a tenant limit is reached or (deadline policy) its TTFT or TPOT cannot be
+        met, EngineUnavailable if the engine is down or dies, or the server shuts down. Leaving the
         iteration early (a disconnect) aborts the request; one that waits past max_queue_wait
         finishes with finish_reason "queue_timeout". `pooling`: an embedding request (prefill
         only, sharing batches with generation; of `params` only n=1 matters): its one update
@@ -573,7 +573,7 @@ class AsyncEngine:
 
     def _reject(self, message: RequestRejected) -> None:
         """The engine refused a request: invalid (ValueError) or, under deadlines, one whose
-        TTFT it cannot meet (EngineOverloaded, reason deadline)."""
+        TTFT or TPOT it cannot meet (EngineOverloaded, reason deadline)."""
         with self.lock:
             entry = self.processor.samples.get(message.request_id)
             request_id = entry[0].request_id if entry is not None else None

@@ -131,15 +131,16 @@ class EngineCore:
         if sampling_params.seed is not None:
             self.generators[request_id] = torch.Generator().manual_seed(sampling_params.seed)
 
-    def can_meet_ttft(self, num_prompt_tokens: int, ttft: float, *, priority: int = 0,
-                      tenant: str | None = None) -> bool:
-        """Admission under deadlines: whether a request of `num_prompt_tokens` arriving now would
-        get its first token within `ttft` seconds, given the queue ahead of it and the measured
-        seconds per token (an EWMA over steps). False: refuse it now (429, reason deadline)
-        rather than serve it late. True until a step has been measured."""
+    def objective_out_of_reach(self, num_prompt_tokens: int, *, ttft: float | None = None,
+                               tpot: float | None = None, priority: int = 0,
+                               tenant: str | None = None) -> str | None:
+        """Admission under deadlines: why a request of `num_prompt_tokens` arriving now could
+        not meet its TTFT or TPOT objective (seconds), given the queue ahead of it and the step
+        time fitted over measured steps; None when it can (always, until a step has been
+        measured). Not None: refuse it now (429, reason deadline) rather than serve it late."""
         probe = Request("", [0] * num_prompt_tokens, priority=priority,
-                        tenant=tenant or DEFAULT_TENANT, ttft=ttft)
-        return self.scheduler.can_meet_ttft(probe)
+                        tenant=tenant or DEFAULT_TENANT, ttft=ttft, tpot=tpot)
+        return self.scheduler.objective_out_of_reach(probe)
 
     def abort_request(self, request_id: str) -> bool:
         """True if the request was still unfinished (and is now aborted, its blocks freed)."""

@@ -119,20 +119,18 @@ def take_census(core: EngineCore) -> EngineCensus:
 
 
 def add_request(core: EngineCore, message: AddRequest, outputs: Connection) -> None:
-    """Queue the request, or send why not: its TTFT objective cannot be met (deadline
+    """Queue the request, or send why not: its TTFT or TPOT objective cannot be met (deadline
     admission, against the queue as it is now), or it is invalid."""
-    ttft = message.ttft
-    if (message.admit_deadline and ttft is not None
-            and not core.can_meet_ttft(len(message.prompt_token_ids), ttft,
-                                       priority=message.priority, tenant=message.tenant)):
-        outputs.send(RequestRejected(message.request_id,
-                                     f"the TTFT objective of {ttft * 1e3:g} ms cannot be met "
-                                     f"given the requests queued ahead; retry later",
-                                     "deadline"))
-        return
+    ttft, tpot = message.ttft, message.tpot
+    if message.admit_deadline and (ttft is not None or tpot is not None):
+        why = core.objective_out_of_reach(len(message.prompt_token_ids), ttft=ttft, tpot=tpot,
+                                          priority=message.priority, tenant=message.tenant)
+        if why is not None:
+            outputs.send(RequestRejected(message.request_id, why, "deadline"))
+            return
     try:
         core.add_request(message.request_id, message.prompt_token_ids, message.params,
                          message.priority, message.cache_salt, tenant=message.tenant,
-                         ttft=ttft, tpot=message.tpot, pooling=message.pooling)
+                         ttft=ttft, tpot=tpot, pooling=message.pooling)
     except ValueError as e:
         outputs.send(RequestRejected(message.request_id, str(e), "invalid_request"))

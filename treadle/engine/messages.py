@@ -64,7 +64,7 @@ class AddRequest:
     cache_salt: str | None
     ttft: float | None  # objectives, seconds
     tpot: float | None
-    # Refuse it at once if its TTFT objective cannot be met (the deadline policy).
+    # Refuse it at once if its TTFT or TPOT objective cannot be met (the deadline policy).
     admit_deadline: bool
     pooling: bool = False  # an embedding: prefill only, pooled as the engine's `pooling` says
 

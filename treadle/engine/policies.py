@@ -29,8 +29,8 @@ scheduler pops what it admits (O(log n) each), and passes over at most MAX_LOOKA
 that do not fit per step. The running list (at most max_num_seqs) is walked in full each step
 anyway, so choosing a victim over it (O(max_num_seqs)) adds nothing in order. Measured by
 tests/test_policies.py (printed): schedule() takes about the same time at 10,000 waiting as at
-1,000, under every policy. Admission under deadlines (`tokens_ahead`) is O(n), once per new
-request, not per step.
+1,000, under every policy. Admission under deadlines (`ahead`) is O(n), once per new request,
+not per step.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from treadle.config import SchedulerConfig
 from treadle.engine.request import Request
@@ -58,7 +58,7 @@ class WaitingQueue(Protocol):
     def peek(self) -> Request | None: ...
     def pop(self) -> Request: ...
     def refresh(self, now: float, seconds_per_token: float | None) -> None: ...
-    def tokens_ahead(self, probe: Request) -> int: ...
+    def ahead(self, probe: Request) -> tuple[int, int]: ...  # (requests, their uncomputed tokens)
     def check_invariants(self) -> None: ...
 
 
@@ -110,9 +110,10 @@ class KeyedQueue:
     def refresh(self, now: float, seconds_per_token: float | None) -> None:
         pass
 
-    def tokens_ahead(self, probe: Request) -> int:
+    def ahead(self, probe: Request) -> tuple[int, int]:
         key = self.key(probe)
-        return sum(uncomputed_tokens(e[2]) for e in self.entries.values() if e[0] <= key)
+        tokens = [uncomputed_tokens(e[2]) for e in self.entries.values() if e[0] <= key]
+        return len(tokens), sum(tokens)
 
     def check_invariants(self) -> None:
         live = [entry for entry in self.heap if entry[2] is not None]
@@ -363,9 +364,9 @@ class FairQueue:
     def refresh(self, now: float, seconds_per_token: float | None) -> None:
         pass
 
-    def tokens_ahead(self, probe: Request) -> int:
+    def ahead(self, probe: Request) -> tuple[int, int]:
         # The order ahead changes as counters do: count everything waiting (an upper bound).
-        return sum(uncomputed_tokens(r) for lane in self.lanes.values() for r in lane)
+        return self.size, sum(uncomputed_tokens(r) for lane in self.lanes.values() for r in lane)
 
     def check_invariants(self) -> None:
         for tenant, lane in self.lanes.items():
@@ -384,9 +385,9 @@ class DeadlinePolicy(SchedulingPolicy):
     """Earliest TTFT deadline (arrival + ttft) first; then requests with only a TPOT objective,
     then requests without objectives, each in arrival order. Slack: a waiting request that has
     not produced its first token and can no longer meet its deadline (deadline - now < its
-    uncomputed tokens times the measured seconds per token) moves to a late lane behind all the
-    others, so a lost cause does not push the next request past its deadline too. Running
-    requests without objectives are preempted first."""
+    uncomputed tokens times the fitted seconds per token of a full step) moves to a late lane
+    behind all the others, so a lost cause does not push the next request past its deadline
+    too. Running requests without objectives are preempted first."""
 
     name = "deadline"
 
@@ -444,8 +445,8 @@ class DeadlineQueue:
     def refresh(self, now: float, seconds_per_token: float | None) -> None:
         self.now, self.seconds_per_token = now, seconds_per_token or 0.0
 
-    def tokens_ahead(self, probe: Request) -> int:
-        return self.main.tokens_ahead(probe)
+    def ahead(self, probe: Request) -> tuple[int, int]:
+        return self.main.ahead(probe)
 
     def check_invariants(self) -> None:
         self.main.check_invariants()
@@ -469,28 +470,81 @@ def make_policy(name: str, config: SchedulerConfig | None = None) -> SchedulingP
     return POLICIES[name]()
 
 
-class StepTimeEstimator:
-    """Seconds per batched token: an exponentially weighted moving average of the engine's
-    measured steps. Deliberately simple: a step's fixed cost (weights read once per step) is
-    spread over its tokens, so small steps look dearer per token than large ones."""
+MIN_RELATIVE_SPREAD = 0.01  # variance of step sizes / mean square, below which: no intercept
 
-    def __init__(self, alpha: float = 0.2) -> None:
-        self.alpha = alpha
-        self.seconds_per_token: float | None = None  # None until a step is measured
+
+class StepFit(NamedTuple):
+    """A step's seconds as fixed + per_token * its batched tokens."""
+
+    fixed: float
+    per_token: float
+
+    def seconds(self, num_tokens: float) -> float:
+        return self.fixed + self.per_token * num_tokens
+
+
+class StepTimeModel:
+    """An online fit of step seconds = fixed + per_token * tokens over the engine's measured
+    steps: least squares on (tokens, seconds), each past step's weight multiplied by
+    `forgetting` per new step (about the last 1 / (1 - forgetting) steps count), so the fit
+    follows the load. Deliberately small: five running sums, O(1) per step. The fixed term is
+    what a step costs whatever its size (weights read once, launch overheads), the per-token
+    term what each batched token adds; one average per token made small steps look dearer per
+    token than large ones, and could not say what a step of 60 decodes costs.
+
+    A fit that would be unphysical falls back to a simpler one: steps all of about one size (no
+    spread to separate the terms) or a negative intercept -> through the origin (per token
+    only); a negative slope -> a constant. `fit` is None until a step is measured."""
+
+    def __init__(self, forgetting: float = 0.95) -> None:
+        self.forgetting = forgetting
+        self.weight = self.sum_x = self.sum_y = self.sum_xx = self.sum_xy = 0.0
+        self.fit: StepFit | None = None
 
     def update(self, duration: float, num_tokens: int) -> None:
-        if num_tokens <= 0:
+        if num_tokens <= 0:  # an empty step says nothing
             return
-        sample = duration / num_tokens
-        previous = self.seconds_per_token
-        self.seconds_per_token = sample if previous is None else \
-            previous + self.alpha * (sample - previous)
+        f, x = self.forgetting, float(num_tokens)
+        self.weight = f * self.weight + 1.0
+        self.sum_x = f * self.sum_x + x
+        self.sum_y = f * self.sum_y + duration
+        self.sum_xx = f * self.sum_xx + x * x
+        self.sum_xy = f * self.sum_xy + x * duration
+        self.fit = self._solve()
+
+    def _solve(self) -> StepFit:
+        spread = self.weight * self.sum_xx - self.sum_x ** 2
+        # Token counts spread by less than a tenth of their size: the slope would be mostly
+        # timing noise; one ratio predicts steps of that size as well.
+        if spread > MIN_RELATIVE_SPREAD * self.weight * self.sum_xx:
+            per_token = (self.weight * self.sum_xy - self.sum_x * self.sum_y) / spread
+            fixed = (self.sum_y - per_token * self.sum_x) / self.weight
+            if per_token < 0:
+                return StepFit(max(0.0, self.sum_y / self.weight), 0.0)
+            if fixed >= 0:
+                return StepFit(fixed, per_token)
+        return StepFit(0.0, max(0.0, self.sum_xy / self.sum_xx))
+
+    def seconds_per_token(self, num_tokens: int) -> float | None:
+        """Seconds each token of a step of `num_tokens` costs (the fixed cost shared out)."""
+        if self.fit is None:
+            return None
+        return self.fit.seconds(num_tokens) / max(1, num_tokens)
 
 
 def predict_ttft(num_tokens_ahead: int, num_prompt_tokens: int, num_decoding: int,
-                 token_budget: int, seconds_per_token: float) -> float:
+                 token_budget: int, fit: StepFit) -> float:
     """Seconds until a new request's prompt has been computed, when `num_tokens_ahead` tokens
-    go first and each step also carries `num_decoding` decode tokens, within `token_budget`."""
+    go first and each step, of at most `token_budget` tokens, also carries `num_decoding`
+    decode tokens: every step pays the fixed cost, every token the per-token one."""
     work = num_tokens_ahead + num_prompt_tokens
     steps = math.ceil(work / max(1, token_budget - num_decoding))
-    return (work + steps * num_decoding) * seconds_per_token
+    return steps * fit.fixed + (work + steps * num_decoding) * fit.per_token
+
+
+def predict_tpot(num_decoding: int, num_prefill_tokens: int, token_budget: int,
+                 fit: StepFit) -> float:
+    """Seconds of one step once a request decodes: `num_decoding` decode tokens (it among
+    them) and as many of `num_prefill_tokens` as the token budget leaves beside them."""
+    prefill = min(num_prefill_tokens, max(0, token_budget - num_decoding))
+    return fit.seconds(num_decoding + prefill)

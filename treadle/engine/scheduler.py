@@ -27,8 +27,9 @@ from treadle.config import SchedulerConfig
 from treadle.engine.kv_cache import KVCacheManager, cdiv
 from treadle.engine.policies import (
     SchedulingPolicy,
-    StepTimeEstimator,
+    StepTimeModel,
     WaitingQueue,
+    predict_tpot,
     predict_ttft,
     uncomputed_tokens,
 )
@@ -84,7 +85,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: WaitingQueue = policy.new_queue()
         self.running: list[Request] = []  # sorted by the policy's key
-        self.step_time = StepTimeEstimator()  # the engine feeds it each step's measured time
+        self.step_time = StepTimeModel()  # the engine feeds it each step's measured time
         self.num_preemptions = 0
         self.num_queue_timeouts = 0
         # With max_queue_wait: (arrival, id, request) of each request queued, oldest on top;
@@ -125,14 +126,15 @@ class Scheduler:
         self.requests[request.request_id] = request
         stats = request.stats  # who is ahead of it, for `explain`
         stats.waiting_ahead, stats.running_ahead = len(self.waiting), len(self.running)
-        stats.tokens_ahead = self.waiting.tokens_ahead(request)
+        _, stats.tokens_ahead = self.waiting.ahead(request)
         self.waiting.add(request)
         if self.config.max_queue_wait is not None:
             heapq.heappush(self.unscheduled, (request.arrival_time, id(request), request))
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
-        self.waiting.refresh(self.clock(), self.step_time.seconds_per_token)
+        self.waiting.refresh(self.clock(), self.step_time.seconds_per_token(
+            self.config.max_num_batched_tokens))
         self._displace_for_waiting_head(output)
         num_displaced = len(output.preempted)
         yielding = self._yielding_tenants()
@@ -359,24 +361,45 @@ class Scheduler:
         self.num_queue_timeouts += len(expired)
         return expired
 
-    def can_meet_ttft(self, probe: Request) -> bool:
-        """Whether a request like `probe` (not queued; its ttft set), arriving now, would get its
-        first token within its ttft: the prefill work ahead of it (running prefills, waiting
-        requests the policy puts first) and its prompt, at the measured seconds per token.
-        True until a step has been measured."""
-        seconds_per_token = self.step_time.seconds_per_token
-        if seconds_per_token is None or probe.ttft is None:
-            return True
-        ahead = self.waiting.tokens_ahead(probe) + sum(
-            uncomputed_tokens(r) - 1 for r in self.running if is_prefill(r))
-        if ahead == 0:
-            # Nothing goes before it: refusing cannot serve it sooner. (Without this, an estimate
-            # made pessimistic by small steps refused every request, and with no step running it
-            # never improved: measured, all 240 requests of an overload run got 429.)
-            return True
+    def objective_out_of_reach(self, probe: Request) -> str | None:
+        """Why a request like `probe` (not queued; its ttft and tpot set), arriving now, could
+        not meet an objective given the requests ahead of it and the fitted step time; None
+        when it can, or when no step has been measured yet. Deadline admission refuses it at
+        once with this message rather than serve it late.
+
+        TTFT: the prefill work ahead of it (running prefills, waiting requests the policy puts
+        first) and its prompt, in steps that also carry the running decodes. TPOT: one step
+        once it decodes: the running requests, the waiting ones ahead of it and itself, at
+        most max_num_seqs, each a decode token, beside the prefill work ahead of it, within the
+        token budget. Requests behind it and arrivals to come are left out: a lower bound on
+        the load, so a refusal is never for work that may not come."""
+        fit = self.step_time.fit
+        if fit is None or (probe.ttft is None and probe.tpot is None):
+            return None
+        budget = self.config.max_num_batched_tokens
+        num_waiting_ahead, waiting_tokens_ahead = self.waiting.ahead(probe)
+        running_prefill = sum(uncomputed_tokens(r) - 1 for r in self.running if is_prefill(r))
         num_decoding = sum(1 for r in self.running if not is_prefill(r))
-        return predict_ttft(ahead, probe.num_tokens, num_decoding,
-                            self.config.max_num_batched_tokens, seconds_per_token) <= probe.ttft
+        ahead = waiting_tokens_ahead + running_prefill
+        # Nothing goes before it: refusing cannot serve it sooner. (Without this, an estimate
+        # made pessimistic by small steps refused every request, and with no step running it
+        # never improved: measured, all 240 requests of an overload run got 429.)
+        if probe.ttft is not None and ahead > 0:
+            ttft = predict_ttft(ahead, probe.num_tokens, num_decoding, budget, fit)
+            if ttft > probe.ttft:
+                return (f"the TTFT objective of {probe.ttft * 1e3:g} ms cannot be met: "
+                        f"predicted {ttft * 1e3:.0f} ms given the {ahead} tokens queued ahead; "
+                        f"retry later")
+        num_sharing = min(self.config.max_num_seqs,
+                          len(self.running) + num_waiting_ahead + 1)
+        # Alone, it decodes as fast as this engine can: the same rule as above.
+        if probe.tpot is not None and num_sharing > 1:
+            tpot = predict_tpot(num_sharing, ahead, budget, fit)
+            if tpot > probe.tpot:
+                return (f"the TPOT objective of {probe.tpot * 1e3:g} ms cannot be met: "
+                        f"predicted {tpot * 1e3:.1f} ms per token with {num_sharing} requests "
+                        f"decoding; retry later")
+        return None
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request in any state, freeing its blocks. Returns it, or None when it has

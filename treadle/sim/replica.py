@@ -3,7 +3,9 @@
 `step()` does what EngineCore.step does, minus the model: expire requests past max_queue_wait,
 schedule, advance the clock by the profile's predicted step time, hand every request that
 completes its chunk a token (never EOS: outputs run to their length), and update. The predicted
-duration feeds the scheduler's step-time estimate, as the engine feeds it the measured one.
+duration feeds the scheduler's step-time model, as the engine feeds it the measured one; under
+the deadline policy `add` refuses what the engine process would (the scheduler's
+objective_out_of_reach).
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from treadle.sim.settings import SimSettings
 from treadle.sim.workload import SimRequest
 
 SAMPLED_TOKEN = 7  # the token every simulated step samples; no EOS is configured
+
+
+class DeadlineRefused(ValueError):
+    """Deadline admission refused the request (the engine's 429, reason deadline)."""
 
 
 @dataclass
@@ -62,6 +68,7 @@ class SimReplica:
         self.scheduler = Scheduler(config, self.kv, make_policy(settings.policy, config),
                                    settings.max_model_len, eos_token_ids=(),
                                    clock=lambda: self.now)
+        self.admit_deadline = settings.policy == "deadline"
         self.timelines: dict[str, Timeline] = {}
         self.steps: list[StepRecord] = []
         # Each step's batch as (request id, tokens computed before, new tokens), for tests.
@@ -73,12 +80,18 @@ class SimReplica:
 
     def add(self, index: int, request: SimRequest) -> Timeline:
         """Queue `request` (its arrival is the clock's now or earlier); ValueError as the
-        engine gives one that can never run, recorded as a failed request by the caller."""
+        engine gives one that can never run, recorded as a failed request by the caller.
+        Under the deadline policy, DeadlineRefused for one whose objective the scheduler
+        predicts out of reach, as the engine process refuses it."""
         self.now = max(self.now, request.arrival)
         params = SamplingParams(max_tokens=request.output_len, ignore_eos=True)
         req = Request(str(index), request.prompt_token_ids, params, priority=request.priority,
                       arrival_time=request.arrival, tenant=request.tenant, ttft=request.ttft,
                       tpot=request.tpot)
+        if self.admit_deadline:
+            why = self.scheduler.objective_out_of_reach(req)
+            if why is not None:
+                raise DeadlineRefused(why)
         self.scheduler.add_request(req)
         timeline = self.timelines[req.request_id] = Timeline(index, self.index, request.arrival)
         self.outstanding_tokens += request.prompt_len + request.output_len

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from treadle.engine.router import Router
 from treadle.sim.profile import StepProfile
-from treadle.sim.replica import SimReplica, StepRecord, Timeline
+from treadle.sim.replica import DeadlineRefused, SimReplica, StepRecord, Timeline
 from treadle.sim.settings import SimSettings
 from treadle.sim.workload import SimRequest
 
@@ -68,8 +68,9 @@ def simulate(requests: list[SimRequest], settings: SimSettings, profile: StepPro
                 timelines[index] = replica.add(index, request)
             except ValueError as e:
                 rejected[index] = str(e)
+                reason = "deadline" if isinstance(e, DeadlineRefused) else "rejected"
                 timelines[index] = Timeline(index, replica.index, request.arrival,
-                                            finished=request.arrival, finish_reason="rejected")
+                                            finished=request.arrival, finish_reason=reason)
             continue
         if next_step is None:
             break

@@ -105,6 +105,8 @@ def from_bench_serve(report: dict, run: int = 0) -> list[SimRequest]:
 
 
 def from_bench(bench_requests: list, times: list[float]) -> list[SimRequest]:
-    """`treadle.bench.workloads` requests sent at `times` (bench serve's arrival_times)."""
-    return [SimRequest(t, list(r.prompt_token_ids), r.output_len)
+    """`treadle.bench.workloads` requests sent at `times` (bench serve's arrival_times), with
+    the tenant a workload file names (the same "tenant" field as a trace row's)."""
+    return [SimRequest(t, list(r.prompt_token_ids), r.output_len,
+                       r.tenant or DEFAULT_TENANT)
             for r, t in zip(bench_requests, times, strict=True)]
