@@ -10,53 +10,124 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
-from model_utils import build_tiny_model, make_runner, write_tiny_gguf
+from model_utils import build_tiny_model, greedy_decode, make_runner, write_tiny_gguf
 
 from treadle.config import CacheConfig, ModelConfig
 from treadle.model import linear
+from treadle.model.gguf_file import read_gguf
 from treadle.model.kernels import quant_linear_kernels
 from treadle.model.linear import QuantizedLinear, make_linear
 from treadle.model.loader import LoadedModel, load_model, read_gguf_weights, read_spec
+from treadle.model.parallel import slice_columns
 from treadle.model.quantization import (
     BLOCK_BYTES,
     QuantizedWeight,
+    dequantize,
     dequantize_torch,
     quantize,
     resolve_quantization,
 )
 from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence
+from treadle.model.source import ModelLoadError, gemma3_270m_path
 
 QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+# Served as stored but not quantized to at load; the gguf package quantizes only Q5_0 of them.
+GGUF_ONLY_QTYPES = [Q.Q5_0, Q.Q4_K, Q.Q6_K]
+
+
+def integer_form(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each block of 32 weights as the kernel multiplies it, w = scale * q + offset, in float64:
+    q [out, nb, 32] the integers its dot products take, scale [out, nb, 32] (one per block, per
+    K-quant sub-block, or per 16 for Q6_K), offset [out, nb] (what multiplies the activation
+    block's exact sum). Decoded as ggml's C dequantize_row_* loops read the bytes; the
+    dequantization test checks it against the gguf package."""
+    b = weight.data.numpy().reshape(weight.shape[0], -1, BLOCK_BYTES[weight.qtype])
+    rows, nblocks = b.shape[:2]
+
+    def f16(start: int) -> np.ndarray:
+        return b[..., start:start + 2].copy().view(np.float16).astype(np.float64)  # [.., 1]
+
+    def low_high(qs: np.ndarray) -> np.ndarray:
+        return np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float64)
+
+    if weight.qtype in (Q.Q4_K, Q.Q6_K):
+        q = np.empty((rows, nblocks, 8, 32))
+        scale = np.empty_like(q)
+        offset = np.zeros((rows, nblocks, 8))
+        for j in range(8):
+            if weight.qtype == Q.Q4_K:
+                sc = b[..., 4:16].astype(np.int64)
+                if j < 4:
+                    scale_j, min_j = sc[..., j] & 63, sc[..., j + 4] & 63
+                else:
+                    scale_j = (sc[..., j + 4] & 0xF) | ((sc[..., j - 4] >> 6) << 4)
+                    min_j = (sc[..., j + 4] >> 4) | ((sc[..., j] >> 6) << 4)
+                qs = b[..., 16 + 32 * (j // 2):16 + 32 * (j // 2) + 32]
+                q[:, :, j] = (qs >> 4) if j % 2 else (qs & 0x0F)
+                scale[:, :, j] = (f16(0) * scale_j[..., None])
+                offset[:, :, j] = -f16(2)[..., 0] * min_j
+            else:
+                h, s = divmod(j, 4)
+                ql = b[..., 64 * h + 32 * (s % 2):64 * h + 32 * (s % 2) + 32]
+                qh = b[..., 128 + 32 * h:128 + 32 * h + 32]
+                q[:, :, j] = ((ql & 0x0F) if s < 2 else (ql >> 4)) | (((qh >> 2 * s) & 3) << 4)
+                q[:, :, j] -= 32
+                scales = b[..., 192 + 2 * j:194 + 2 * j].view(np.int8).astype(np.float64)
+                scale[:, :, j] = f16(208) * np.repeat(scales, 16, axis=-1)
+        q, scale, offset = (a.reshape(rows, nblocks * 8, *a.shape[3:]) for a in (q, scale, offset))
+    else:
+        d = f16(0)
+        if weight.qtype == Q.Q8_0:
+            q, offset = b[..., 2:].view(np.int8).astype(np.float64), np.zeros_like(d[..., 0])
+        elif weight.qtype == Q.Q4_1:
+            q, offset = low_high(b[..., 4:]), f16(2)[..., 0]
+        elif weight.qtype == Q.Q4_0:
+            q, offset = low_high(b[..., 2:]), -8 * d[..., 0]
+        else:  # Q5_0
+            bits = np.unpackbits(b[..., 2:6], axis=-1, bitorder="little").astype(np.float64)
+            q, offset = low_high(b[..., 6:]) + 16 * bits, -16 * d[..., 0]
+        scale = np.broadcast_to(d, q.shape)
+    return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, scale, offset))
 
 
 def reference_quant_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """The kernel's scheme in float64: each activation block of 32 quantized to int8 (scale
-    amax / 127, rounded half to even), integer dot products with the weight's integers, scaled
-    by both scales, plus the weight's offset times the activation block's exact sum."""
+    amax / 127, rounded half to even), dot products with the weight's integers (times their
+    scales), scaled by the activation's scale, plus each weight block's offset times the
+    activation block's exact sum."""
     rows, k = x.shape
     nb = k // 32
     xb = x.float().view(rows, nb, 32)
     scale = xb.abs().amax(-1) / 127
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     xq = torch.round(xb * inverse[..., None]).double()
-    blocks = weight.data.view(weight.data.shape[0], nb, BLOCK_BYTES[weight.qtype])
-    d = blocks[..., 0:2].contiguous().view(torch.float16).double()[..., 0]
-    if weight.qtype == Q.Q8_0:
-        q, m = blocks[..., 2:].contiguous().view(torch.int8).double(), torch.zeros_like(d)
-    else:
-        qs = blocks[..., 4:] if weight.qtype == Q.Q4_1 else blocks[..., 2:]
-        q = torch.cat([qs & 0x0F, qs >> 4], -1).double()
-        m = (blocks[..., 2:4].contiguous().view(torch.float16).double()[..., 0]
-             if weight.qtype == Q.Q4_1 else -8 * d)
-    dots = torch.einsum("rbj,nbj->rnb", xq, q)
-    return (dots * d[None] * scale.double()[:, None]
-            + m[None] * xb.double().sum(-1)[:, None]).sum(-1)
+    q, q_scale, offset = integer_form(weight)
+    dots = torch.einsum("rbj,nbj->rnb", xq, q * q_scale)
+    return (dots * scale.double()[:, None] + offset[None] * xb.double().sum(-1)[:, None]).sum(-1)
 
 
 def random_weight(qtype: int, out_features: int = 80, in_features: int = 160,
                   seed: int = 0) -> tuple[torch.Tensor, QuantizedWeight]:
     w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
     return w, quantize(w, qtype)
+
+
+def random_blocks(qtype: int, out_features: int = 48, in_features: int = 512,
+                  seed: int = 0) -> QuantizedWeight:
+    """Valid random blocks: the gguf package's quantizer where it has one, else random bytes
+    with fp16 scales (d, and dmin for Q4_K) set to finite values of a weight's size."""
+    if qtype not in (Q.Q4_K, Q.Q6_K):
+        return random_weight(qtype, out_features, in_features, seed)[1]
+    rng = np.random.default_rng(seed)
+    nblocks = in_features // 256
+    blocks = rng.integers(0, 256, (out_features, nblocks, BLOCK_BYTES[qtype]), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 3e-3, (out_features, nblocks, 2)).astype(np.float16)
+    if qtype == Q.Q4_K:
+        blocks[..., 0:4] = scales.view(np.uint8)  # d, dmin
+    else:
+        blocks[..., 208:210] = scales[..., :1].view(np.uint8)  # d
+    return QuantizedWeight(qtype, torch.from_numpy(blocks.reshape(out_features, -1)),
+                           in_features)
 
 
 @pytest.fixture
@@ -67,28 +138,39 @@ def kernels():
     return module
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
-def test_dequantize_equals_the_gguf_package(qtype, kernels):
-    _, weight = random_weight(qtype)
-    expected = torch.from_numpy(gguf_dequantize(weight.data.numpy(), qtype)).view(weight.shape)
-    assert torch.equal(kernels.dequantize(weight.data, qtype, weight.in_features), expected)
+def assert_dequantizes_as_the_gguf_package(weight: QuantizedWeight, kernels) -> None:
+    expected = torch.from_numpy(gguf_dequantize(weight.data.numpy(), weight.qtype)
+                                ).view(weight.shape)
+    assert torch.equal(kernels.dequantize(weight.data, weight.qtype, weight.in_features),
+                       expected)
     assert torch.equal(dequantize_torch(weight), expected)
+    q, scale, offset = integer_form(weight)  # what the kernel's reference reads
+    assert torch.equal((q * scale + offset[..., None]).float().view(weight.shape), expected)
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
+def assert_kernel_matches_its_reference(weight: QuantizedWeight, x: torch.Tensor,
+                                        kernels) -> None:
+    bias = torch.randn(weight.shape[0])
+    out = kernels.quant_linear(x, weight.data, weight.qtype, bias)
+    assert out.dtype == x.dtype and out.shape == (x.shape[0], weight.shape[0])
+    expected = reference_quant_linear(x, weight) + bias.double()
+    tolerance = 1e-5 if x.dtype == torch.float32 else 1e-2  # the output's own rounding
+    scale = expected.abs().max().item()
+    assert (out.double() - expected).abs().max().item() <= tolerance * scale
+
+
+@pytest.mark.parametrize("qtype", QTYPES + GGUF_ONLY_QTYPES)
+def test_dequantize_equals_the_gguf_package(qtype, kernels):
+    assert_dequantizes_as_the_gguf_package(random_blocks(qtype), kernels)
+
+
+@pytest.mark.parametrize("qtype", QTYPES + GGUF_ONLY_QTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 17])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_its_reference(qtype, rows, dtype, kernels):
-    _, weight = random_weight(qtype, seed=rows)
+    weight = random_blocks(qtype, seed=rows)
     x = torch.randn(rows, weight.in_features, generator=torch.Generator().manual_seed(7))
-    x = x.to(dtype)
-    bias = torch.randn(weight.shape[0])
-    out = kernels.quant_linear(x, weight.data, qtype, bias)
-    assert out.dtype == dtype and out.shape == (rows, weight.shape[0])
-    expected = reference_quant_linear(x, weight) + bias.double()
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # the output's own rounding
-    scale = expected.abs().max().item()
-    assert (out.double() - expected).abs().max().item() <= tolerance * scale
+    assert_kernel_matches_its_reference(weight, x.to(dtype), kernels)
 
 
 def test_kernel_refuses_misshaped_weights(kernels):
@@ -96,19 +178,25 @@ def test_kernel_refuses_misshaped_weights(kernels):
     with pytest.raises(RuntimeError, match="bytes"):
         kernels.quant_linear(torch.randn(2, 128), weight.data, int(Q.Q4_1), None)
     with pytest.raises(RuntimeError, match="unsupported"):
-        kernels.quant_linear(torch.randn(2, 160), weight.data, 12, None)
+        kernels.quant_linear(torch.randn(2, 160), weight.data, int(Q.Q5_K), None)
+    k_quant = random_blocks(Q.Q4_K)  # 256 weights a super-block
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        kernels.quant_linear(torch.randn(2, 480), k_quant.data[:, :-144].contiguous(),
+                              int(Q.Q4_K), None)
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("qtype", QTYPES + GGUF_ONLY_QTYPES)
 def test_layer_stays_close_to_its_float_weights_on_every_path(qtype, monkeypatch):
-    _, weight = random_weight(qtype)
+    weight = random_blocks(qtype)
     dense = dequantize_torch(weight)
     layer = QuantizedLinear(weight)
+    torch.manual_seed(qtype)  # the activations: the same draw whatever ran before
     for rows in (1, linear.QUANT_GEMV_MAX_ROWS + 5):
         x = torch.randn(rows, weight.in_features)
         expected = F.linear(x, dense)
-        # int8 activations cost about 1% of the output's scale; dequantize + GEMM nothing.
-        tolerance = 2e-2 if rows <= linear.QUANT_GEMV_MAX_ROWS else 1e-5
+        # int8 activations cost about 1% of the output's scale (worst of 100 draws: 2.4%, Q5_0);
+        # dequantize + GEMM nothing.
+        tolerance = 3e-2 if rows <= linear.QUANT_GEMV_MAX_ROWS else 1e-5
         assert (layer(x) - expected).abs().max() <= tolerance * expected.abs().max()
     monkeypatch.setattr(layer, "kernels", None)  # no compiler: the torch path, same weights
     x = torch.randn(2, weight.in_features)
@@ -225,3 +313,80 @@ def test_stored_blocks_are_the_files_bytes(tmp_path):
     assert isinstance(q, QuantizedWeight) and q.data.dtype == torch.uint8
     np.testing.assert_array_equal(dequantize_torch(q).numpy(),
                                   expected["model.layers.0.self_attn.q_proj.weight"])
+
+
+@pytest.mark.parametrize("qtype", QTYPES + GGUF_ONLY_QTYPES)
+def test_column_slices_stay_blocks_on_block_boundaries_and_go_dense_inside_one(qtype):
+    """Tensor parallelism's input-feature slices: bytes on the type's block boundaries (256 for
+    K-quants), dequantized floats where a block would be cut."""
+    weight = random_blocks(qtype, in_features=1024)
+    dense = dequantize_torch(weight)
+    whole = slice_columns(weight, range(256, 768))
+    assert isinstance(whole, QuantizedWeight) and whole.shape == (48, 512)
+    assert torch.equal(dequantize_torch(whole), dense[:, 256:768])
+    cut = slice_columns(weight, range(0, 288))  # 9 blocks of 32, not whole super-blocks
+    assert isinstance(cut, QuantizedWeight) == (weight.block_weights == 32)
+    assert torch.equal(dequantize_torch(cut) if isinstance(cut, QuantizedWeight) else cut,
+                       dense[:, :288])
+
+
+@pytest.fixture(scope="module")
+def gemma_path():
+    try:
+        return gemma3_270m_path()
+    except ModelLoadError as e:
+        pytest.skip(f"Gemma 3 270M GGUF not installed: {e}")
+
+
+@pytest.mark.gemma3_model
+@pytest.mark.parametrize("name, qtype", [("blk.0.attn_q.weight", Q.Q5_0),
+                                         ("blk.0.attn_output.weight", Q.Q4_K),
+                                         ("blk.0.ffn_down.weight", Q.Q6_K)])
+def test_real_gemma3_matrices(name, qtype, gemma_path, kernels):
+    """The first 64 rows of Gemma 3 270M's own matrices: dequantized as the gguf package does,
+    multiplied as the kernel's reference says, and close to the float product."""
+    tensor = next(t for t in read_gguf(gemma_path).tensors if t.name == name)
+    assert tensor.tensor_type == qtype
+    blocks = torch.from_numpy(np.array(tensor.data[:64]))
+    weight = QuantizedWeight(int(qtype), blocks, int(tensor.shape[0]))
+    assert_dequantizes_as_the_gguf_package(weight, kernels)
+    x = torch.randn(3, weight.in_features, generator=torch.Generator().manual_seed(1))
+    assert_kernel_matches_its_reference(weight, x, kernels)
+    expected = F.linear(x, dequantize_torch(weight))
+    got = kernels.quant_linear(x, weight.data, int(qtype), None)
+    # int8 activations: measured at most 2.2% of the output's scale (Q5_0 attn_q)
+    assert (got - expected).abs().max() <= 0.05 * expected.abs().max()
+
+
+@pytest.mark.gemma3_model
+def test_real_gemma3_served_as_stored_stays_close_to_its_dequantized_weights(gemma_path):
+    """Gemma 3 270M (Q5_0, Q4_K, Q6_K and Q8_0 matrices) served as its blocks, every step of at
+    most 8 rows on the kernel's integer path, against the same weights dequantized (what
+    `--quantization none` serves: the dequantization equals the gguf package's)."""
+    loaded = load_model(str(gemma_path), torch.float32, "gguf")
+    assert set(loaded.quantized_types()) == {"Q5_0", "Q4_K", "Q6_K", "Q8_0"}
+    cache = CacheConfig(block_size=16, num_blocks=16)
+    quantized = ModelRunner(loaded, ModelConfig(dtype="float32", quant_gemv_max_rows=8,
+                                                dense_batch_weights=False), cache)
+    as_float = {k: dequantize(v) if isinstance(v, QuantizedWeight) else v
+                for k, v in loaded.weights.items()}
+    dense = ModelRunner(LoadedModel(loaded.spec, as_float, loaded.folder, loaded.name),
+                        ModelConfig(dtype="float32"), cache)
+    # A decode step reads each matrix's blocks as the file stores them.
+    stored = {t.name: t.n_bytes for t in read_gguf(gemma_path).tensors}
+    layer = quantized.model.layers[0]
+    assert layer["o"].nbytes == stored["blk.0.attn_output.weight"]  # Q4_K
+    assert layer["down"].nbytes == stored["blk.0.ffn_down.weight"]  # Q6_K
+    assert layer["gate_up"].nbytes == (stored["blk.0.ffn_gate.weight"]
+                                       + stored["blk.0.ffn_up.weight"])  # Q5_0
+    prompt = [2, 818, 5279, 529, 7001, 563]  # <bos>The capital of France is
+    ids = prompt + list(range(1000, 1010))
+    table = list(range(1))
+    expected = dense.execute(ModelInput([ScheduledSequence(ids, 0, table, all_logits=True)]))
+    got = torch.cat([quantized.execute(ModelInput([ScheduledSequence(
+        ids[s:s + 8], s, table, all_logits=True)])) for s in range(0, len(ids), 8)])
+    # Measured: 5% of the logits' scale (int8 activations against 4- and 5-bit weights); a
+    # wiring fault (a nibble order, a scale's index) costs the whole scale.
+    assert (got - expected).abs().max() <= 0.1 * expected.abs().max()
+    ours, reference = (greedy_decode(r, [prompt], 10)[0] for r in (quantized, dense))
+    assert ours[:8] == reference[:8]  # measured: the first 15 of 16 agree

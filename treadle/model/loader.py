@@ -23,7 +23,6 @@ import torch
 from treadle.model.family import ModelFamily, ModelSpec
 from treadle.model.quantization import (
     AT_LOAD,
-    BLOCK_BYTES,
     QuantizedWeight,
     quantizable,
     quantize,
@@ -68,7 +67,7 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype,
         weights = {k: select(k, v) for k, v in weights.items() if k in expected}
     at_load = AT_LOAD.get(quantization)
     weights = {k: v if isinstance(v, QuantizedWeight)
-               else quantize(v, at_load) if at_load is not None and quantizable(k, v.shape)
+               else quantize(v, at_load) if quantizable(k, v.shape, at_load)
                else v.to(dtype)
                for k, v in weights.items() if k in expected}
     return LoadedModel(spec=spec, weights=weights, folder=source.folder, name=source.name,
@@ -149,7 +148,7 @@ def read_gguf_weights(path: Path, spec: ModelSpec, keep_quantized: bool = False
             continue
         hf_name = hf_name_for_gguf(t.name, family)
         shape = tuple(reversed([int(s) for s in t.shape]))
-        if keep_quantized and int(t.tensor_type) in BLOCK_BYTES and quantizable(hf_name, shape):
+        if keep_quantized and quantizable(hf_name, shape, int(t.tensor_type)):
             blocks = fix(hf_name, np.asarray(t.data).reshape(shape[0], -1), spec, False)
             weights[hf_name] = QuantizedWeight(int(t.tensor_type),
                                                torch.from_numpy(np.array(blocks)), shape[1])

@@ -145,7 +145,7 @@ def served_weight_bytes(spec: ModelSpec, itemsize: int, quantization: str,
     spec's shapes and, for a GGUF served as stored, its tensors' types: no weights read.
     Quantized matrices count their blocks, plus a dense copy in the served dtype for the LM head
     and the layers with dense_batch_weights; the rest count in the served dtype."""
-    from treadle.model.quantization import AT_LOAD, BLOCK, BLOCK_BYTES, quantizable
+    from treadle.model.quantization import AT_LOAD, BLOCK_BYTES, BLOCK_WEIGHTS, quantizable
 
     stored: dict[str, int] = {}  # HF name -> GGUF type kept as blocks
     if quantization == "gguf" and gguf is not None:
@@ -161,8 +161,8 @@ def served_weight_bytes(spec: ModelSpec, itemsize: int, quantization: str,
     for name, shape in spec.expected_shapes().items():
         numel = math.prod(shape)
         qtype = AT_LOAD.get(quantization, stored.get(name))
-        if qtype in BLOCK_BYTES and quantizable(name, shape):
-            total += numel // BLOCK * BLOCK_BYTES[qtype]
+        if quantizable(name, shape, qtype):
+            total += numel // BLOCK_WEIGHTS[qtype] * BLOCK_BYTES[qtype]
             is_embedding_only = name == "model.embed_tokens.weight" and not spec.tie_word_embeddings
             if dense_batch_weights and not is_embedding_only:
                 total += numel * itemsize

@@ -9,7 +9,8 @@ the collectives that join the slices.
   fewer KV heads than ranks, each KV head is replicated on world / num_kv_heads ranks that split
   its query heads between them.
 - MLP: gate/up column-parallel, down row-parallel over the intermediate columns (in whole
-  32-weight blocks where the size allows, so quantized rows slice as bytes); one all-reduce.
+  32-weight blocks where the size allows, so quantized rows of 32-wide types slice as bytes;
+  a 256-wide K-quant slices as bytes where the split falls on its super-blocks); one all-reduce.
 - Embedding and LM head split by vocabulary: a rank looks up only its own ids (the others' rows
   are zeros, summed by an all-reduce) and computes the logits of its ids, gathered on rank 0.
 
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 from treadle.model.family import ModelSpec
 from treadle.model.linear import Linear, QuantizedLinear
-from treadle.model.quantization import BLOCK, BLOCK_BYTES, QuantizedWeight, dequantize
+from treadle.model.quantization import BLOCK, QuantizedWeight, dequantize
 
 if TYPE_CHECKING:  # layers imports this module for the embedding's lookup
     from treadle.model.layers import DecoderModel
@@ -136,12 +137,12 @@ def slice_rows(weight: torch.Tensor | QuantizedWeight, rows: range
 def slice_columns(weight: torch.Tensor | QuantizedWeight, columns: range
                   ) -> torch.Tensor | QuantizedWeight:
     if isinstance(weight, QuantizedWeight):
-        if columns.start % BLOCK or columns.stop % BLOCK:  # a block would be cut: as floats
+        width, block_bytes = weight.block_weights, weight.block_bytes
+        if columns.start % width or columns.stop % width:  # a block would be cut: as floats
             return dequantize(weight)[:, columns.start:columns.stop].clone(
                 memory_format=torch.contiguous_format)
-        block_bytes = BLOCK_BYTES[weight.qtype]
-        data = weight.data[:, columns.start // BLOCK * block_bytes:
-                           columns.stop // BLOCK * block_bytes]
+        data = weight.data[:, columns.start // width * block_bytes:
+                           columns.stop // width * block_bytes]
         return QuantizedWeight(weight.qtype, data.clone(memory_format=torch.contiguous_format),
                                len(columns))
     return weight[:, columns.start:columns.stop].clone(memory_format=torch.contiguous_format)

@@ -1,9 +1,11 @@
 """Weight-only quantized weights in GGUF's block formats, and how a model's weights become them.
 
 A `QuantizedWeight` holds the blocks of a [out_features, in_features] matrix as GGUF stores them
-(Q4_0, Q4_1, Q8_0: 32 weights a block along in_features), one row of bytes per output row, so
-rows can be permuted, concatenated and gathered as bytes. `--quantization`:
-- `gguf`: a GGUF's Q4_0/Q4_1/Q8_0 matrices are served as stored; other types are dequantized;
+(Q4_0, Q4_1, Q5_0, Q8_0: 32 weights a block along in_features; Q4_K, Q6_K: 256 a super-block),
+one row of bytes per output row, so rows can be permuted, concatenated and gathered as bytes.
+`--quantization`:
+- `gguf`: a GGUF's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K matrices are served as stored; other types are
+  dequantized;
 - `int8` / `int4`: float matrices are quantized at load to Q8_0 (a scale per 32 weights) or Q4_1
   (a scale and a minimum per 32 weights), with the gguf package's own quantizer;
 - `none`: every weight dequantized to the model's dtype (the exact float path);
@@ -19,17 +21,18 @@ import torch
 
 from treadle.config import QUANTIZATION_CHOICES
 
-BLOCK = 32
-# ggml's type ids (as the gguf package numbers them) -> bytes per block of 32 weights.
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
-QTYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+BLOCK = 32  # weights per activation block in the kernel, and per block of the 32-wide types
+# ggml's type ids (as the gguf package numbers them) -> weights per block, bytes per block.
+BLOCK_WEIGHTS = {2: 32, 3: 32, 6: 32, 8: 32, 12: 256, 14: 256}
+BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 8: 34, 12: 144, 14: 210}
+QTYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
 AT_LOAD = {"int8": 8, "int4": 3}  # --quantization -> the type float weights are quantized to
 
 
 @dataclass
 class QuantizedWeight:
     qtype: int  # a key of BLOCK_BYTES
-    data: torch.Tensor  # uint8 [out_features, in_features / 32 * BLOCK_BYTES[qtype]]
+    data: torch.Tensor  # uint8 [out_features, in_features / block_weights * block_bytes]
     in_features: int
 
     @property
@@ -39,6 +42,14 @@ class QuantizedWeight:
     @property
     def name(self) -> str:
         return QTYPE_NAMES[self.qtype]
+
+    @property
+    def block_weights(self) -> int:
+        return BLOCK_WEIGHTS[self.qtype]
+
+    @property
+    def block_bytes(self) -> int:
+        return BLOCK_BYTES[self.qtype]
 
     def numel(self) -> int:
         return self.data.shape[0] * self.in_features
@@ -62,10 +73,11 @@ def resolve_quantization(requested: str, is_gguf: bool) -> str:
     return requested
 
 
-def quantizable(name: str, shape: tuple[int, ...]) -> bool:
-    """Linear and embedding matrices whose rows split into whole blocks; not norms or biases."""
-    return name.endswith(".weight") and len(shape) == 2 and shape[1] % BLOCK == 0 \
-        and "norm" not in name
+def quantizable(name: str, shape: tuple[int, ...], qtype: int | None) -> bool:
+    """Linear and embedding matrices whose rows split into whole blocks of `qtype` (a type the
+    kernels serve); not norms or biases."""
+    return qtype in BLOCK_WEIGHTS and name.endswith(".weight") and len(shape) == 2 \
+        and shape[1] % BLOCK_WEIGHTS[qtype] == 0 and "norm" not in name
 
 
 def quantize(weight: torch.Tensor, qtype: int) -> QuantizedWeight:
@@ -80,7 +92,7 @@ def quantize(weight: torch.Tensor, qtype: int) -> QuantizedWeight:
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:
     """The float32 [out, in] matrix the blocks stand for: the native kernel where it loads, else
-    the same arithmetic in torch (ggml's order: q * d + m, (q - 8) * d, q * d)."""
+    the same arithmetic in torch."""
     from treadle.model.kernels import quant_linear_kernels
 
     kernels = quant_linear_kernels()
@@ -90,16 +102,64 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor:
 
 
 def dequantize_torch(weight: QuantizedWeight) -> torch.Tensor:
+    """The pure-torch dequantization, in ggml's arithmetic and order (as the gguf package's)."""
     rows = weight.data.shape[0]
-    blocks = weight.data.view(rows, weight.in_features // BLOCK, BLOCK_BYTES[weight.qtype])
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
-    if weight.qtype == 8:  # Q8_0
-        q = blocks[..., 2:].contiguous().view(torch.int8).float()
-        return (q * d).view(rows, weight.in_features)
-    offset = 4 if weight.qtype == 3 else 2
-    qs = blocks[..., offset:]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # GGUF order: low nibbles first
-    if weight.qtype == 3:  # Q4_1
-        m = blocks[..., 2:4].contiguous().view(torch.float16).float()
-        return (q * d + m).view(rows, weight.in_features)
-    return ((q - 8) * d).view(rows, weight.in_features)  # Q4_0
+    blocks = weight.data.view(rows, weight.in_features // weight.block_weights,
+                              weight.block_bytes)
+    values = {2: q4_0, 3: q4_1, 6: q5_0, 8: q8_0, 12: q4_k, 14: q6_k}[weight.qtype](blocks)
+    return values.reshape(rows, weight.in_features)
+
+
+def half(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 at byte `start` of each block, as float32 [..., 1]."""
+    return blocks[..., start:start + 2].contiguous().view(torch.float16).float()
+
+
+def nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """Each run of bytes as its low nibbles, then its high ones (GGUF's order)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks[..., 2:].contiguous().view(torch.int8).float() * half(blocks, 0)
+
+
+def q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    return (nibbles(blocks[..., 2:]).float() - 8) * half(blocks, 0)
+
+
+def q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    return nibbles(blocks[..., 4:]).float() * half(blocks, 0) + half(blocks, 2)
+
+
+def q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Bit j of the 4 bytes qh is weight j's fifth bit."""
+    bit = torch.arange(32)
+    high = (blocks[..., 2:6][..., bit // 8] >> (bit % 8)) & 1
+    return ((nibbles(blocks[..., 6:]) | (high << 4)).float() - 16) * half(blocks, 0)
+
+
+def q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    """8 sub-blocks of 32: (d scale_j) q - (dmin min_j), 6-bit scales and mins packed as ggml's
+    get_scale_min_k4 reads them; each 32 bytes of qs hold two sub-blocks (low nibbles first)."""
+    s = blocks[..., 4:16]
+    lo, mid, top = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    scale = torch.cat([lo & 0x3F, (top & 0x0F) | ((lo >> 2) & 0x30)], dim=-1).float()
+    minimum = torch.cat([mid & 0x3F, (top >> 4) | ((mid >> 2) & 0x30)], dim=-1).float()
+    qs = blocks[..., 16:].unflatten(-1, (4, 32))
+    q = torch.stack([qs & 0x0F, qs >> 4], dim=-2).flatten(-3, -2).float()  # [..., 8, 32]
+    dl = (half(blocks, 0) * scale)[..., None]
+    ml = (half(blocks, 2) * minimum)[..., None]
+    return (dl * q - ml).flatten(-2)
+
+
+def q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Two halves of 128: weight 32 s + l of half h takes 4 bits from ql[64 h + 32 (s % 2) + l]
+    (low nibble for s < 2) and 2 from qh[32 h + l] >> 2 s; (d scale) (q - 32), a scale per 16."""
+    ql = blocks[..., :128].unflatten(-1, (2, 64))
+    ql = torch.stack([ql & 0x0F, ql >> 4], dim=-2).flatten(-2).unflatten(-1, (4, 32))
+    qh = blocks[..., 128:192].unflatten(-1, (2, 1, 32))
+    qh = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3  # [..., 2, 4, 32]
+    q = ((ql | (qh << 4)).float() - 32).flatten(-3).unflatten(-1, (16, 16))
+    scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
+    return ((half(blocks, 208) * scales)[..., None] * q).flatten(-2)

@@ -1,7 +1,9 @@
-// Linear layers over GGUF's quantized blocks as stored (Q4_0, Q4_1, Q8_0: 32 weights a block),
-// never expanded: each activation row is quantized to int8 per block of 32 (llama.cpp's Q8
-// scheme, with the block's exact float sum for the offset term) and multiplied with integer dot
-// products (AVX2 maddubs, AVX-512 VNNI dpbusd where built for it; a scalar loop elsewhere).
+// Linear layers over GGUF's quantized blocks as stored (Q4_0, Q4_1, Q5_0, Q8_0: 32 weights a
+// block; Q4_K, Q6_K: 256 a super-block of 32-wide sub-blocks), never expanded: each activation
+// row is quantized to int8 per block of 32 (llama.cpp's Q8 scheme, with the block's exact float
+// sum for the offset term) and multiplied with integer dot products (AVX2 maddubs, AVX-512 VNNI
+// dpbusd where built for it; a scalar loop elsewhere). One activation block of 32 meets one
+// weight block, or one K-quant sub-block, so every type shares the activation path.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -16,14 +18,24 @@
 
 namespace {
 
-constexpr int QK = 32;  // weights per block
+constexpr int QK = 32;  // weights per block (and per activation block)
+constexpr int QK_K = 256;  // weights per K-quant super-block: 8 sub-blocks of 32
 // ggml's type ids, as the gguf package numbers them.
-constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8;
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14;
 
 struct BlockQ4_0 { uint16_t d; uint8_t qs[QK / 2]; };
 struct BlockQ4_1 { uint16_t d, m; uint8_t qs[QK / 2]; };
+// q = low nibble | bit j of qh << 4 (weights 0-15 in the low nibbles, 16-31 in the high ones).
+struct BlockQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[QK / 2]; };
 struct BlockQ8_0 { uint16_t d; int8_t qs[QK]; };
-static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34,
+// Sub-block j: w = d * scale_j * q - dmin * min_j, 6-bit scales and mins packed in 12 bytes;
+// 32 bytes of qs hold sub-block 2c in their low nibbles and 2c + 1 in their high ones.
+struct BlockQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[QK_K / 2]; };
+// w = d * scales[i / 16] * (q - 32), q 6 bits: 4 from ql, 2 from qh (see q6_k_values).
+struct BlockQ6_K { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16];
+                   uint16_t d; };
+static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ5_0) == 22 &&
+              sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210,
               "GGUF block layouts");
 
 inline float half_to_float(uint16_t bits) {
@@ -38,9 +50,36 @@ int64_t block_bytes(int64_t qtype) {
   switch (qtype) {
     case Q4_0: return sizeof(BlockQ4_0);
     case Q4_1: return sizeof(BlockQ4_1);
+    case Q5_0: return sizeof(BlockQ5_0);
     case Q8_0: return sizeof(BlockQ8_0);
+    case Q4_K: return sizeof(BlockQ4_K);
+    case Q6_K: return sizeof(BlockQ6_K);
   }
   TORCH_CHECK(false, "unsupported quantized type ", qtype);
+}
+
+int64_t block_weights(int64_t qtype) { return qtype == Q4_K || qtype == Q6_K ? QK_K : QK; }
+
+// Q4_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4).
+inline void q4_k_scale_min(const uint8_t* s, int j, int* scale, int* min) {
+  if (j < 4) {
+    *scale = s[j] & 63;
+    *min = s[j + 4] & 63;
+  } else {
+    *scale = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Q6_K's 6-bit q (0..63) of the 32 weights of sub-block j: sub-block j = 4 h + s of half h
+// takes the low (s < 2) or high nibbles of ql[64 h + 32 (s % 2) + l] and bits 2 s of qh[32 h + l].
+inline void q6_k_values(const BlockQ6_K* blk, int j, uint8_t* q) {
+  const int h = j / 4, s = j % 4;
+  const uint8_t* ql = blk->ql + 64 * h + 32 * (s % 2);
+  const uint8_t* qh = blk->qh + 32 * h;
+  for (int l = 0; l < QK; ++l) {
+    q[l] = ((s < 2 ? ql[l] & 0x0F : ql[l] >> 4) | (((qh[l] >> (2 * s)) & 3) << 4));
+  }
 }
 
 // One activation row quantized per block: int8 values, the block's scale and its exact sum.
@@ -92,6 +131,23 @@ inline __m256i unpack_nibbles(const uint8_t* qs) {
   return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
 }
 
+// 32 bytes, byte j 0xFF where bit j of the 4 bytes at x is set (llama.cpp's bytes_from_bits_32).
+inline __m256i bytes_from_bits(const uint8_t* x) {
+  uint32_t bits;
+  std::memcpy(&bits, x, sizeof(bits));
+  const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                            0x0101010101010101, 0x0000000000000000);
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuffle);
+  const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL);  // all but bit j of byte j
+  return _mm256_cmpeq_epi8(_mm256_or_si256(bytes, others), _mm256_set1_epi64x(-1));
+}
+
+// Signed int8 weights times signed activations: maddubs wants unsigned x signed, so |w| times a
+// with w's sign.
+inline __m256i dot_pairs_s8_s8(__m256i w, __m256i a) {
+  return dot_pairs_u8_s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -113,15 +169,19 @@ float row_dot(const uint8_t* w_row, const int8_t* aq, const float* ad, const flo
     float dw;
     if constexpr (QTYPE == Q8_0) {
       const auto* blk = reinterpret_cast<const BlockQ8_0*>(w_row) + b;
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->qs));
-      // maddubs wants unsigned x signed: |w| times a with w's sign.
-      p = dot_pairs_u8_s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+      p = dot_pairs_s8_s8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->qs)), a);
       dw = half_to_float(blk->d);
     } else if constexpr (QTYPE == Q4_1) {
       const auto* blk = reinterpret_cast<const BlockQ4_1*>(w_row) + b;
       p = dot_pairs_u8_s8(unpack_nibbles(blk->qs), a);
       dw = half_to_float(blk->d);
       offset += half_to_float(blk->m) * asum[b];
+    } else if constexpr (QTYPE == Q5_0) {  // w = d (q - 16)
+      const auto* blk = reinterpret_cast<const BlockQ5_0*>(w_row) + b;
+      const __m256i high = _mm256_and_si256(bytes_from_bits(blk->qh), _mm256_set1_epi8(0x10));
+      p = dot_pairs_u8_s8(_mm256_or_si256(unpack_nibbles(blk->qs), high), a);
+      dw = half_to_float(blk->d);
+      offset -= 16.f * dw * asum[b];
     } else {  // Q4_0: w = d (q - 8)
       const auto* blk = reinterpret_cast<const BlockQ4_0*>(w_row) + b;
       p = dot_pairs_u8_s8(unpack_nibbles(blk->qs), a);
@@ -143,11 +203,18 @@ float row_dot(const uint8_t* w_row, const int8_t* aq, const float* ad, const flo
       dw = half_to_float(blk->d);
     } else {
       const uint8_t* qs;
+      uint32_t qh = 0;  // Q5_0's fifth bits
       if constexpr (QTYPE == Q4_1) {
         const auto* blk = reinterpret_cast<const BlockQ4_1*>(w_row) + b;
         qs = blk->qs;
         dw = half_to_float(blk->d);
         total += half_to_float(blk->m) * asum[b];
+      } else if constexpr (QTYPE == Q5_0) {
+        const auto* blk = reinterpret_cast<const BlockQ5_0*>(w_row) + b;
+        qs = blk->qs;
+        std::memcpy(&qh, blk->qh, sizeof(qh));
+        dw = half_to_float(blk->d);
+        total -= 16.f * dw * asum[b];
       } else {
         const auto* blk = reinterpret_cast<const BlockQ4_0*>(w_row) + b;
         qs = blk->qs;
@@ -155,7 +222,9 @@ float row_dot(const uint8_t* w_row, const int8_t* aq, const float* ad, const flo
         total -= 8.f * dw * asum[b];
       }
       for (int j = 0; j < QK / 2; ++j) {
-        isum += int32_t(qs[j] & 0x0F) * a[j] + int32_t(qs[j] >> 4) * a[j + QK / 2];
+        const int32_t lo = (qs[j] & 0x0F) | (((qh >> j) & 1) << 4);
+        const int32_t hi = (qs[j] >> 4) | (((qh >> (j + QK / 2)) & 1) << 4);
+        isum += lo * a[j] + hi * a[j + QK / 2];
       }
     }
     total += dw * ad[b] * static_cast<float>(isum);
@@ -164,17 +233,132 @@ float row_dot(const uint8_t* w_row, const int8_t* aq, const float* ad, const flo
 #endif
 }
 
+// Q4_K: each sub-block j of 32 meets activation block 8 i + j of super-block i:
+// d scale_j ad sum(q a) - dmin min_j asum.
+float row_dot_q4_k(const uint8_t* w_row, const int8_t* aq, const float* ad, const float* asum,
+                   int64_t nb) {
+#if defined(__AVX2__)
+  __m256 acc = _mm256_setzero_ps();
+#endif
+  float total = 0.f;
+  for (int64_t i = 0; i < nb / 8; ++i) {
+    const auto* blk = reinterpret_cast<const BlockQ4_K*>(w_row) + i;
+    const float d = half_to_float(blk->d), dmin = half_to_float(blk->dmin);
+    for (int c = 0; c < 4; ++c) {  // 32 bytes of qs: sub-blocks 2c (low nibbles), 2c + 1 (high)
+      const uint8_t* qs = blk->qs + 32 * c;
+#if defined(__AVX2__)
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+      const __m256i mask = _mm256_set1_epi8(0x0F);
+      const __m256i nibbles[2] = {_mm256_and_si256(raw, mask),
+                                  _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask)};
+#endif
+      for (int half = 0; half < 2; ++half) {
+        const int j = 2 * c + half;
+        const int64_t b = 8 * i + j;
+        int scale, min;
+        q4_k_scale_min(blk->scales, j, &scale, &min);
+        total -= dmin * static_cast<float>(min) * asum[b];
+        const float dw = d * static_cast<float>(scale);
+#if defined(__AVX2__)
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + b * QK));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_pairs_u8_s8(nibbles[half], a)),
+                              _mm256_set1_ps(dw * ad[b]), acc);
+#else
+        const int8_t* a = aq + b * QK;
+        int32_t isum = 0;
+        for (int l = 0; l < QK; ++l) isum += int32_t(half ? qs[l] >> 4 : qs[l] & 0x0F) * a[l];
+        total += dw * ad[b] * static_cast<float>(isum);
+#endif
+      }
+    }
+  }
+#if defined(__AVX2__)
+  total += hsum(acc);
+#endif
+  return total;
+}
+
+// Q6_K: each sub-block j of 32 meets activation block 8 i + j, with a scale per 16 weights:
+// d ad (scale_2j sum_0..15((q - 32) a) + scale_2j+1 sum_16..31((q - 32) a)).
+float row_dot_q6_k(const uint8_t* w_row, const int8_t* aq, const float* ad, const float*,
+                   int64_t nb) {
+#if defined(__AVX2__)
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb / 8; ++i) {
+    const auto* blk = reinterpret_cast<const BlockQ6_K*>(w_row) + i;
+    const float d = half_to_float(blk->d);
+    const __m256i low = _mm256_set1_epi8(0x0F), bits_4_5 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->ql + 64 * h));
+      const __m256i ql1 =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->ql + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->qh + 32 * h));
+      // Sub-block s of this half: 4 bits from ql, bits 2 s of qh moved to bits 4-5.
+      const __m256i q[4] = {
+          _mm256_or_si256(_mm256_and_si256(ql0, low),
+                          _mm256_and_si256(_mm256_slli_epi16(qh, 4), bits_4_5)),
+          _mm256_or_si256(_mm256_and_si256(ql1, low),
+                          _mm256_and_si256(_mm256_slli_epi16(qh, 2), bits_4_5)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low),
+                          _mm256_and_si256(qh, bits_4_5)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
+                          _mm256_and_si256(_mm256_srli_epi16(qh, 2), bits_4_5))};
+      for (int s = 0; s < 4; ++s) {
+        const int j = 4 * h + s;
+        const int64_t b = 8 * i + j;
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + b * QK));
+        // int32 lanes 0-3 sum weights 0-15, lanes 4-7 weights 16-31: one scale each half.
+        const __m256i p = dot_pairs_s8_s8(_mm256_sub_epi8(q[s], _mm256_set1_epi8(32)), a);
+        const __m256i scales = _mm256_set_m128i(_mm_set1_epi32(blk->scales[2 * j + 1]),
+                                                _mm_set1_epi32(blk->scales[2 * j]));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(p, scales)),
+                              _mm256_set1_ps(d * ad[b]), acc);
+      }
+    }
+  }
+  return hsum(acc);
+#else
+  float total = 0.f;
+  for (int64_t i = 0; i < nb / 8; ++i) {
+    const auto* blk = reinterpret_cast<const BlockQ6_K*>(w_row) + i;
+    const float d = half_to_float(blk->d);
+    for (int j = 0; j < 8; ++j) {
+      const int64_t b = 8 * i + j;
+      const int8_t* a = aq + b * QK;
+      uint8_t q[QK];
+      q6_k_values(blk, j, q);
+      int32_t isum = 0;
+      for (int half = 0; half < 2; ++half) {
+        int32_t part = 0;
+        for (int l = 16 * half; l < 16 * half + 16; ++l) part += (int32_t(q[l]) - 32) * a[l];
+        isum += blk->scales[2 * j + half] * part;
+      }
+      total += d * ad[b] * static_cast<float>(isum);
+    }
+  }
+  return total;
+#endif
+}
+
+template <int64_t QTYPE>
+float weight_row_dot(const uint8_t* w_row, const int8_t* aq, const float* ad, const float* asum,
+                     int64_t nb) {
+  if constexpr (QTYPE == Q4_K) return row_dot_q4_k(w_row, aq, ad, asum, nb);
+  else if constexpr (QTYPE == Q6_K) return row_dot_q6_k(w_row, aq, ad, asum, nb);
+  else return row_dot<QTYPE>(w_row, aq, ad, asum, nb);
+}
+
 template <int64_t QTYPE>
 void gemv_rows(const uint8_t* w, int64_t n, int64_t k, const QuantizedRows& xq, int64_t rows,
                float* out) {
-  const int64_t nb = k / QK, row_bytes = nb * block_bytes(QTYPE);
+  const int64_t nb = k / QK, row_bytes = k / block_weights(QTYPE) * block_bytes(QTYPE);
   // Each weight row is read once and used for every activation row while it is in L1.
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
       const uint8_t* w_row = w + o * row_bytes;
       for (int64_t r = 0; r < rows; ++r) {
-        out[r * n + o] = row_dot<QTYPE>(w_row, xq.q.data() + r * k, xq.d.data() + r * nb,
-                                        xq.sum.data() + r * nb, nb);
+        out[r * n + o] = weight_row_dot<QTYPE>(w_row, xq.q.data() + r * k, xq.d.data() + r * nb,
+                                               xq.sum.data() + r * nb, nb);
       }
     }
   });
@@ -183,9 +367,82 @@ void gemv_rows(const uint8_t* w, int64_t n, int64_t k, const QuantizedRows& xq, 
 void check_weight(const torch::Tensor& weight, int64_t qtype, int64_t k) {
   TORCH_CHECK(weight.dtype() == torch::kUInt8 && weight.dim() == 2 && weight.is_contiguous(),
               "weight must be contiguous uint8 [out_features, row_bytes]");
-  TORCH_CHECK(k % QK == 0, "in_features must be a multiple of ", QK);
-  TORCH_CHECK(weight.size(1) == k / QK * block_bytes(qtype), "weight rows hold ",
-              weight.size(1), " bytes, not ", k / QK * block_bytes(qtype));
+  const int64_t width = block_weights(qtype), row_bytes = k / width * block_bytes(qtype);
+  TORCH_CHECK(k % width == 0, "in_features must be a multiple of ", width);
+  TORCH_CHECK(weight.size(1) == row_bytes, "weight rows hold ", weight.size(1), " bytes, not ",
+              row_bytes);
+}
+
+// One block's (or super-block's) float weights, in ggml's arithmetic and order, so that they
+// equal the gguf package's dequantization bit for bit.
+void dequantize_block(const uint8_t* blk, int64_t qtype, float* dst) {
+  switch (qtype) {
+    case Q8_0: {
+      const auto* q = reinterpret_cast<const BlockQ8_0*>(blk);
+      const float d = half_to_float(q->d);
+      for (int j = 0; j < QK; ++j) dst[j] = d * q->qs[j];
+      return;
+    }
+    case Q4_1: {  // q d + m
+      const auto* q = reinterpret_cast<const BlockQ4_1*>(blk);
+      const float d = half_to_float(q->d), m = half_to_float(q->m);
+      for (int j = 0; j < QK / 2; ++j) {
+        dst[j] = (q->qs[j] & 0x0F) * d + m;
+        dst[j + QK / 2] = (q->qs[j] >> 4) * d + m;
+      }
+      return;
+    }
+    case Q4_0: {  // (q - 8) d
+      const auto* q = reinterpret_cast<const BlockQ4_0*>(blk);
+      const float d = half_to_float(q->d);
+      for (int j = 0; j < QK / 2; ++j) {
+        dst[j] = ((q->qs[j] & 0x0F) - 8) * d;
+        dst[j + QK / 2] = ((q->qs[j] >> 4) - 8) * d;
+      }
+      return;
+    }
+    case Q5_0: {  // (q - 16) d
+      const auto* q = reinterpret_cast<const BlockQ5_0*>(blk);
+      const float d = half_to_float(q->d);
+      uint32_t qh;
+      std::memcpy(&qh, q->qh, sizeof(qh));
+      for (int j = 0; j < QK / 2; ++j) {
+        const int lo = (q->qs[j] & 0x0F) | (((qh >> j) & 1) << 4);
+        const int hi = (q->qs[j] >> 4) | (((qh >> (j + QK / 2)) & 1) << 4);
+        dst[j] = (lo - 16) * d;
+        dst[j + QK / 2] = (hi - 16) * d;
+      }
+      return;
+    }
+    case Q4_K: {  // (d scale) q - (dmin min), per sub-block
+      const auto* q = reinterpret_cast<const BlockQ4_K*>(blk);
+      const float d = half_to_float(q->d), dmin = half_to_float(q->dmin);
+      for (int j = 0; j < QK_K / QK; ++j) {
+        int scale, min;
+        q4_k_scale_min(q->scales, j, &scale, &min);
+        const float dl = d * static_cast<float>(scale), ml = dmin * static_cast<float>(min);
+        const uint8_t* qs = q->qs + 32 * (j / 2);
+        for (int l = 0; l < QK; ++l) {
+          dst[QK * j + l] = dl * static_cast<float>(j % 2 ? qs[l] >> 4 : qs[l] & 0x0F) - ml;
+        }
+      }
+      return;
+    }
+    case Q6_K: {  // (d scale) (q - 32), a scale per 16
+      const auto* q = reinterpret_cast<const BlockQ6_K*>(blk);
+      const float d = half_to_float(q->d);
+      for (int j = 0; j < QK_K / QK; ++j) {
+        uint8_t values[QK];
+        q6_k_values(q, j, values);
+        for (int l = 0; l < QK; ++l) {
+          const float dl = d * static_cast<float>(q->scales[(QK * j + l) / 16]);
+          dst[QK * j + l] = dl * static_cast<float>(int(values[l]) - 32);
+        }
+      }
+      return;
+    }
+  }
+  TORCH_CHECK(false, "unsupported quantized type ", qtype);
 }
 
 }  // namespace
@@ -206,7 +463,10 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor weight, int64_t qtype,
   switch (qtype) {
     case Q4_0: gemv_rows<Q4_0>(w, n, k, xq, rows, o); break;
     case Q4_1: gemv_rows<Q4_1>(w, n, k, xq, rows, o); break;
+    case Q5_0: gemv_rows<Q5_0>(w, n, k, xq, rows, o); break;
     case Q8_0: gemv_rows<Q8_0>(w, n, k, xq, rows, o); break;
+    case Q4_K: gemv_rows<Q4_K>(w, n, k, xq, rows, o); break;
+    case Q6_K: gemv_rows<Q6_K>(w, n, k, xq, rows, o); break;
     default: TORCH_CHECK(false, "unsupported quantized type ", qtype);
   }
   if (bias.has_value()) out.add_(bias->to(torch::kFloat32));
@@ -216,36 +476,12 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor weight, int64_t qtype,
 // The float weights [n, k] the blocks stand for (the large-batch path: dequantize, then GEMM).
 torch::Tensor dequantize(torch::Tensor weight, int64_t qtype, int64_t k) {
   check_weight(weight, qtype, k);
-  const int64_t n = weight.size(0), nb = k / QK, bb = block_bytes(qtype);
+  const int64_t n = weight.size(0), width = block_weights(qtype), bb = block_bytes(qtype);
   auto out = torch::empty({n, k}, torch::kFloat32);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, n * nb, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const uint8_t* blk = w + i * bb;
-      float* dst = o + i * QK;
-      if (qtype == Q8_0) {
-        const auto* q = reinterpret_cast<const BlockQ8_0*>(blk);
-        const float d = half_to_float(q->d);
-        for (int j = 0; j < QK; ++j) dst[j] = d * q->qs[j];
-      } else {
-        if (qtype == Q4_1) {  // as ggml: q d + m
-          const auto* q = reinterpret_cast<const BlockQ4_1*>(blk);
-          const float d = half_to_float(q->d), m = half_to_float(q->m);
-          for (int j = 0; j < QK / 2; ++j) {
-            dst[j] = (q->qs[j] & 0x0F) * d + m;
-            dst[j + QK / 2] = (q->qs[j] >> 4) * d + m;
-          }
-        } else {  // as ggml: (q - 8) d
-          const auto* q = reinterpret_cast<const BlockQ4_0*>(blk);
-          const float d = half_to_float(q->d);
-          for (int j = 0; j < QK / 2; ++j) {
-            dst[j] = ((q->qs[j] & 0x0F) - 8) * d;
-            dst[j + QK / 2] = ((q->qs[j] >> 4) - 8) * d;
-          }
-        }
-      }
-    }
+  at::parallel_for(0, n * (k / width), 256 * QK / width, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) dequantize_block(w + i * bb, qtype, o + i * width);
   });
   return out;
 }
