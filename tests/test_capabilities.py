@@ -4,6 +4,7 @@ the all-portable path, so an AVX-512 machine tests both and an AVX2 one tests th
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ from conftest import AVX2_ENV, ROOT, free_port, run_forced
 
 from treadle.model import capabilities
 from treadle.model.capabilities import probe, resolve_dtype
-from treadle.model.kernels import STALE_LOCK_SECONDS, build_flags, build_folder, remove_stale_lock
+from treadle.model.kernels import build_flags, build_folder, build_lock
 from treadle.model.linear import Linear
 
 PROBE = ("import json; from treadle.model.capabilities import probe, resolve_dtype; "
@@ -183,13 +184,24 @@ def ready(url: str) -> bool:
 
 
 def test_a_killed_builds_lock_is_removed_and_a_live_ones_kept(tmp_path):
-    """A build killed mid-way leaves torch's lock behind; waiting on it hung every later start."""
-    lock = tmp_path / "lock"
-    lock.touch()
-    remove_stale_lock(lock)  # fresh: a build may be running in another process
-    assert lock.exists()
-    old = time.time() - STALE_LOCK_SECONDS - 1
-    os.utime(lock, (old, old))
-    remove_stale_lock(lock)
-    assert not lock.exists()
-    remove_stale_lock(lock)  # no lock: nothing to do
+    """A build killed mid-way leaves torch's lock file behind; waiting on it hung every later
+    start. A live builder holds the flock (the next one waits); once it is killed, the next
+    takes the lock at once and torch's leftover file is gone."""
+    (tmp_path / "lock").touch()  # torch's file, as a killed build leaves it
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from treadle.model.kernels import build_lock; "
+         "lock = build_lock(Path(sys.argv[1])); lock.__enter__(); print('held', flush=True); "
+         "time.sleep(600)", str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with open(tmp_path / "build.flock") as handle, pytest.raises(BlockingIOError):
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a live build: wait for it
+        (tmp_path / "lock").touch()  # the holder is killed mid-build, leaving torch's file
+    finally:
+        holder.kill()
+        holder.wait()
+    start = time.monotonic()
+    with build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    assert time.monotonic() - start < 5

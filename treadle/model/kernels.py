@@ -13,11 +13,13 @@ its caller then takes the pure-torch path, which gives the same results.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -28,8 +30,6 @@ from treadle.model.capabilities import probe
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-# A build lock older than this is a killed build's (a build takes about a minute here).
-STALE_LOCK_SECONDS = 600
 # Extension name -> source file.
 KERNELS = {"treadle_paged_attention": CSRC / "paged_attention.cpp",
            "treadle_quant_linear": CSRC / "quant_linear.cpp"}
@@ -90,10 +90,9 @@ def load_kernel(name: str) -> ModuleType | None:
                     "minute)", name, probe().isa, folder)
     start = time.perf_counter()
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        remove_stale_lock(folder / "lock")
-        module = load(name=name, sources=[str(KERNELS[name])], extra_cflags=cflags,
-                      extra_ldflags=ldflags, build_directory=str(folder), verbose=False)
+        with build_lock(folder):
+            module = load(name=name, sources=[str(KERNELS[name])], extra_cflags=cflags,
+                          extra_ldflags=ldflags, build_directory=str(folder), verbose=False)
     except Exception as e:  # no compiler, a library that fails to load: serve without it
         logger.warning("native kernel %s unavailable, using the torch path: %s", name, e)
         return None
@@ -102,17 +101,19 @@ def load_kernel(name: str) -> ModuleType | None:
     return module
 
 
-def remove_stale_lock(lock: Path) -> None:
-    """torch's build lock outlives a build that was killed, and then every later start waits on
-    it forever (seen: a server killed while compiling hung every start after it). A build takes
-    about a minute: a lock older than STALE_LOCK_SECONDS is a dead build's."""
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_SECONDS:
-        logger.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
-        lock.unlink(missing_ok=True)
+@contextlib.contextmanager
+def build_lock(folder: Path) -> Iterator[None]:
+    """Hold the build folder's lock: an flock, which the OS releases when its holder dies.
+    torch's own lock is a plain file that a killed build leaves behind, and every later start
+    then waited on it forever (seen: a server killed while compiling hung the next starts; an
+    age limit on the file still hung a start that began waiting before the limit passed).
+    Every build goes through here, so whoever holds the flock is the only builder and a torch
+    lock it finds is a dead build's."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (folder / "lock").unlink(missing_ok=True)
+        yield
 
 
 def paged_decode_attention() -> Callable | None:
