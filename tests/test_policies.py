@@ -523,6 +523,29 @@ def test_fair_a_dominant_tenant_sits_out_the_step_that_admits_a_light_one():
     assert_scheduler_empty(s)
 
 
+def test_fair_a_tenant_with_nothing_running_gets_its_step_from_one_long_prompt():
+    """One heavy request mid-prefill fills every step's budget with its chunks, another waits
+    on the heavy tenant's KV cap; a light tenant's request (its counter lifted to the backlogged
+    heavy tenant's) is admitted alone in the next step rather than sharing it with the chunks,
+    and the heavy prompt resumes after it."""
+    s = make_scheduler(num_blocks=256, block_size=4, max_num_seqs=8, policy="fair",
+                       max_num_batched_tokens=24, long_prefill_token_threshold=24,
+                       max_kv_blocks_per_tenant=60)
+    model = model_for(s)
+    s.add_request(req("heavy-long", 200, max_tokens=2, arrival=0, tenant="heavy"))
+    s.add_request(req("heavy-next", 200, max_tokens=2, arrival=0.5, tenant="heavy"))
+    output, _ = step(s, model)
+    assert scheduled_ids(output) == ["heavy-long"] and output.num_batched_tokens == 24
+    # Lifted to the heavy tenant's counter: the tie goes by name, "a-light" first.
+    s.add_request(req("light", 20, max_tokens=3, arrival=1, tenant="a-light"))
+    output, _ = step(s, model)
+    assert {x.request.request_id: x.num_new_tokens for x in output.scheduled} == {"light": 20}
+    output, _ = step(s, model)
+    assert "heavy-long" in scheduled_ids(output)
+    check_outputs(run_until_done(s, model))
+    assert_scheduler_empty(s)
+
+
 def test_fair_nobody_sits_out_for_a_request_that_cannot_be_admitted():
     """The light request does not fit in the free blocks: the heavy tenant's requests run on
     (an empty step would wait forever), and the light one goes once blocks free."""

@@ -262,19 +262,25 @@ class FairPolicy(SchedulingPolicy):
 
     def yielding_tenants(self, head: Request, running: Sequence[Request]) -> frozenset[str]:
         # The tenants displace() may take a slot from (served more by over the head's charge,
-        # or at least as much while holding two more running requests) sit out the head's
+        # or at least as much while holding two more running requests) and, when the head's
+        # tenant holds nothing running, every tenant served at least as much, sit out the head's
         # admission step: its first token then waits for that one short step instead of a
         # step of every heavy decode plus chunks. `treadle sim`, a heavy tenant sending 10x
         # each of three light ones, saturated (48 seqs, 256-token budget): light TTFT p50
         # 0.34-0.46 s -> 0.23-0.25 s, p99 0.70-1.0 s -> 0.52-1.0 s (what is left is the light
         # tenant's own charge: a second request right after its first waits for the heavy
-        # tenant to be served as much); heavy throughput -1%.
+        # tenant to be served as much); heavy throughput -1%. A tenant with nothing running
+        # gets its step from any tenant served at least as much, even one holding a single
+        # request: one long prompt of a heavy tenant capped to one request's worth of KV
+        # (max_kv_blocks_per_tenant) otherwise put its chunk in every light admission step
+        # (`treadle sim`, heavy prompts of 1,500 tokens, 200 blocks, cap 100, 128-token chunks:
+        # light p99 TTFT 1.9-2.5 s -> 0.83-1.2 s, 0.43 s alone; heavy throughput unchanged).
         held = Counter(r.tenant for r in running)
         base, charge = self.counter(head.tenant), self.admission_charge(head)
         return frozenset(
             tenant for tenant, count in held.items() if tenant != head.tenant
             and (gap := self.counter(tenant) - base) >= 0
-            and (gap > charge or count - held[head.tenant] >= 2))
+            and (gap > charge or count - held[head.tenant] >= 2 or not held[head.tenant]))
 
     def victim(self, candidates: Sequence[Request]) -> Request:
         victim = self._most_served(candidates, exclude=None)
