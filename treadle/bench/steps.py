@@ -69,12 +69,14 @@ def time_step(runner: ModelRunner, model_input: ModelInput, repeats: int) -> flo
 
 def bench_steps(model: str | None, dtype: str, quantization: str, prefill_tokens: list[int],
                 decode_seqs: list[int], context_lens: list[int], repeats: int = 3,
-                held_out: int = 12, seed: int = 0, progress: bool = True) -> dict:
+                held_out: int = 12, seed: int = 0, progress: bool = True,
+                quant_gemv_max_rows: int | None = None) -> dict:
     began = time.perf_counter()
     num_blocks = (max(decode_seqs) + 2) * -(-(max(context_lens) + max(prefill_tokens))
                                             // BLOCK_SIZE)
     runner = ModelRunner(load_model(model, torch_dtype(dtype), quantization),
-                         ModelConfig(model=model, dtype=dtype, quantization=quantization),
+                         ModelConfig(model=model, dtype=dtype, quantization=quantization,
+                                     quant_gemv_max_rows=quant_gemv_max_rows),
                          CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks))
     grid = [(p, d, c) for p in prefill_tokens for d in decode_seqs for c in context_lens
             if p or d]
@@ -142,12 +144,15 @@ def add_steps_args(parser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="step_profile.json", help="the profile JSON")
     parser.add_argument("--notes", default="", help="kept in the profile (e.g. the machine's load)")
+    parser.add_argument("--quant-gemv-max-rows", type=int, default=None,
+                        help="as `treadle serve`'s: pin the quantized layers' crossover to the "
+                             "server's (default: measured at load, as the server does)")
 
 
 def run_steps(args) -> int:
     report = bench_steps(args.model, args.dtype, args.quantization, args.prefill_tokens,
                          args.decode_seqs, args.context_lens, args.repeats, args.held_out,
-                         args.seed)
+                         args.seed, quant_gemv_max_rows=args.quant_gemv_max_rows)
     report["profile"].notes = args.notes
     report["profile"].save(args.output)
     print(format_steps(report))

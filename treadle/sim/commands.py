@@ -51,6 +51,8 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--long-prefill-token-threshold", type=int, default=256)
     e.add_argument("--max-num-partial-prefills", type=int, default=4)
     e.add_argument("--max-queue-wait", type=float, default=None)
+    e.add_argument("--max-kv-blocks-per-tenant", type=int, default=None,
+                   help="most KV blocks one tenant's running requests hold (default: no cap)")
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--num-blocks", type=int, default=None,
                    help="KV cache blocks (default: from --kv-cache-memory)")
@@ -110,7 +112,9 @@ def base_settings(args: argparse.Namespace) -> SimSettings:
         max_num_seqs=args.max_num_seqs,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills,
-        max_queue_wait=args.max_queue_wait, block_size=args.block_size, num_blocks=num_blocks,
+        max_queue_wait=args.max_queue_wait,
+        max_kv_blocks_per_tenant=args.max_kv_blocks_per_tenant, block_size=args.block_size,
+        num_blocks=num_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
         max_model_len=args.engine_max_model_len, replicas=args.replicas, router=args.router)
 

@@ -16,6 +16,7 @@ class SimSettings:
     long_prefill_token_threshold: int = 256
     max_num_partial_prefills: int = 4
     max_queue_wait: float | None = None
+    max_kv_blocks_per_tenant: int | None = None
     block_size: int = 16
     num_blocks: int = 4096  # per replica
     enable_prefix_caching: bool = True
@@ -38,7 +39,8 @@ class SimSettings:
                                max_num_seqs=self.max_num_seqs,
                                long_prefill_token_threshold=self.long_prefill_token_threshold,
                                max_num_partial_prefills=self.max_num_partial_prefills,
-                               max_queue_wait=self.max_queue_wait)
+                               max_queue_wait=self.max_queue_wait,
+                               max_kv_blocks_per_tenant=self.max_kv_blocks_per_tenant)
 
 
 SETTING_TYPES = {f.name: f.type for f in fields(SimSettings)}
@@ -53,6 +55,8 @@ def parse_setting(name: str, text: str) -> object:
         return text
     if kind == "bool":
         return text.lower() in ("1", "true", "on", "yes")
-    if kind == "float | None":
-        return None if text.lower() == "none" else float(text)
+    if text.lower() == "none" and kind.endswith("| None"):
+        return None
+    if kind.startswith("float"):
+        return float(text)
     return int(text)
