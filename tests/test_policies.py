@@ -420,6 +420,31 @@ def test_tpot_admission_counts_the_requests_decoding_with_it():
     assert s.objective_out_of_reach(req("probe", 4, arrival=1, tpot=0.080)) is None
 
 
+def test_tpot_admission_weighs_the_recent_steps_and_running_objectives():
+    """Steps measured at 300 ms (arrivals' prefill chunks ride along under overload) outweigh a
+    count of the decodes alone (7 x 1 ms + 10 ms); and a newcomer with a loose objective is
+    refused when it would push a running request past its own tight one."""
+    s = make_scheduler(num_blocks=512, block_size=4, max_num_batched_tokens=64,
+                       max_num_seqs=8, policy="deadline")
+    model = model_for(s)
+    for i in range(6):
+        s.add_request(req(f"d{i}", 4, max_tokens=100, arrival=0, tpot=0.5 if i else 0.1))
+    step(s, model)
+    step(s, model)
+    for tokens in (8, 64):  # a 10 ms + 1 ms per token fit ...
+        for _ in range(20):
+            s.step_time.update(0.010 + 0.001 * tokens, tokens)
+    assert s.objective_out_of_reach(req("probe", 4, arrival=1, tpot=0.2)) is None
+    for _ in range(60):  # ... then steps of 64 tokens at 300 ms
+        s.step_time.update(0.300, 64)
+    why = s.objective_out_of_reach(req("probe", 4, arrival=1, tpot=0.2))
+    assert why is not None and why.startswith("a running request's TPOT objective of 100 ms")
+    s.finish_request("d0", RequestStatus.FINISHED_ABORTED)  # the tight one leaves
+    assert s.objective_out_of_reach(req("probe", 4, arrival=1, tpot=0.4)) is None
+    assert s.objective_out_of_reach(req("probe", 4, arrival=1, tpot=0.2)).startswith(
+        "the TPOT objective of 200 ms")
+
+
 # Long requests, queue time limit
 
 

@@ -531,6 +531,12 @@ class StepTimeModel:
                 return StepFit(fixed, per_token)
         return StepFit(0.0, max(0.0, self.sum_xy / self.sum_xx))
 
+    @property
+    def recent_step_seconds(self) -> float | None:
+        """The mean of the recent steps (the same forgetting): what a step costs under the
+        load the engine has now, arrivals' prefill chunks included."""
+        return self.sum_y / self.weight if self.weight else None
+
     def seconds_per_token(self, num_tokens: int) -> float | None:
         """Seconds each token of a step of `num_tokens` costs (the fixed cost shared out)."""
         if self.fit is None:
