@@ -273,10 +273,13 @@ def test_cli_sweeps_a_setting(tmp_path, capsys):
     write_trace(workload(60, rate=20.0), tmp_path / "t.jsonl")
     assert main(["sim", "--workload", "trace", "--trace", str(tmp_path / "t.jsonl"),
                  "--sweep", "max_num_batched_tokens=128,1024", "--replicas", "2",
-                 "--router", "least-load", "--json", str(tmp_path / "o.json")]) == 0
+                 "--router", "least-load", "--json", str(tmp_path / "o.json"),
+                 "--plot", str(tmp_path / "plots")]) == 0
     runs = json.loads((tmp_path / "o.json").read_text())["runs"]
     assert [r["settings"]["max_num_batched_tokens"] for r in runs] == [128, 1024]
     assert "max_num_batched_tokens=128" in capsys.readouterr().out
+    for name in ("trade_off.png", "kv_usage.png"):
+        assert (tmp_path / "plots" / name).read_bytes().startswith(b"\x89PNG")
     assert main(["sim", "--workload", "trace", "--trace", str(tmp_path / "t.jsonl"),
                  "--sweep", "nope=1"]) == 2
 

@@ -47,7 +47,7 @@ def plot_serve(report: dict, out_dir: str | Path) -> list[Path]:
         ax.grid(alpha=0.3)
         if ax.has_data():
             ax.legend()
-        written.append(_save(fig, out / f"{metric.lower()}_cdf.png"))
+        written.append(save_figure(fig, out / f"{metric.lower()}_cdf.png"))
     finite = [run for run in runs if not math.isinf(run["request_rate"])]
     if len(finite) > 1:
         rates = [run["request_rate"] for run in finite]
@@ -58,18 +58,18 @@ def plot_serve(report: dict, out_dir: str | Path) -> list[Path]:
             ax.set(xlabel="request rate (req/s)", ylabel=label)
             ax.grid(alpha=0.3)
         fig.suptitle(f"throughput against request rate, {report['model']}")
-        written.append(_save(fig, out / "throughput_vs_rate.png"))
+        written.append(save_figure(fig, out / "throughput_vs_rate.png"))
         fig, ax = plt.subplots(figsize=(6, 4))
         p99 = [run["ttft_ms"]["p99"] for run in finite]
         ax.plot(rates, [math.nan if v is None else v for v in p99], "o-")
         ax.set(xlabel="request rate (req/s)", ylabel="p99 TTFT (ms)",
                title="p99 TTFT against request rate")
         ax.grid(alpha=0.3)
-        written.append(_save(fig, out / "p99_ttft_vs_rate.png"))
+        written.append(save_figure(fig, out / "p99_ttft_vs_rate.png"))
     return written
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -68,6 +68,9 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
                    help="one run per value of a setting, e.g. max_num_batched_tokens=256,512")
 
     o = parser.add_argument_group("step time and output")
+    o.add_argument("--plot", default=None, metavar="DIR",
+                   help="write PNG plots here: the trade-off across the runs (a sweep, "
+                        "policies or rates) and KV cache usage over time")
     o.add_argument("--profile", default=None,
                    help="step-time profile JSON (default: the default model's, shipped)")
     o.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS")
@@ -178,4 +181,9 @@ def run_sim(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"profile": dataclasses.asdict(profile),
                                                "runs": reports}, indent=2))
+    if args.plot:
+        from treadle.sim.plots import plot_sim
+
+        for path in plot_sim(labels, reports, args.plot):
+            print(f"wrote {path}")
     return 0
