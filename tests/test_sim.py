@@ -193,25 +193,39 @@ def test_replicas_split_the_load():
 # The step-time profile
 
 
-def test_profile_fit_recovers_known_coefficients(tmp_path):
+@pytest.mark.parametrize("gemv_rows", [None, 4])
+def test_profile_fit_recovers_known_coefficients(tmp_path, gemv_rows):
+    """Float weights (one regime) and quantized ones (up to 4 rows on the integer kernel, each
+    row dearer; above, the dense copy's fixed cost)."""
     rng = np.random.default_rng(0)
-    truth = dict(zip(FEATURES, [0.02, 3e-4, 1e-3, 2e-6, 5e-5], strict=True))
+    truth = dict(zip(FEATURES, [0.02, 3e-4, 1e-3, 2e-6, 5e-5, 0.0, 0.0], strict=True))
+    if gemv_rows:
+        truth |= {"const": 0.01, "integer_rows": 4e-3, "dense_weights": 0.03}
 
     def sample():
         p, d, c = rng.integers(0, 512), rng.integers(0, 64), rng.integers(16, 1024)
+        if rng.random() < 0.3:  # a few decodes alone: the integer kernel's steps
+            p, d = 0, rng.integers(1, 7)
         chunks = ([(c, int(p))] if p > 1 else []) + [(int(c), 1)] * int(d) or [(0, 2)]
-        features = step_features(chunks)
+        features = step_features(chunks, gemv_rows)
         seconds = sum(truth[f] * x for f, x in zip(FEATURES, features, strict=True))
         return features, seconds * (1 + rng.normal(0, 0.01))
 
     profile = fit_profile([sample() for _ in range(200)], [sample() for _ in range(50)],
-                          model="synthetic")
+                          model="synthetic", gemv_rows=gemv_rows)
     for name, value in truth.items():
-        assert profile.coefficients[name] == pytest.approx(value, rel=0.1), name
+        assert profile.coefficients[name] == pytest.approx(value, rel=0.1, abs=1e-9), name
     assert profile.fit["held_out_error"]["mean_rel"] < 0.02
     profile.save(tmp_path / "p.json")
     loaded = StepProfile.load(tmp_path / "p.json")
     assert loaded.coefficients == profile.coefficients and loaded.model == "synthetic"
+    assert loaded.gemv_rows == gemv_rows
+    one, five = [(300, 1)], [(300, 1)] * 5
+    assert loaded.predict_chunks(one) == pytest.approx(
+        sum(truth[f] * x for f, x in zip(FEATURES, step_features(one, gemv_rows), strict=True)),
+        rel=0.05)
+    if gemv_rows:  # five decodes cross to the dense path: its fixed cost, not five int rows
+        assert step_features(five, gemv_rows)[-2:] == [0.0, 1.0]
 
 
 def test_the_shipped_default_profile_loads():

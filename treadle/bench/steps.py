@@ -15,6 +15,7 @@ import os
 import platform
 import random
 import time
+from collections import Counter
 
 import torch
 
@@ -78,6 +79,10 @@ def bench_steps(model: str | None, dtype: str, quantization: str, prefill_tokens
                          ModelConfig(model=model, dtype=dtype, quantization=quantization,
                                      quant_gemv_max_rows=quant_gemv_max_rows),
                          CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks))
+    # The quantized layers' crossover, one number for the whole model: the most common one
+    # among its shapes (pinned with quant_gemv_max_rows, every shape has the same).
+    crossovers = Counter(runner.gemv_rows.values())
+    gemv_rows = crossovers.most_common(1)[0][0] if crossovers else None
     grid = [(p, d, c) for p in prefill_tokens for d in decode_seqs for c in context_lens
             if p or d]
     rng = random.Random(seed)
@@ -90,7 +95,7 @@ def bench_steps(model: str | None, dtype: str, quantization: str, prefill_tokens
             model_input = step_input(p, d, c)
             seconds = time_step(runner, model_input, repeats)
             rows.append({"set": kind, "prefill_tokens": p, "decode_seqs": d, "context": c,
-                         "features": step_features(chunks_of(model_input)),
+                         "features": step_features(chunks_of(model_input), gemv_rows),
                          "seconds": seconds})
             if progress:
                 print(f"{kind:>8} P={p:<5} D={d:<4} C={c:<5} {seconds * 1e3:8.2f} ms",
@@ -99,7 +104,7 @@ def bench_steps(model: str | None, dtype: str, quantization: str, prefill_tokens
     test = [(r["features"], r["seconds"]) for r in rows if r["set"] == "held_out"]
     source = resolve_model(model)
     profile = fit_profile(
-        train, test, model=source.name,
+        train, test, model=source.name, gemv_rows=gemv_rows,
         machine={"cpu": cpu_name(), "cores": os.cpu_count(),
                  "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                  **runner.platform_info()},
@@ -137,7 +142,8 @@ def add_steps_args(parser) -> None:
         return [int(x) for x in text.split(",") if x]
 
     parser.add_argument("--prefill-tokens", type=ints, default=[0, 32, 128, 512])
-    parser.add_argument("--decode-seqs", type=ints, default=[0, 1, 8, 32])
+    # 1, 2 and 4 decodes: either side of the quantized layers' crossover (2-4 rows here).
+    parser.add_argument("--decode-seqs", type=ints, default=[0, 1, 2, 4, 8, 32])
     parser.add_argument("--context-lens", type=ints, default=[64, 512])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--held-out", type=int, default=12)

@@ -1,11 +1,15 @@
 """The step-time model: a step's seconds as a linear function of what the step computes.
 
     step_s = const + b * prefill_tokens + c * decode_seqs + d * decode_context
-             + e * prefill_attention
+             + e * prefill_attention + f * integer_rows + g * dense_weights
 
 prefill_tokens: tokens of chunks longer than one token (the runner's prefill path);
 decode_seqs: one-token chunks (its decode path); decode_context: the context lengths those read;
-prefill_attention: sum over chunks of n * (start + n) / 1000 (the query x key products). Fitted
+prefill_attention: sum over chunks of n * (start + n) / 1000 (the query x key products). With
+quantized weights a step of at most `gemv_rows` rows runs the integer kernel, whose cost grows
+with each row (integer_rows: the step's rows there, else 0), and a larger one the dense float
+path, which reads the float copy of every weight once (dense_weights: 1 there, else 0): one
+line through both regimes missed steps of 3-9 decodes by 25-30% on a Q4_1 model. Fitted
 by least squares (numpy) to measured steps (`treadle bench steps`), saved as a small JSON profile
 that names the machine and model it came from. `fit_profile` reports the relative error on
 held-out steps.
@@ -20,12 +24,15 @@ from pathlib import Path
 
 import numpy as np
 
-FEATURES = ("const", "prefill_tokens", "decode_seqs", "decode_context", "prefill_attention")
+FEATURES = ("const", "prefill_tokens", "decode_seqs", "decode_context", "prefill_attention",
+            "integer_rows", "dense_weights")
 DEFAULT_PROFILE = Path(__file__).parent / "data" / "default_profile.json"
 
 
-def step_features(chunks: Iterable[tuple[int, int]]) -> list[float]:
-    """Features of one step from its chunks: (tokens already computed, new tokens) each."""
+def step_features(chunks: Iterable[tuple[int, int]], gemv_rows: int | None = None
+                  ) -> list[float]:
+    """Features of one step from its chunks: (tokens already computed, new tokens) each;
+    `gemv_rows`: the quantized layers' crossover (None: float weights, one regime)."""
     prefill = decode = decode_context = attention = 0
     for start, n in chunks:
         if n == 1:
@@ -34,7 +41,10 @@ def step_features(chunks: Iterable[tuple[int, int]]) -> list[float]:
         else:
             prefill += n
             attention += n * (start + n)
-    return [1.0, float(prefill), float(decode), float(decode_context), attention / 1000.0]
+    rows = prefill + decode
+    integer = gemv_rows is not None and rows <= gemv_rows
+    return [1.0, float(prefill), float(decode), float(decode_context), attention / 1000.0,
+            float(rows) if integer else 0.0, 1.0 if gemv_rows is not None and not integer else 0.0]
 
 
 @dataclass
@@ -44,6 +54,7 @@ class StepProfile:
     machine: dict = field(default_factory=dict)
     fit: dict = field(default_factory=dict)  # how it was fitted and its error
     notes: str = ""
+    gemv_rows: int | None = None  # the quantized layers' crossover it was measured with
 
     def predict(self, features: Sequence[float]) -> float:
         c = self.coefficients
@@ -51,7 +62,7 @@ class StepProfile:
         return max(seconds, 1e-6)  # a step always takes some time: the clock must advance
 
     def predict_chunks(self, chunks: Iterable[tuple[int, int]]) -> float:
-        return self.predict(step_features(chunks))
+        return self.predict(step_features(chunks, self.gemv_rows))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -66,8 +77,8 @@ class StepProfile:
         unknown = set(data.get("coefficients", {})) - set(FEATURES)
         if unknown:
             raise ValueError(f"profile {path}: unknown features {sorted(unknown)}")
-        return cls(**{k: data[k] for k in ("coefficients", "model", "machine", "fit", "notes")
-                      if k in data})
+        return cls(**{k: data[k] for k in ("coefficients", "model", "machine", "fit", "notes",
+                                           "gemv_rows") if k in data})
 
     @classmethod
     def constant(cls, seconds: float) -> StepProfile:
