@@ -19,7 +19,13 @@ from treadle.cli import main
 from treadle.config import CacheConfig, EngineConfig, ModelConfig
 from treadle.engine.core import EngineCore
 from treadle.engine.sampling_params import SamplingParams
-from treadle.sim.profile import FEATURES, StepProfile, fit_profile, step_features
+from treadle.sim.profile import (
+    FEATURES,
+    StepProfile,
+    fit_profile,
+    shared_decode_context,
+    step_features,
+)
 from treadle.sim.report import jain_index, summarize
 from treadle.sim.settings import SimSettings
 from treadle.sim.simulator import simulate
@@ -198,16 +204,20 @@ def test_profile_fit_recovers_known_coefficients(tmp_path, gemv_rows):
     """Float weights (one regime) and quantized ones (up to 4 rows on the integer kernel, each
     row dearer; above, the dense copy's fixed cost)."""
     rng = np.random.default_rng(0)
-    truth = dict(zip(FEATURES, [0.02, 3e-4, 1e-3, 2e-6, 5e-5, 0.0, 0.0], strict=True))
+    truth = dict(zip(FEATURES, [0.02, 3e-4, 1e-3, 2e-6, 5e-5, 0.0, 0.0, 0.0], strict=True))
     if gemv_rows:
-        truth |= {"const": 0.01, "integer_rows": 4e-3, "dense_weights": 0.03}
+        truth |= {"const": 0.01, "integer_rows": 4e-3, "dense_weights": 0.03,
+                  "shared_context": 5e-7}
 
     def sample():
         p, d, c = rng.integers(0, 512), rng.integers(0, 64), rng.integers(16, 1024)
         if rng.random() < 0.3:  # a few decodes alone: the integer kernel's steps
             p, d = 0, rng.integers(1, 7)
         chunks = ([(c, int(p))] if p > 1 else []) + [(int(c), 1)] * int(d) or [(0, 2)]
-        features = step_features(chunks, gemv_rows)
+        # Some steps' decodes share a prefix: all but the first read it from cache.
+        shared = int(c // 16 * 16 * (d - 1)) if gemv_rows and d > 1 and rng.random() < 0.3 \
+            else 0
+        features = step_features(chunks, gemv_rows, shared)
         seconds = sum(truth[f] * x for f, x in zip(FEATURES, features, strict=True))
         return features, seconds * (1 + rng.normal(0, 0.01))
 
@@ -225,7 +235,25 @@ def test_profile_fit_recovers_known_coefficients(tmp_path, gemv_rows):
         sum(truth[f] * x for f, x in zip(FEATURES, step_features(one, gemv_rows), strict=True)),
         rel=0.05)
     if gemv_rows:  # five decodes cross to the dense path: its fixed cost, not five int rows
-        assert step_features(five, gemv_rows)[-2:] == [0.0, 1.0]
+        assert step_features(five, gemv_rows)[5:7] == [0.0, 1.0]
+
+
+def test_bench_steps_shares_a_prefix_the_way_the_simulator_counts_it():
+    """`bench steps`' shared-prefix steps: the decodes' full context blocks are the first
+    decode's, each writes its own last block; `shared_decode_context` counts the context read
+    again, as the simulator counts it from the scheduler's block tables."""
+    from treadle.bench.steps import BLOCK_SIZE, shared_of, step_input
+
+    alone, shared = step_input(32, 4, 100), step_input(32, 4, 100, shared=True)
+    assert shared_of(alone) == 0
+    full = (100 - 1) // BLOCK_SIZE  # full blocks before each decode's new token
+    assert shared_of(shared) == 3 * full * BLOCK_SIZE
+    decodes = [s for s in shared.sequences if len(s.token_ids) == 1]
+    assert all(s.block_table[:full] == decodes[0].block_table[:full] for s in decodes)
+    assert len({s.block_table[full] for s in decodes}) == 4  # where each writes: its own
+    prefill_blocks = set(shared.sequences[0].block_table)
+    assert not prefill_blocks & {b for s in decodes for b in s.block_table}
+    assert shared_decode_context([(40, [1, 2, 3]), (40, [1, 2, 9]), (10, [1, 5])], 16) == 32
 
 
 def test_the_shipped_default_profile_loads():

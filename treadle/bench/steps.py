@@ -24,7 +24,13 @@ from treadle.model.capabilities import torch_dtype
 from treadle.model.loader import load_model
 from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence
 from treadle.model.source import resolve_model
-from treadle.sim.profile import FEATURES, StepProfile, fit_profile, step_features
+from treadle.sim.profile import (
+    FEATURES,
+    StepProfile,
+    fit_profile,
+    shared_decode_context,
+    step_features,
+)
 
 BLOCK_SIZE = 16
 
@@ -40,18 +46,27 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def step_input(prefill: int, decode: int, context: int) -> ModelInput:
+def step_input(prefill: int, decode: int, context: int, shared: bool = False) -> ModelInput:
     """A prefill chunk of `prefill` tokens after `context` tokens (when prefill > 0) and
-    `decode` one-token sequences at `context`, each on blocks of its own."""
+    `decode` one-token sequences at `context`, each on blocks of its own; `shared`: the decodes
+    share the full blocks of their context (a shared prompt prefix), each its own last one."""
     per_seq = -(-(context + prefill) // BLOCK_SIZE)
     seqs = []
     if prefill:
         seqs.append(ScheduledSequence([100 + i % 50 for i in range(prefill)], context,
                                       list(range(per_seq))))
+    common = (context - 1) // BLOCK_SIZE if shared else 0
     for i in range(1, decode + 1):
+        own = list(range(i * per_seq, (i + 1) * per_seq))
         seqs.append(ScheduledSequence([100 + i % 50], context - 1,
-                                      list(range(i * per_seq, (i + 1) * per_seq))))
+                                      list(range(per_seq, per_seq + common)) + own[common:]))
     return ModelInput(seqs)
+
+
+def shared_of(model_input: ModelInput) -> int:
+    return shared_decode_context(((s.num_computed_tokens, s.block_table)
+                                  for s in model_input.sequences if len(s.token_ids) == 1),
+                                 BLOCK_SIZE)
 
 
 def chunks_of(model_input: ModelInput) -> list[tuple[int, int]]:
@@ -83,23 +98,28 @@ def bench_steps(model: str | None, dtype: str, quantization: str, prefill_tokens
     # among its shapes (pinned with quant_gemv_max_rows, every shape has the same).
     crossovers = Counter(runner.gemv_rows.values())
     gemv_rows = crossovers.most_common(1)[0][0] if crossovers else None
-    grid = [(p, d, c) for p in prefill_tokens for d in decode_seqs for c in context_lens
+    grid = [(p, d, c, False) for p in prefill_tokens for d in decode_seqs for c in context_lens
             if p or d]
+    # Decodes sharing a prefix at the longest context, with and without a prefill beside them.
+    grid += [(p, d, max(context_lens), True) for p in sorted({0, prefill_tokens[len(
+        prefill_tokens) // 2]}) for d in decode_seqs if d >= 8]
     rng = random.Random(seed)
     extra = [(rng.randint(0, max(prefill_tokens)), rng.randint(0, max(decode_seqs)),
-              rng.randint(min(context_lens), max(context_lens))) for _ in range(held_out)]
-    extra = [(p, d, c) if p or d else (p, 1, c) for p, d, c in extra]
+              rng.randint(min(context_lens), max(context_lens)), rng.random() < 0.3)
+             for _ in range(held_out)]
+    extra = [(p, d, c, shared) if p or d else (p, 1, c, shared) for p, d, c, shared in extra]
     rows = []
     for kind, points in (("fit", grid), ("held_out", extra)):
-        for p, d, c in points:
-            model_input = step_input(p, d, c)
+        for p, d, c, shared in points:
+            model_input = step_input(p, d, c, shared)
             seconds = time_step(runner, model_input, repeats)
             rows.append({"set": kind, "prefill_tokens": p, "decode_seqs": d, "context": c,
-                         "features": step_features(chunks_of(model_input), gemv_rows),
+                         "shared": shared, "features": step_features(
+                             chunks_of(model_input), gemv_rows, shared_of(model_input)),
                          "seconds": seconds})
             if progress:
-                print(f"{kind:>8} P={p:<5} D={d:<4} C={c:<5} {seconds * 1e3:8.2f} ms",
-                      flush=True)
+                print(f"{kind:>8} P={p:<5} D={d:<4} C={c:<5} {seconds * 1e3:8.2f} ms"
+                      f"{' shared prefix' if shared else ''}", flush=True)
     train = [(r["features"], r["seconds"]) for r in rows if r["set"] == "fit"]
     test = [(r["features"], r["seconds"]) for r in rows if r["set"] == "held_out"]
     source = resolve_model(model)
@@ -128,7 +148,7 @@ def format_steps(report: dict) -> str:
         err = (r["predicted"] - r["seconds"]) / r["seconds"]
         lines.append(f"{r['set']:>8} {r['prefill_tokens']:>5} {r['decode_seqs']:>4} "
                      f"{r['context']:>5} {r['seconds'] * 1e3:>8.2f} {r['predicted'] * 1e3:>8.2f} "
-                     f"{err:>6.0%}")
+                     f"{err:>6.0%}{'  shared prefix' if r['shared'] else ''}")
     for key in ("train_error", "held_out_error"):
         if key in profile.fit:
             e = profile.fit[key]

@@ -9,7 +9,10 @@ prefill_attention: sum over chunks of n * (start + n) / 1000 (the query x key pr
 quantized weights a step of at most `gemv_rows` rows runs the integer kernel, whose cost grows
 with each row (integer_rows: the step's rows there, else 0), and a larger one the dense float
 path, which reads the float copy of every weight once (dense_weights: 1 there, else 0): one
-line through both regimes missed steps of 3-9 decodes by 25-30% on a Q4_1 model. Fitted
+line through both regimes missed steps of 3-9 decodes by 25-30% on a Q4_1 model.
+shared_context: decode context in KV blocks that an earlier decode of the same step reads too
+(a shared prefix), taken out of decode_context: a block read again in one step comes from cache
+(counted at full cost, a shared-prefix run's steps were over-predicted by 40%). Fitted
 by least squares (numpy) to measured steps (`treadle bench steps`), saved as a small JSON profile
 that names the machine and model it came from. `fit_profile` reports the relative error on
 held-out steps.
@@ -25,14 +28,29 @@ from pathlib import Path
 import numpy as np
 
 FEATURES = ("const", "prefill_tokens", "decode_seqs", "decode_context", "prefill_attention",
-            "integer_rows", "dense_weights")
+            "integer_rows", "dense_weights", "shared_context")
 DEFAULT_PROFILE = Path(__file__).parent / "data" / "default_profile.json"
 
 
-def step_features(chunks: Iterable[tuple[int, int]], gemv_rows: int | None = None
-                  ) -> list[float]:
+def shared_decode_context(decodes: Iterable[tuple[int, Sequence[int]]], block_size: int
+                          ) -> int:
+    """Tokens of decode context in full blocks that an earlier decode of the step reads too;
+    `decodes`: (tokens already computed, block table) of each one-token chunk."""
+    seen: set[int] = set()
+    shared = 0
+    for num_computed, block_ids in decodes:
+        for block in block_ids[:num_computed // block_size]:
+            if block in seen:
+                shared += block_size
+            seen.add(block)
+    return shared
+
+
+def step_features(chunks: Iterable[tuple[int, int]], gemv_rows: int | None = None,
+                  shared_context: int = 0) -> list[float]:
     """Features of one step from its chunks: (tokens already computed, new tokens) each;
-    `gemv_rows`: the quantized layers' crossover (None: float weights, one regime)."""
+    `gemv_rows`: the quantized layers' crossover (None: float weights, one regime);
+    `shared_context`: what `shared_decode_context` counts."""
     prefill = decode = decode_context = attention = 0
     for start, n in chunks:
         if n == 1:
@@ -43,8 +61,9 @@ def step_features(chunks: Iterable[tuple[int, int]], gemv_rows: int | None = Non
             attention += n * (start + n)
     rows = prefill + decode
     integer = gemv_rows is not None and rows <= gemv_rows
-    return [1.0, float(prefill), float(decode), float(decode_context), attention / 1000.0,
-            float(rows) if integer else 0.0, 1.0 if gemv_rows is not None and not integer else 0.0]
+    return [1.0, float(prefill), float(decode), float(decode_context - shared_context),
+            attention / 1000.0, float(rows) if integer else 0.0,
+            1.0 if gemv_rows is not None and not integer else 0.0, float(shared_context)]
 
 
 @dataclass
@@ -61,8 +80,9 @@ class StepProfile:
         seconds = sum(c.get(name, 0.0) * x for name, x in zip(FEATURES, features, strict=True))
         return max(seconds, 1e-6)  # a step always takes some time: the clock must advance
 
-    def predict_chunks(self, chunks: Iterable[tuple[int, int]]) -> float:
-        return self.predict(step_features(chunks, self.gemv_rows))
+    def predict_chunks(self, chunks: Iterable[tuple[int, int]], shared_context: int = 0
+                       ) -> float:
+        return self.predict(step_features(chunks, self.gemv_rows, shared_context))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

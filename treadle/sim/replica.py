@@ -17,7 +17,7 @@ from treadle.engine.policies import make_policy
 from treadle.engine.request import Request
 from treadle.engine.sampling_params import SamplingParams
 from treadle.engine.scheduler import Scheduler
-from treadle.sim.profile import StepProfile
+from treadle.sim.profile import StepProfile, shared_decode_context
 from treadle.sim.settings import SimSettings
 from treadle.sim.workload import SimRequest
 
@@ -107,7 +107,9 @@ class SimReplica:
             return ended
         start = self.now
         chunks = [(s.num_computed_tokens, s.num_new_tokens) for s in output.scheduled]
-        duration = self.profile.predict_chunks(chunks)
+        duration = self.profile.predict_chunks(chunks, shared_decode_context(
+            ((s.num_computed_tokens, s.block_ids) for s in output.scheduled
+             if s.num_new_tokens == 1), self.kv.block_size))
         self.now = end = start + duration
         scheduler.step_time.update(duration, output.num_batched_tokens)
         if self.batches is not None:
