@@ -83,7 +83,7 @@ def test_linear_follows_the_probe_and_matches_f_linear(dtype):
     assert (layer(x).float() - F.linear(x, w, b).float()).abs().max().item() < tolerance * 10
 
 
-def test_kernel_build_is_keyed_by_machine_and_level():
+def test_kernel_build_is_keyed_by_machine_and_level(monkeypatch):
     v4, _ = build_flags("x86_64", "AVX512")
     assert "-mavx512vnni" in build_flags("x86_64", "AVX512", vnni=True)[0]
     assert "-mavx512vnni" not in build_flags("x86_64", "AVX2", vnni=True)[0]
@@ -98,6 +98,9 @@ def test_kernel_build_is_keyed_by_machine_and_level():
                build_folder(name, "aarch64", "DEFAULT", arm, arm_ld)}
     assert len(folders) == 3
     assert f"{name}-x86_64-avx2-" in str(build_folder(name, "x86_64", "AVX2", v3, ld3))
+    here = build_folder(name, "x86_64", "AVX2", v3, ld3)
+    monkeypatch.setattr(torch, "__file__", "/another/venv/torch/__init__.py")
+    assert build_folder(name, "x86_64", "AVX2", v3, ld3) != here  # another torch install
 
 
 def test_a_kernel_that_cannot_build_falls_back_with_a_warning(tmp_path):

@@ -1,7 +1,8 @@
 """Native kernels, compiled on first use with torch's C++ extension builder and cached.
 
 Each build folder is keyed by what the library was built for: the machine, the instruction-set
-level torch runs at (the capability probe's `isa`), the flags, the source and torch's version.
+level torch runs at (the capability probe's `isa`), the flags, the source, torch's version and
+its install folder.
 A cache shared by two machines (a network home, an image built elsewhere) therefore never hands
 an AVX-512 build to an AVX2 CPU, where it would die with SIGILL. The level maps to a fixed
 `-march` (x86-64-v4/v3, plus VNNI where the probe finds it), not `-march=native`, so two CPUs of
@@ -54,7 +55,11 @@ def build_folder(name: str, machine: str, isa: str, cflags: list[str],
     from treadle.model.source import cache_dir
 
     key = hashlib.sha256(KERNELS[name].read_bytes())
-    key.update(" ".join([*cflags, "|", *ldflags, "|", torch.__version__]).encode())
+    # torch's install folder too: its build command names torch's headers by path, so two
+    # environments sharing one cache rebuilt each other's kernels at every load (seen: a fresh
+    # clone's venv and the dev venv, a test timing out on a rebuild it did not expect).
+    key.update(" ".join([*cflags, "|", *ldflags, "|", torch.__version__, "|",
+                         str(Path(torch.__file__).parent)]).encode())
     return cache_dir() / "kernels" / f"{name}-{machine}-{isa.lower()}-{key.hexdigest()[:12]}"
 
 
