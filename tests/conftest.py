@@ -84,3 +84,14 @@ def assert_engine_empty(core: EngineCore) -> None:
     assert_scheduler_empty(core.scheduler)
     assert not core.generators, f"generators left: {sorted(core.generators)}"
     assert not core.compiling, f"requests left compiling: {sorted(core.compiling)}"
+
+
+@pytest.fixture(scope="module")
+def gemma_path() -> Path:
+    """The Gemma 3 270M GGUF (the second model family), or the test is skipped."""
+    from treadle.model.source import ModelLoadError, gemma3_270m_path
+
+    try:
+        return gemma3_270m_path()
+    except ModelLoadError as e:
+        pytest.skip(f"Gemma 3 270M GGUF not installed: {e}")

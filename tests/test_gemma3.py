@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from treadle.model.loader import read_gguf_weights, read_spec
 from treadle.model.models.gemma3 import FAMILY
 from treadle.model.runner import ModelInput, ScheduledSequence
-from treadle.model.source import ModelLoadError, gemma3_270m_path, resolve_model
+from treadle.model.source import resolve_model
 
 PROMPT_LENGTHS = (5, 17, 30, 9)  # the tiny models' window is 9 positions
 
@@ -94,14 +94,6 @@ def test_gguf_names_and_norms_map_to_transformers(tiny, tmp_path):
 # The real model: Gemma 3 270M (base), Q4_K_M GGUF from PyPI.
 MAX_TOKENS = 16
 LONG_TEXT = Path(__file__).parent / "data" / "python_license.txt"  # CPython's LICENSE.txt
-
-
-@pytest.fixture(scope="module")
-def gemma_path():
-    try:
-        return gemma3_270m_path()
-    except ModelLoadError as e:
-        pytest.skip(f"Gemma 3 270M GGUF not installed: {e}")
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,6 @@ from treadle.model.quantization import (
     resolve_quantization,
 )
 from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence
-from treadle.model.source import ModelLoadError, gemma3_270m_path
 
 QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 # Served as stored but not quantized to at load; the gguf package quantizes only Q5_0 of them.
@@ -342,14 +341,6 @@ def test_column_slices_stay_blocks_on_block_boundaries_and_go_dense_inside_one(q
     assert isinstance(cut, QuantizedWeight) == (weight.block_weights == 32)
     assert torch.equal(dequantize_torch(cut) if isinstance(cut, QuantizedWeight) else cut,
                        dense[:, :288])
-
-
-@pytest.fixture(scope="module")
-def gemma_path():
-    try:
-        return gemma3_270m_path()
-    except ModelLoadError as e:
-        pytest.skip(f"Gemma 3 270M GGUF not installed: {e}")
 
 
 @pytest.mark.gemma3_model
