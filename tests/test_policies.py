@@ -548,11 +548,14 @@ def test_fair_a_dominant_tenant_sits_out_the_step_that_admits_a_light_one():
     assert_scheduler_empty(s)
 
 
-def test_fair_a_tenant_with_nothing_running_gets_its_step_from_one_long_prompt():
+@pytest.mark.parametrize("light_tenant", ["a-light", "z-light"])
+def test_fair_a_tenant_with_nothing_running_gets_its_step_from_one_long_prompt(light_tenant):
     """One heavy request mid-prefill fills every step's budget with its chunks, another waits
     on the heavy tenant's KV cap; a light tenant's request (its counter lifted to the backlogged
     heavy tenant's) is admitted alone in the next step rather than sharing it with the chunks,
-    and the heavy prompt resumes after it."""
+    and the heavy prompt resumes after it. Lifted to the heavy tenant's counter, the light
+    tenant ties with it and the tie goes by name: "z-light" queues behind the capped heavy
+    request, which must not be what the running ones yield to."""
     s = make_scheduler(num_blocks=256, block_size=4, max_num_seqs=8, policy="fair",
                        max_num_batched_tokens=24, long_prefill_token_threshold=24,
                        max_kv_blocks_per_tenant=60)
@@ -561,13 +564,34 @@ def test_fair_a_tenant_with_nothing_running_gets_its_step_from_one_long_prompt()
     s.add_request(req("heavy-next", 200, max_tokens=2, arrival=0.5, tenant="heavy"))
     output, _ = step(s, model)
     assert scheduled_ids(output) == ["heavy-long"] and output.num_batched_tokens == 24
-    # Lifted to the heavy tenant's counter: the tie goes by name, "a-light" first.
-    s.add_request(req("light", 20, max_tokens=3, arrival=1, tenant="a-light"))
+    s.add_request(req("light", 20, max_tokens=3, arrival=1, tenant=light_tenant))
     output, _ = step(s, model)
     assert {x.request.request_id: x.num_new_tokens for x in output.scheduled} == {"light": 20}
     output, _ = step(s, model)
     assert "heavy-long" in scheduled_ids(output)
     check_outputs(run_until_done(s, model))
+    assert_scheduler_empty(s)
+
+
+def test_kv_block_cap_counts_a_prompt_mid_prefill_whole():
+    """The cap weighs a running prompt by all its tokens, not the chunks computed so far: with
+    only chunks counted, a second long prompt of the tenant got in beside the first."""
+    s = make_scheduler(num_blocks=256, block_size=4, max_num_seqs=8, policy="fair",
+                       max_num_batched_tokens=48, long_prefill_token_threshold=24,
+                       max_kv_blocks_per_tenant=60, max_num_partial_prefills=2)
+    model = model_for(s)
+    s.add_request(req("long", 200, max_tokens=2, arrival=0, tenant="heavy"))  # 50 blocks
+    output, _ = step(s, model)
+    assert scheduled_ids(output) == ["long"]
+    s.add_request(req("next", 48, max_tokens=2, arrival=1, tenant="heavy"))  # 12 more: 62
+    s.add_request(req("other", 48, max_tokens=2, arrival=2, tenant="light"))
+    for _ in range(3):  # the light request's step, then two more of the long prompt's chunks
+        output, _ = step(s, model)
+        assert "next" not in scheduled_ids(output)
+    assert "long" in scheduled_ids(output)
+    finished = run_until_done(s, model)
+    check_outputs(finished)
+    assert "next" in ids(finished)
     assert_scheduler_empty(s)
 
 

@@ -135,27 +135,45 @@ class Scheduler:
         output = SchedulerOutput()
         self.waiting.refresh(self.clock(), self.step_time.seconds_per_token(
             self.config.max_num_batched_tokens))
-        self._displace_for_waiting_head(output)
+        head = self._admissible_head()
+        self._displace_for_waiting_head(head, output)
         num_displaced = len(output.preempted)
-        yielding = self._yielding_tenants()
+        yielding = self._yielding_tenants(head)
         deferred: list[Request] = []
-        budget = self._schedule_running(output, deferred, yielding)
+        budget = self._schedule_running(output, head, deferred, yielding)
         if len(output.preempted) == num_displaced:  # blocks ran short: admit nobody this step
             budget = self._schedule_waiting(output, budget, yielding)
         self._schedule_deferred(output, deferred, budget)
         return output
 
-    def _yielding_tenants(self) -> frozenset[str]:
+    def _admissible_head(self) -> Request | None:
+        """The first waiting request in policy order that its tenant's KV cap lets in: one over
+        the cap cannot be admitted this step, so running requests must not yield or defer to it,
+        nor be displaced for it. (`treadle sim`, a heavy tenant capped at one long prompt's
+        blocks: its capped request at the head kept the light tenants' admission steps carrying
+        heavy chunks.)"""
+        capped: list[Request] = []
+        head = self.waiting.peek()
+        while head is not None and self._over_tenant_cap(head):
+            if len(capped) >= MAX_LOOKAHEAD:
+                head = None
+                break
+            capped.append(self.waiting.pop())
+            head = self.waiting.peek()
+        for request in capped:
+            self.waiting.restore(request)
+        return head
+
+    def _yielding_tenants(self, head: Request | None) -> frozenset[str]:
         """Tenants whose running requests sit out this step, by the policy, for the waiting
         head's admission: only when the head is sure to be admitted (a slot, blocks, and a
         prefill slot unless its prompt completes in the step), so a step never stays empty."""
-        head = self.waiting.peek()
         if head is None:
             return frozenset()
         # The policy first: the checks below hash the head's prompt, work a step of a policy
         # that never yields (fcfs, priority, deadline) must not do.
         yielding = self.policy.yielding_tenants(head, self.running)
-        if not yielding or self._over_tenant_cap(head) or not self._fits(head):
+        if not yielding or not self._fits(head):
             return frozenset()
         _, num_hit = self._prefix_hit(head)
         num_left = head.num_tokens - num_hit - min(self.config.long_prefill_token_threshold,
@@ -165,13 +183,12 @@ class Scheduler:
             return frozenset()
         return yielding
 
-    def _displace_for_waiting_head(self, output: SchedulerOutput) -> None:
+    def _displace_for_waiting_head(self, head: Request | None, output: SchedulerOutput) -> None:
         """Under priority and fair share, the waiting queue's head may take the batch slot and
         blocks of running requests the policy ranks below it (recompute). Before anything is
         scheduled this step, so no victim's blocks were handed out for it. The guard: a request
         preempted max_policy_preemptions times is no longer a victim here."""
-        head = self.waiting.peek()
-        if head is None or self._over_tenant_cap(head):
+        if head is None:
             return
         while not self._fits(head):
             limit = self.config.max_policy_preemptions
@@ -192,8 +209,8 @@ class Scheduler:
         return kv.num_free_blocks_needed(request, num_new, hit_blocks, num_hit) <= \
             kv.num_free_blocks
 
-    def _schedule_running(self, output: SchedulerOutput, deferred: list[Request],
-                          yielding: frozenset[str]) -> int:
+    def _schedule_running(self, output: SchedulerOutput, head: Request | None,
+                          deferred: list[Request], yielding: frozenset[str]) -> int:
         """Running requests first, in policy order: one decode token each, or a prefill chunk;
         none for the `yielding` tenants. A prefill chunk the policy ranks below the waiting
         queue's head is deferred (appended to `deferred`) until waiting requests are admitted.
@@ -202,7 +219,6 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
         kv = self.kv_cache_manager
-        head = self.waiting.peek()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -244,7 +260,14 @@ class Scheduler:
         passed_over: list[Request] = []
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            if request is None or request.tenant in yielding:
+            if request is None:
+                break
+            if self._over_tenant_cap(request):  # a tenant's own cap must not hold up the others
+                if len(passed_over) >= MAX_LOOKAHEAD:
+                    break
+                passed_over.append(self.waiting.pop())
+                continue
+            if request.tenant in yielding:
                 break
             hit_blocks, num_hit = self._prefix_hit(request)
             num_new = min(request.num_tokens - num_hit, threshold, budget)
@@ -256,14 +279,11 @@ class Scheduler:
                     break
                 passed_over.append(self.waiting.pop())
                 continue
-            capped = self._over_tenant_cap(request)
-            block_ids = None if capped else kv.allocate_slots(request, num_new, hit_blocks,
-                                                              num_hit)
+            block_ids = kv.allocate_slots(request, num_new, hit_blocks, num_hit)
             if block_ids is None:
-                if not capped:  # a tenant's own cap must not hold up the others
-                    request.num_skips += 1
-                    if request.num_skips >= MAX_SKIPS:
-                        break
+                request.num_skips += 1
+                if request.num_skips >= MAX_SKIPS:
+                    break
                 if len(passed_over) >= MAX_LOOKAHEAD:
                     break
                 passed_over.append(self.waiting.pop())
@@ -305,18 +325,19 @@ class Scheduler:
         return self.kv_cache_manager.get_computed_blocks(request)
 
     def _over_tenant_cap(self, request: Request) -> bool:
-        """Admitting it would take its tenant past max_kv_blocks_per_tenant: the blocks its
-        running requests hold plus those of this request's tokens so far. Decode growth after
-        admission is not capped. A tenant holding nothing is never over, or a request larger
-        than the cap could never run."""
+        """Admitting it would take its tenant past max_kv_blocks_per_tenant: the blocks of its
+        running requests' tokens so far (a prompt mid-prefill counts whole: with its chunks
+        counted as held, a second long prompt was admitted beside the first and both held the
+        prefill slots) plus those of this request's. Decode growth after admission is not
+        capped. A tenant holding nothing is never over, or a request larger than the cap could
+        never run."""
         cap = self.config.max_kv_blocks_per_tenant
         if cap is None:
             return False
-        tables = self.kv_cache_manager.block_tables
-        held = sum(len(tables.get(r.request_id, ())) for r in self.running
-                   if r.tenant == request.tenant)
-        needed = cdiv(request.num_tokens, self.kv_cache_manager.block_size)
-        return held > 0 and held + needed > cap
+        block_size = self.kv_cache_manager.block_size
+        committed = sum(cdiv(r.num_tokens, block_size) for r in self.running
+                        if r.tenant == request.tenant)
+        return committed > 0 and committed + cdiv(request.num_tokens, block_size) > cap
 
     def update_from_output(self, output: SchedulerOutput,
                            sampled: Mapping[str, int]) -> list[Request]:
