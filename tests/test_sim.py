@@ -264,6 +264,15 @@ def test_the_shipped_default_profile_loads():
         profile.predict_chunks([(0, 512)] + [(256, 1)] * 32)
 
 
+def test_a_profile_fitted_before_shared_context_counts_it_as_decode_context():
+    """The shipped profile has no shared_context coefficient: context that decodes share
+    costs what any decode context costs there, not nothing."""
+    profile = StepProfile.load()
+    chunks = [(256, 1)] * 8
+    assert profile.predict_chunks(chunks, shared_context=7 * 256) == \
+        pytest.approx(profile.predict_chunks(chunks))
+
+
 # Workload inputs
 
 

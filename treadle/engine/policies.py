@@ -103,6 +103,8 @@ class KeyedQueue:
         entry = self.entries.pop(request.request_id)
         entry[2] = None
         self.tokens -= entry[3]
+        if not self.entries:
+            self.max_key = None
         if len(self.heap) > 2 * len(self.entries) + 16:  # too many dead entries: compact
             self.heap = [entry for entry in self.heap if entry[2] is not None]
             heapq.heapify(self.heap)
@@ -117,6 +119,8 @@ class KeyedQueue:
         assert request is not None, "pop from an empty queue"
         heapq.heappop(self.heap)
         self.tokens -= self.entries.pop(request.request_id)[3]
+        if not self.entries:  # empty: any key may take the O(1) path of `ahead` again
+            self.max_key = None
         return request
 
     def refresh(self, now: float, seconds_per_token: float | None) -> None:

@@ -97,6 +97,11 @@ class StepProfile:
         unknown = set(data.get("coefficients", {})) - set(FEATURES)
         if unknown:
             raise ValueError(f"profile {path}: unknown features {sorted(unknown)}")
+        coefficients = data.get("coefficients", {})
+        if "decode_context" in coefficients and "shared_context" not in coefficients:
+            # Fitted before shared_context was split out of decode_context: it counts shared
+            # context as any decode context, as it did when fitted (the shipped default too).
+            coefficients["shared_context"] = coefficients["decode_context"]
         return cls(**{k: data[k] for k in ("coefficients", "model", "machine", "fit", "notes",
                                            "gemv_rows") if k in data})
 

@@ -228,7 +228,6 @@ template <int64_t QTYPE> struct Block32;
 template <> struct Block32<Q8_0> {  // w = d q
   using Block = BlockQ8_0;
   static constexpr float offset_factor = 0.f;
-  static uint16_t offset_half(const Block& b) { return b.d; }
   static __m256i weights(const Block& b) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs));
   }
