@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -36,14 +37,11 @@ def shared_decode_context(decodes: Iterable[tuple[int, Sequence[int]]], block_si
                           ) -> int:
     """Tokens of decode context in full blocks that an earlier decode of the step reads too;
     `decodes`: (tokens already computed, block table) of each one-token chunk."""
-    seen: set[int] = set()
-    shared = 0
-    for num_computed, block_ids in decodes:
-        for block in block_ids[:num_computed // block_size]:
-            if block in seen:
-                shared += block_size
-            seen.add(block)
-    return shared
+    # All decodes' full blocks in one list: those counted twice are the shared ones. (A loop
+    # over blocks with a seen-set cost an eighth of `treadle sim`'s time.)
+    blocks = list(chain.from_iterable(block_ids[:num_computed // block_size]
+                                      for num_computed, block_ids in decodes))
+    return (len(blocks) - len(set(blocks))) * block_size
 
 
 def step_features(chunks: Iterable[tuple[int, int]], gemv_rows: int | None = None,

@@ -107,9 +107,10 @@ class SimReplica:
             return ended
         start = self.now
         chunks = [(s.num_computed_tokens, s.num_new_tokens) for s in output.scheduled]
-        duration = self.profile.predict_chunks(chunks, shared_decode_context(
+        shared = 0 if not self.kv.block_pool.num_shared_blocks else shared_decode_context(
             ((s.num_computed_tokens, s.block_ids) for s in output.scheduled
-             if s.num_new_tokens == 1), self.kv.block_size))
+             if s.num_new_tokens == 1), self.kv.block_size)
+        duration = self.profile.predict_chunks(chunks, shared)
         self.now = end = start + duration
         scheduler.step_time.update(duration, output.num_batched_tokens)
         if self.batches is not None:
