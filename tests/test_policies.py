@@ -33,6 +33,10 @@ from treadle.engine.policies import (
 from treadle.engine.request import Request, RequestStatus
 from treadle.engine.sampling_params import SamplingParams
 from treadle.engine.scheduler import Scheduler
+from treadle.sim.profile import StepProfile
+from treadle.sim.settings import SimSettings
+from treadle.sim.simulator import simulate
+from treadle.sim.workload import SimRequest, unique_prompt
 
 
 def req(request_id: str, prompt: int, max_tokens: int = 8, *, arrival: float = 0.0,
@@ -609,6 +613,71 @@ def test_fair_nobody_sits_out_for_a_request_that_cannot_be_admitted():
     assert sorted(scheduled_ids(output)) == ["heavy0", "heavy1", "heavy2"]
     check_outputs(run_until_done(s, model))
     assert_scheduler_empty(s)
+
+
+def chunk_sizes(output) -> dict[str, int]:
+    return {s.request.request_id: s.num_new_tokens for s in output.scheduled}
+
+
+def test_fair_a_tenant_served_more_gets_short_chunks_for_its_long_prompts():
+    """fair_ahead_chunk_tokens: the long prompt of a tenant served more than another known
+    tenant goes in short chunks; a prompt that completes in one step, and a tenant served least,
+    keep the engine's chunk size; with one tenant nothing changes."""
+    s = make_scheduler(num_blocks=256, block_size=4, max_num_seqs=8, policy="fair",
+                       max_num_batched_tokens=64, long_prefill_token_threshold=32,
+                       fair_ahead_chunk_tokens=8, max_num_partial_prefills=2)
+    model = model_for(s)
+    s.add_request(req("alone", 100, max_tokens=2, arrival=0, tenant="heavy"))
+    output, _ = step(s, model)
+    assert chunk_sizes(output) == {"alone": 32}  # no other tenant: nobody to be ahead of
+    s.add_request(req("light", 20, max_tokens=2, arrival=1, tenant="light"))
+    output, _ = step(s, model)
+    assert chunk_sizes(output)["light"] == 20
+    output, _ = step(s, model)  # light, charged for its prompt, is now ahead: heavy is not
+    assert chunk_sizes(output)["alone"] == 32
+    for _ in range(20):
+        output, _ = step(s, model)
+        if "alone" in chunk_sizes(output):
+            assert chunk_sizes(output)["alone"] in (8, 32)
+        if chunk_sizes(output).get("alone") == 8:
+            break
+    else:
+        raise AssertionError("the heavy tenant, once ahead, never got short chunks")
+    s.add_request(req("heavy-short", 30, max_tokens=2, arrival=2, tenant="heavy"))
+    s.add_request(req("light-long", 60, max_tokens=2, arrival=3, tenant="light"))
+    sizes: dict[str, list[int]] = {}
+    while s.has_unfinished_requests():
+        output, _ = step(s, model)
+        for request_id, n in chunk_sizes(output).items():
+            sizes.setdefault(request_id, []).append(n)
+    assert sizes["heavy-short"][0] == 30  # completes in one step: never cut
+    assert sizes["light-long"][0] == 32  # its tenant is served least
+    assert_scheduler_empty(s)
+
+
+def test_fair_ahead_chunks_keep_a_light_request_from_waiting_on_a_long_heavy_step():
+    """`treadle sim` of a heavy tenant's long prompts beside a light tenant's short ones: with
+    short heavy chunks the light requests' worst TTFT falls, since the step in flight when one
+    arrives is short."""
+    rng = np.random.default_rng(0)
+    requests, t = [], 0.0
+    for i in range(40):
+        heavy = i % 4 != 3
+        requests.append(SimRequest(t, unique_prompt(i, 1000 if heavy else 100), 8,
+                                   tenant="heavy" if heavy else "light"))
+        t += float(rng.exponential(2.0))
+    profile = StepProfile.load()
+
+    def worst_light_ttft(ahead_chunk_tokens: int | None) -> float:
+        settings = SimSettings(policy="fair", num_blocks=128, long_prefill_token_threshold=128,
+                               max_kv_blocks_per_tenant=70, max_num_partial_prefills=1,
+                               fair_ahead_chunk_tokens=ahead_chunk_tokens)
+        result = simulate(requests, settings, profile)
+        return max(timeline.first_token - request.arrival
+                   for request, timeline in zip(requests, result.timelines, strict=True)
+                   if request.tenant == "light")
+
+    assert worst_light_ttft(32) < 0.75 * worst_light_ttft(None)
 
 
 def test_queue_timeout_ends_never_scheduled_requests_and_frees_them():

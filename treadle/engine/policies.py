@@ -17,6 +17,8 @@ keeps counters, so one policy object serves one scheduler). It answers:
 - `yielding_tenants(head, running)`: tenants whose running requests sit out a step that admits
   the waiting queue's head (fair share), so a light tenant's first token waits for one short
   step, not for a full batch of the heavy tenant's decodes and chunks.
+- `chunk_tokens(request, threshold)`: the most prompt tokens a request computes in one step
+  (fair share may cap a tenant served more than others, to keep the steps short).
 - `on_admitted` / `on_tokens_generated`: service accounting (fair share).
 
 How schedule() stays O(log n) per step at n waiting requests: no key that changes is ever
@@ -172,6 +174,10 @@ class SchedulingPolicy:
         """Tenants whose running requests get no tokens in a step that admits `head`."""
         return frozenset()
 
+    def chunk_tokens(self, request: Request, threshold: int) -> int:
+        """The most prompt tokens `request` computes in one step (`threshold`: the engine's)."""
+        return threshold
+
     def on_admitted(self, request: Request) -> None:
         """The request's first admission (not a readmission after preemption)."""
 
@@ -229,10 +235,12 @@ class FairPolicy(SchedulingPolicy):
     name = "fair"
 
     def __init__(self, weights: Mapping[str, float] | None = None,
-                 prompt_token_weight: float = 1.0, output_token_weight: float = 2.0) -> None:
+                 prompt_token_weight: float = 1.0, output_token_weight: float = 2.0,
+                 ahead_chunk_tokens: int | None = None) -> None:
         self.weights = dict(weights or {})
         self.prompt_token_weight = prompt_token_weight
         self.output_token_weight = output_token_weight
+        self.ahead_chunk_tokens = ahead_chunk_tokens
         self.counters: dict[str, float] = {}
         self.virtual_time = 0.0  # counter of the last tenant served from the queue
 
@@ -301,6 +309,26 @@ class FairPolicy(SchedulingPolicy):
             tenant for tenant, count in held.items() if tenant != head.tenant
             and (gap := self.counter(tenant) - base) >= 0
             and (gap > charge or count - held[head.tenant] >= 2 or not held[head.tenant]))
+
+    def chunk_tokens(self, request: Request, threshold: int) -> int:
+        # A step in flight cannot be interrupted: a light tenant's request that arrives during
+        # a heavy tenant's long chunk waits for it, then for its own step. So a tenant served
+        # more than another known tenant (idle ones too: theirs are the requests that arrive
+        # mid-step) computes its long prompts in short chunks. `treadle sim`, a heavy tenant's
+        # 1,000-token prompts filling a 128-block cache beside three light tenants' 100-token
+        # ones, 8 arrival seeds: light p99 TTFT within 2x of alone for 29% of the tenants with
+        # 128-token chunks, 96% with the heavy chunks at 32; the heavy work took 14% longer.
+        # A prompt that fits one chunk is never cut: a light tenant is "ahead" of the idle ones
+        # the moment it is lifted, and its prompt in pieces held the only prefill slot (light
+        # p99 10x worse in the same runs).
+        if self.ahead_chunk_tokens is None or self.ahead_chunk_tokens >= threshold or \
+                request.num_tokens <= threshold:
+            return threshold
+        mine = self.counter(request.tenant)
+        if any(served < mine for tenant, served in self.counters.items()
+               if tenant != request.tenant):
+            return self.ahead_chunk_tokens
+        return threshold
 
     def victim(self, candidates: Sequence[Request]) -> Request:
         victim = self._most_served(candidates, exclude=None)
@@ -492,7 +520,7 @@ def make_policy(name: str, config: SchedulerConfig | None = None) -> SchedulingP
     if name == "fair":
         config = config or SchedulerConfig()
         return FairPolicy(config.tenant_weights, config.fair_prompt_token_weight,
-                          config.fair_output_token_weight)
+                          config.fair_output_token_weight, config.fair_ahead_chunk_tokens)
     return POLICIES[name]()
 
 

@@ -176,7 +176,7 @@ class Scheduler:
         if not yielding or not self._fits(head):
             return frozenset()
         _, num_hit = self._prefix_hit(head)
-        num_left = head.num_tokens - num_hit - min(self.config.long_prefill_token_threshold,
+        num_left = head.num_tokens - num_hit - min(self._chunk_tokens(head),
                                                     self.config.max_num_batched_tokens)
         num_prefills = sum(1 for r in self.running if uncomputed_tokens(r) > 1)
         if num_left > 1 and num_prefills >= self.config.max_num_partial_prefills:
@@ -203,7 +203,7 @@ class Scheduler:
         if len(self.running) >= self.config.max_num_seqs:
             return False
         hit_blocks, num_hit = self._prefix_hit(request)
-        num_new = min(request.num_tokens - num_hit, self.config.long_prefill_token_threshold,
+        num_new = min(request.num_tokens - num_hit, self._chunk_tokens(request),
                       self.config.max_num_batched_tokens)
         kv = self.kv_cache_manager
         return kv.num_free_blocks_needed(request, num_new, hit_blocks, num_hit) <= \
@@ -217,7 +217,6 @@ class Scheduler:
         When blocks run short, the policy's victim (never one scheduled this step) is
         preempted. Returns the token budget left."""
         budget = self.config.max_num_batched_tokens
-        threshold = self.config.long_prefill_token_threshold
         kv = self.kv_cache_manager
         i = 0
         while i < len(self.running) and budget > 0:
@@ -225,7 +224,9 @@ class Scheduler:
             if request.tenant in yielding:
                 i += 1
                 continue
-            num_new = min(uncomputed_tokens(request), threshold, budget)
+            num_new = uncomputed_tokens(request)
+            if num_new > 1:
+                num_new = min(num_new, self._chunk_tokens(request), budget)
             if head is not None and num_new > 1 and self.policy.defers_prefill(request, head):
                 deferred.append(request)
                 i += 1
@@ -252,7 +253,6 @@ class Scheduler:
         passed over too, so smaller ones behind it may go, until it has been passed over
         MAX_SKIPS times. Returns the token budget left."""
         kv = self.kv_cache_manager
-        threshold = self.config.long_prefill_token_threshold
         # Requests still mid-prefill after this step's chunks.
         chunks = {x.request.request_id: x.num_new_tokens for x in output.scheduled}
         num_prefills = sum(1 for r in self.running
@@ -270,7 +270,7 @@ class Scheduler:
             if request.tenant in yielding:
                 break
             hit_blocks, num_hit = self._prefix_hit(request)
-            num_new = min(request.num_tokens - num_hit, threshold, budget)
+            num_new = min(request.num_tokens - num_hit, self._chunk_tokens(request), budget)
             if request.num_tokens - num_hit - num_new > 1 and \
                     num_prefills >= self.config.max_num_partial_prefills:
                 # It would stay mid-prefill and every prefill slot is taken: pass it over, so a
@@ -306,16 +306,19 @@ class Scheduler:
                            budget: int) -> None:
         """Deferred prefill chunks, in policy order, from the budget admission left; one short
         of blocks waits for the next step (no preemption for a chunk that yielded)."""
-        threshold = self.config.long_prefill_token_threshold
         for request in deferred:
             if budget <= 0:
                 break
-            num_new = min(uncomputed_tokens(request), threshold, budget)
+            num_new = min(uncomputed_tokens(request), self._chunk_tokens(request), budget)
             block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             if block_ids is None:
                 continue
             output.scheduled.append(self._scheduled(request, num_new, block_ids))
             budget -= num_new
+
+    def _chunk_tokens(self, request: Request) -> int:
+        """The most prompt tokens the request computes this step, by the engine and policy."""
+        return self.policy.chunk_tokens(request, self.config.long_prefill_token_threshold)
 
     def _prefix_hit(self, request: Request) -> tuple[list, int]:
         # Prompt logprobs need logits at every prompt position, mean pooling hidden states at

@@ -53,6 +53,9 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--max-queue-wait", type=float, default=None)
     e.add_argument("--max-kv-blocks-per-tenant", type=int, default=None,
                    help="most KV blocks one tenant's running requests hold (default: no cap)")
+    e.add_argument("--fair-ahead-chunk-tokens", type=int, default=None,
+                   help="under fair, the most prompt tokens per step of a tenant served more "
+                        "than another (default: --long-prefill-token-threshold)")
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--num-blocks", type=int, default=None,
                    help="KV cache blocks (default: from --kv-cache-memory)")
@@ -116,7 +119,8 @@ def base_settings(args: argparse.Namespace) -> SimSettings:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills,
         max_queue_wait=args.max_queue_wait,
-        max_kv_blocks_per_tenant=args.max_kv_blocks_per_tenant, block_size=args.block_size,
+        max_kv_blocks_per_tenant=args.max_kv_blocks_per_tenant,
+        fair_ahead_chunk_tokens=args.fair_ahead_chunk_tokens, block_size=args.block_size,
         num_blocks=num_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
         max_model_len=args.engine_max_model_len, replicas=args.replicas, router=args.router)
