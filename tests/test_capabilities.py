@@ -21,7 +21,13 @@ from conftest import AVX2_ENV, ROOT, free_port, run_forced
 
 from treadle.model import capabilities
 from treadle.model.capabilities import probe, resolve_dtype
-from treadle.model.kernels import build_flags, build_folder, build_lock
+from treadle.model.kernels import (
+    KERNELS,
+    build_flags,
+    build_folder,
+    build_lock,
+    paged_decode_attention,
+)
 from treadle.model.linear import Linear
 
 PROBE = ("import json; from treadle.model.capabilities import probe, resolve_dtype; "
@@ -111,6 +117,19 @@ def test_a_kernel_that_cannot_build_falls_back_with_a_warning(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True"
     assert "native kernel treadle_paged_attention unavailable" in result.stderr
+
+
+def test_a_kernel_built_before_loads_though_its_source_file_is_newer():
+    # A fresh clone's files are all newer than the cache's libraries: nothing may rebuild (here
+    # it could not: no compiler), and `treadle env` stays quick.
+    assert paged_decode_attention() is not None
+    source = KERNELS["treadle_paged_attention"]
+    os.utime(source)
+    script = ("from treadle.model.kernels import paged_decode_attention\n"
+              "print(paged_decode_attention() is not None)")
+    result = run_forced(["-c", script], {"CXX": "/bin/false"}, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True", result.stderr
 
 
 def test_treadle_env_reports_the_forced_path():

@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -86,23 +87,38 @@ def kernel_status() -> dict:
 def load_kernel(name: str) -> ModuleType | None:
     if not probe().native_kernels_allowed:
         return None
-    from torch.utils.cpp_extension import load
-
     folder, cflags, ldflags = this_build(name)
-    fresh = not any(folder.glob(f"{name}*.so"))
-    if fresh:
-        logger.info("compiling %s for %s into %s (first start on this CPU class: about a "
-                    "minute)", name, probe().isa, folder)
     start = time.perf_counter()
     try:
         with build_lock(folder):
+            library = folder / f"{name}.so"
+            if library.exists():
+                try:
+                    return import_library(name, library)
+                except ImportError as e:  # a build killed while it linked
+                    logger.warning("rebuilding %s: its library fails to load: %s", name, e)
+                    library.unlink()
+            logger.info("compiling %s for %s into %s (first start on this CPU class: about a "
+                        "minute)", name, probe().isa, folder)
+            from torch.utils.cpp_extension import load
+
             module = load(name=name, sources=[str(KERNELS[name])], extra_cflags=cflags,
                           extra_ldflags=ldflags, build_directory=str(folder), verbose=False)
     except Exception as e:  # no compiler, a library that fails to load: serve without it
         logger.warning("native kernel %s unavailable, using the torch path: %s", name, e)
         return None
-    if fresh:
-        logger.info("%s built in %.0f s", name, time.perf_counter() - start)
+    logger.info("%s built in %.0f s", name, time.perf_counter() - start)
+    return module
+
+
+def import_library(name: str, library: Path) -> ModuleType:
+    """Import a library built before. Not through torch's `load`: that reruns ninja, which
+    rebuilds whenever the source file is newer than the library, and a fresh clone's files all
+    are (seen: `treadle env` in a new checkout spent 135 s recompiling two kernels its cache
+    held). The folder is keyed by the source's content, so its library is that source's."""
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module
 
 
