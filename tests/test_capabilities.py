@@ -150,6 +150,7 @@ def test_treadle_env_reports_the_forced_path():
 # paths: the AVX2 path (kernels built for x86-64-v3: maddubs, not VNNI; bf16 weights not
 # prepacked) and every fast path off.
 PARITY_TESTS = ["tests/test_model_parity.py", "tests/test_attention.py", "tests/test_quantized.py",
+                "tests/test_elementwise.py",
                 "tests/test_loader.py::test_bfloat16_runner_stays_close_to_float32",
                 "tests/test_capabilities.py::test_linear_follows_the_probe_and_matches_f_linear"]
 

@@ -395,7 +395,10 @@ def test_real_gemma3_served_as_stored_stays_close_to_its_dequantized_weights(gem
     assert (got - expected).abs().max() <= 0.1 * expected.abs().max()
     # Greedy picks, teacher-forced on the float path's own continuation: equal wherever the
     # float path is not at a near-tie (free-running, a tie at step 6 flipped with the summation
-    # order of one kernel change, and everything after it differed).
+    # order of one kernel change, and everything after it differed). What a near-tie is, was
+    # measured: the int8 activations' rounding is chaotic, and a 1e-7 relative change to the
+    # norms' outputs (a native norm kernel) moved the quantized path's margin between the float
+    # path's top two by up to 0.36, and flipped a pick whose float margin was 0.26.
     reference = greedy_decode(dense, [prompt], 10)[0]
     full = prompt + reference
     want = dense.execute(ModelInput([ScheduledSequence(full, 0, table, all_logits=True)]))
@@ -403,6 +406,6 @@ def test_real_gemma3_served_as_stored_stays_close_to_its_dequantized_weights(gem
         full[s:s + 8], s, table, all_logits=True)])) for s in range(0, len(full), 8)])
     picks = slice(len(prompt) - 1, len(full) - 1)
     top2 = want[picks].topk(2, dim=-1).values
-    confident = (top2[:, 0] - top2[:, 1]) > 0.1
+    confident = (top2[:, 0] - top2[:, 1]) > 0.5
     assert confident.sum() >= 6
     assert torch.equal(have[picks].argmax(-1)[confident], want[picks].argmax(-1)[confident])

@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 # Extension name -> source file.
-KERNELS = {"treadle_paged_attention": CSRC / "paged_attention.cpp",
+KERNELS = {"treadle_elementwise": CSRC / "elementwise.cpp",
+           "treadle_paged_attention": CSRC / "paged_attention.cpp",
            "treadle_quant_linear": CSRC / "quant_linear.cpp"}
 
 
@@ -135,6 +136,11 @@ def build_lock(folder: Path) -> Iterator[None]:
         fcntl.flock(handle, fcntl.LOCK_EX)
         (folder / "lock").unlink(missing_ok=True)
         yield
+
+
+def elementwise_kernels() -> ModuleType | None:
+    """`rms_norm(x, weight, eps, scale_in_float32)`, `rope(x, cos, sin)`, `silu_and_mul(x)`."""
+    return load_kernel("treadle_elementwise")
 
 
 def paged_decode_attention() -> Callable | None:

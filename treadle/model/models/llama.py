@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from treadle.model.attention import AttentionMetadata, KVCache
 from treadle.model.family import (
@@ -30,6 +29,7 @@ from treadle.model.layers import (
     embed_tokens,
     rms_norm,
     self_attention,
+    silu_and_mul,
 )
 from treadle.model.linear import make_linear
 from treadle.model.quantization import QuantizedWeight
@@ -156,8 +156,7 @@ class LlamaModel(DecoderModel):
                 spec.num_kv_heads, spec.head_dim, self.scale, qk_norm=self.norm)
             residual = hidden
             x = self.norm(hidden, layer["post_norm"])
-            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
-            hidden = residual + layer["down"](F.silu(gate) * up)
+            hidden = residual + layer["down"](silu_and_mul(layer["gate_up"](x)))
         return hidden
 
 
