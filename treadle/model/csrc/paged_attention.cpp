@@ -11,6 +11,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // Widening loads the compiler can vectorize: bfloat16 is the top half of a float32.
@@ -20,6 +24,32 @@ inline float to_float(at::BFloat16 x) {
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
+}
+
+// a . b. An `omp simd reduction` here compiled (GCC 12) to a store and 16 dependent scalar
+// adds per dot; with a 64-bit division per head that cost ~1 us per position (9 heads, 64 wide,
+// Xeon 2.0 GHz). Vector accumulators, then one horizontal sum.
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t d = 0;
+  float total = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; d + 16 <= n; d += 16) {
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+  }
+  total = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; d + 8 <= n; d += 8) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+  }
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  total = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+#endif
+#pragma omp simd reduction(+ : total)
+  for (int64_t i = d; i < n; ++i) total += a[i] * b[i];
+  return total;
 }
 
 template <typename T>
@@ -44,6 +74,10 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
   // contiguous row) are read from memory once.
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(num_heads * head_dim), acc(num_heads * head_dim), scores, slot_row(row);
+    // Where each query head's KV head starts in a slot's row (a 64-bit division per head and
+    // position was a fifth of the loop's time).
+    std::vector<int64_t> kv_offset(num_heads);
+    for (int64_t h = 0; h < num_heads; ++h) kv_offset[h] = h / group * head_dim;
     for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t end_pos = lens[seq];
       const int64_t first = window > 0 ? std::max<int64_t>(0, end_pos - window) : 0;
@@ -62,12 +96,9 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
 #pragma omp simd
           for (int64_t i = 0; i < row; ++i) slot_row[i] = to_float(key[i]);
           for (int64_t h = 0; h < num_heads; ++h) {
-            const float* qh = query.data() + h * head_dim;
-            const float* kh = slot_row.data() + (h / group) * head_dim;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
-            scores[h * len + pos] = dot;
+            scores[h * len + pos] =
+                dot(query.data() + h * head_dim, slot_row.data() + kv_offset[h],
+                    head_dim);
           }
         }
       }
@@ -95,7 +126,7 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
           for (int64_t i = 0; i < row; ++i) slot_row[i] = to_float(value[i]);
           for (int64_t h = 0; h < num_heads; ++h) {
             const float p = scores[h * len + pos];
-            const float* vh = slot_row.data() + (h / group) * head_dim;
+            const float* vh = slot_row.data() + kv_offset[h];
             float* a = acc.data() + h * head_dim;
 #pragma omp simd
             for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
