@@ -6,6 +6,7 @@ core (and so torch and the kernels) is imported in the child, inside `engine_pro
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -51,6 +52,11 @@ def engine_process(config: EngineConfig, requests: Connection, outputs: Connecti
     except Exception as e:
         outputs.send(EngineFailed(f"{type(e).__name__}: {e}"))
         return
+    # What startup made (torch, transformers, the model: 191,000 objects with the default
+    # model) lives as long as the process: frozen, a full collection no longer walks it (99 ms
+    # -> 0.004 ms here). Unfrozen, one landed in a decode step as an 81 ms pause.
+    gc.collect()
+    gc.freeze()
     outputs.send(ready_message(core))
     trace = StepTraceWriter(config.trace_file) if config.trace_file else None
     try:
