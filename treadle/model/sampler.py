@@ -14,9 +14,10 @@ temperature and before top-k/top-p):
    get -inf, so constrained and free rows share one batch; rows without a grammar are all ones
    and left alone.
 5. Greedy rows (temperature 0) take the argmax here: bias and penalties do steer them.
-6. Random rows: temperature, then min-p, then top-k, then top-p, then a draw by the exponential
-   race (argmax of p / q with q ~ Exp(1)), which samples from p exactly. A row with its own
-   generator draws its q from it alone, so its tokens do not depend on its neighbours.
+6. Random rows: temperature, then min-p, then top-k, then top-p, then a draw by inverting the
+   row's cumulative distribution (float64) at one uniform number, which samples from p exactly.
+   A row with its own generator draws its number from it alone, so its tokens do not depend on
+   its neighbours.
 """
 
 from __future__ import annotations
@@ -159,19 +160,23 @@ class Sampler:
 
     @staticmethod
     def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-        """One token per row of `probs`, by the exponential race."""
-        q = torch.empty_like(probs)
-        if any(g is None for g in generators):
-            q.exponential_()  # one call for every unseeded row; seeded rows are overwritten
+        """One token per row of `probs`: the first whose cumulative probability passes u times
+        the row's total, u ~ U[0, 1) a row. One random number a row, where vLLM's exponential
+        race (argmax p / q, q ~ Exp(1)) draws one per vocabulary entry: over SmolLM2's 49,152
+        on 2 cores that took 1.2 / 19 / 77 ms at 1 / 16 / 64 rows, this 0.1 / 0.7 / 5.5 ms."""
+        u = torch.empty(probs.shape[0], dtype=torch.float64)
+        unseeded = [row for row, generator in enumerate(generators) if generator is None]
+        if unseeded:
+            u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64)
         for row, generator in enumerate(generators):
-            if generator is not None:
-                # Drawn on the generator's own device, then copied: a CPU generator still serves
-                # logits on the GPU, and a row consumes the same draws whatever the batch.
-                q[row] = torch.empty(probs.shape[1], device=generator.device).exponential_(
-                    generator=generator)
-        # An Exp(1) draw can round to 0; p / 0 would be inf (or NaN for a masked token).
-        q.clamp_(min=torch.finfo(q.dtype).tiny)
-        return probs.div(q).argmax(dim=-1)
+            if generator is not None:  # drawn on the generator's device (a CPU one serves GPUs)
+                u[row] = torch.rand(1, dtype=torch.float64, device=generator.device,
+                                    generator=generator).item()
+        # A token of probability 0 adds nothing to the sum, so it is never the first to pass
+        # the target; u < 1 rounds u * total below the total, so some token always passes it.
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+        return torch.searchsorted(cdf, u.to(probs.device)[:, None] * cdf[:, -1:],
+                                  right=True)[:, 0]
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
