@@ -12,7 +12,7 @@ import torch
 from model_utils import build_tiny_model, make_runner
 
 from treadle.model.runner import ModelInput, ScheduledSequence
-from treadle.model.sampler import Sampler, SamplingOptions
+from treadle.model.sampler import DRAW_BLOCK, Sampler, SamplingOptions
 
 VOCAB = 64
 sampler = Sampler()
@@ -330,4 +330,22 @@ def test_filtered_draws_follow_the_reference_distribution(tiny_model_logits):
                          [None] * SAMPLES).token_ids
     stat, df = chi_square(tokens, probs)
     assert df >= 10
+    assert stat < chi_square_critical(df), (stat, df)
+
+
+@pytest.mark.parametrize("vocab", [DRAW_BLOCK, 3 * DRAW_BLOCK + 37])
+def test_draws_cross_the_blocks_of_the_two_level_search(vocab):
+    """Mass only on the first and last tokens of blocks, the vocabulary's first and last token
+    and, for a vocabulary that is no whole number of blocks, inside the padded last block: the
+    block and offset arithmetic must land on each, and never on a token of probability 0."""
+    probs = np.zeros(vocab)
+    support = sorted({0, vocab - 1} | {b * DRAW_BLOCK + e for b in range(vocab // DRAW_BLOCK)
+                                       for e in (0, DRAW_BLOCK - 1)})
+    probs[support] = np.arange(1, len(support) + 1, dtype=np.float64)
+    probs /= probs.sum()
+    batch = torch.tensor(probs, dtype=torch.float32).log().expand(SAMPLES, -1)
+    gen = torch.Generator().manual_seed(5)
+    tokens = sampler(batch, [SamplingOptions(temperature=1.0)] * SAMPLES,
+                     [gen] * SAMPLES).token_ids
+    stat, df = chi_square(tokens, probs)
     assert stat < chi_square_critical(df), (stat, df)
