@@ -52,3 +52,35 @@ def test_decode_attention_matches_naive(dtype, native, window, monkeypatch):
     out = attention.decode_attention(q, k_cache, v_cache, meta, scale=0.25)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert (out.double() - expected).abs().max().item() < tolerance
+
+
+@pytest.mark.parametrize("window", [None, 200])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_contexts_split_into_tasks_merge_exactly(dtype, window):
+    """The native kernel splits a sequence's positions into tasks of 128 and merges them:
+    contexts at, just past and well past a task's end (and a window ending inside a task)."""
+    if kernels.paged_decode_attention() is None:
+        pytest.skip("native kernel unavailable")
+    gen = torch.Generator().manual_seed(1)
+    block_size, num_kv_heads, heads, head_dim = 16, 3, 9, 64
+    lens = torch.tensor([1, 128, 129, 300, 513])
+    max_blocks = 33
+    num_blocks = len(lens) * max_blocks
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen).view(len(lens), max_blocks)
+    # Scores spread over several units, so that each task's max differs from the sequence's.
+    q = (3 * torch.randn(len(lens), heads, head_dim, generator=gen)).to(dtype)
+    meta = attention.AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long), decode_indices=None,
+        decode_block_tables=tables, decode_context_lens=lens, prefills=[], window=window)
+    out = attention.decode_attention(q, k_cache, v_cache, meta, scale=0.125)
+    expected = naive_attention(q, k_cache, v_cache, tables, lens, 0.125, window)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.double() - expected).abs().max().item() < tolerance
+    # A sequence's result depends on it alone: the same sequence alone gives the same bits.
+    alone = attention.AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long), decode_indices=None,
+        decode_block_tables=tables[3:4], decode_context_lens=lens[3:4], prefills=[],
+        window=window)
+    assert torch.equal(attention.decode_attention(q[3:4], k_cache, v_cache, alone, 0.125), out[3:4])
