@@ -33,7 +33,7 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_time", "description": "The time in a city",
                                       "parameters": {"type": "object", "properties": {
                                           "city": {"type": "string", "maxLength": 24}},
-                                          "required": ["city"]}}},
+                                          "required": ["city"], "additionalProperties": False}}},
 ]
 
 
