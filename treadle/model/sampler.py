@@ -83,12 +83,15 @@ class Sampler:
                                                   output_token_ids)
         if token_bitmask is not None:
             processed = apply_token_bitmask(processed, token_bitmask)
-        tokens = processed.argmax(dim=-1)
         random_rows = [i for i, o in enumerate(options) if o.temperature > 0]
-        if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            probs = self.probabilities(processed[rows], [options[i] for i in random_rows])
-            tokens[rows] = self.draw(probs, [generators[i] for i in random_rows])
+        if random_rows and len(random_rows) == len(options):  # no argmax, no copy of the rows
+            tokens = self.draw(self.probabilities(processed, options), generators)
+        else:
+            tokens = processed.argmax(dim=-1)
+            if random_rows:
+                rows = torch.tensor(random_rows, device=logits.device)
+                probs = self.probabilities(processed[rows], [options[i] for i in random_rows])
+                tokens[rows] = self.draw(probs, [generators[i] for i in random_rows])
         logprob_rows = [i for i, o in enumerate(options) if o.num_logprobs is not None]
         if not logprob_rows:
             return SamplerOutput(tokens.tolist())
