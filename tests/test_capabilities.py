@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,11 +23,12 @@ from conftest import AVX2_ENV, ROOT, free_port, run_forced
 from treadle.model import capabilities
 from treadle.model.capabilities import probe, resolve_dtype
 from treadle.model.kernels import (
-    KERNELS,
+    EXTENSION,
     build_flags,
     build_folder,
     build_lock,
     paged_decode_attention,
+    sources,
 )
 from treadle.model.linear import Linear
 
@@ -98,15 +100,28 @@ def test_kernel_build_is_keyed_by_machine_and_level(monkeypatch):
     assert "-march=x86-64-v4" in v4 and "-march=x86-64-v3" in v3 and "-lmvec" in ld3
     assert not any(f.startswith(("-march", "-mcpu")) for f in arm) and "-lmvec" not in arm_ld
     assert "-march=native" not in v4 + v3  # a shared cache must not hold a CPU-specific build
-    name = "treadle_paged_attention"
-    folders = {build_folder(name, "x86_64", "AVX512", v4, ld3),
-               build_folder(name, "x86_64", "AVX2", v3, ld3),
-               build_folder(name, "aarch64", "DEFAULT", arm, arm_ld)}
+    folders = {build_folder("x86_64", "AVX512", v4, ld3),
+               build_folder("x86_64", "AVX2", v3, ld3),
+               build_folder("aarch64", "DEFAULT", arm, arm_ld)}
     assert len(folders) == 3
-    assert f"{name}-x86_64-avx2-" in str(build_folder(name, "x86_64", "AVX2", v3, ld3))
-    here = build_folder(name, "x86_64", "AVX2", v3, ld3)
+    here = build_folder("x86_64", "AVX2", v3, ld3)
+    assert f"{EXTENSION}-x86_64-avx2-" in str(here)
     monkeypatch.setattr(torch, "__file__", "/another/venv/torch/__init__.py")
-    assert build_folder(name, "x86_64", "AVX2", v3, ld3) != here  # another torch install
+    assert build_folder("x86_64", "AVX2", v3, ld3) != here  # another torch install
+
+
+def test_kernel_build_is_keyed_by_every_source_and_the_header(monkeypatch, tmp_path):
+    from treadle.model import kernels
+
+    flags = build_flags("x86_64", "AVX2")
+    shutil.copytree(kernels.CSRC, tmp_path / "csrc")
+    monkeypatch.setattr(kernels, "CSRC", tmp_path / "csrc")
+    folders = {build_folder("x86_64", "AVX2", *flags)}
+    for path in sorted((tmp_path / "csrc").iterdir()):
+        path.write_bytes(path.read_bytes() + b"\n")
+        folders.add(build_folder("x86_64", "AVX2", *flags))
+    assert len(folders) == 1 + len(list((tmp_path / "csrc").iterdir()))
+    assert "kernels.h" in {p.name for p in (tmp_path / "csrc").iterdir()}
 
 
 def test_a_kernel_that_cannot_build_falls_back_with_a_warning(tmp_path):
@@ -116,14 +131,14 @@ def test_a_kernel_that_cannot_build_falls_back_with_a_warning(tmp_path):
     result = run_forced(["-c", script], {"TREADLE_CACHE": str(tmp_path), "CXX": "/bin/false"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True"
-    assert "native kernel treadle_paged_attention unavailable" in result.stderr
+    assert f"native kernels {EXTENSION} unavailable" in result.stderr
 
 
 def test_a_kernel_built_before_loads_though_its_source_file_is_newer():
     # A fresh clone's files are all newer than the cache's libraries: nothing may rebuild (here
     # it could not: no compiler), and `treadle env` stays quick.
     assert paged_decode_attention() is not None
-    source = KERNELS["treadle_paged_attention"]
+    source = sources()[0]
     os.utime(source)
     script = ("from treadle.model.kernels import paged_decode_attention\n"
               "print(paged_decode_attention() is not None)")

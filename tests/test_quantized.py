@@ -18,6 +18,7 @@ from treadle.model.gguf_file import read_gguf
 from treadle.model.kernels import quant_linear_kernels
 from treadle.model.linear import QuantizedLinear, make_linear
 from treadle.model.loader import LoadedModel, load_model, read_gguf_weights, read_spec
+from treadle.model.models.llama import LlamaModel
 from treadle.model.parallel import slice_columns
 from treadle.model.quantization import (
     BLOCK_BYTES,
@@ -314,6 +315,44 @@ def test_float_model_quantized_at_load(mode, qtype, tmp_path):
         ids[s:s + 6], s, [0, 1, 2], all_logits=True)])) for s in range(0, 42, 6)])
     tolerance = 0.05 if mode == "int8" else 0.1
     assert (got - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+@pytest.mark.parametrize("arch, dtype", [("llama", "float32"), ("qwen2", "bfloat16")])
+def test_native_decoder_steps_give_the_bits_of_the_layer_by_layer_path(arch, dtype, tmp_path,
+                                                                          kernels, monkeypatch):
+    """The native decoder runs a whole decode step in one call: the same kernels in the same
+    order as the Python layers, so the same logits to the bit (qwen2: with the qkv bias), over
+    sequences of different lengths whose new keys land in different blocks."""
+    build_tiny_model(arch, tmp_path)
+    native, layered = (make_runner(tmp_path, dtype, block_size=4, quantization="int4",
+                                   quant_gemv_max_rows=4) for _ in range(2))
+    taken = []
+    fused_decode = LlamaModel.fused_decode
+
+    def record(model, meta, hidden):
+        taken.append(fused_decode(model, meta, hidden) if model is native.model else False)
+        return taken[-1]
+
+    monkeypatch.setattr(LlamaModel, "fused_decode", record)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (3, 9, 14)]
+    tables = [list(range(10 * i, 10 * i + 10)) for i in range(len(prompts))]
+    for runner in (native, layered):
+        for prompt, table in zip(prompts, tables, strict=True):
+            runner.execute(ModelInput([ScheduledSequence(prompt, 0, table)]))
+    lengths = [len(p) for p in prompts]
+    for step in range(6):
+        batch = ModelInput([ScheduledSequence([40 + step + i], lengths[i], tables[i])
+                            for i in range(len(prompts)) if step % 3 or i != 1])
+        got, expected = native.execute(batch), layered.execute(batch)
+        assert taken[-2:] == [True, False]
+        assert torch.equal(got, expected), step
+        lengths = [n + 1 if step % 3 or i != 1 else n for i, n in enumerate(lengths)]
+    for layer in native.model.quantized_layers():
+        layer.max_gemv_rows = 2  # three rows: the float path, layer by layer
+    batch = ModelInput([ScheduledSequence([7], n, t) for n, t in zip(lengths, tables, strict=True)])
+    native.execute(batch)
+    assert taken[-1] is False
 
 
 def test_stored_blocks_are_the_files_bytes(tmp_path):

@@ -1,8 +1,9 @@
 """Native kernels, compiled on first use with torch's C++ extension builder and cached.
 
-Each build folder is keyed by what the library was built for: the machine, the instruction-set
-level torch runs at (the capability probe's `isa`), the flags, the source, torch's version and
-its install folder.
+All sources under csrc/ build into one extension, so that the fused decoder calls the other
+kernels directly. Its build folder is keyed by what the library was built for: the machine, the
+instruction-set level torch runs at (the capability probe's `isa`), the flags, the sources,
+torch's version and its install folder.
 A cache shared by two machines (a network home, an image built elsewhere) therefore never hands
 an AVX-512 build to an AVX2 CPU, where it would die with SIGILL. The level maps to a fixed
 `-march` (x86-64-v4/v3, plus VNNI where the probe finds it), not `-march=native`, so two CPUs of
@@ -32,10 +33,11 @@ from treadle.model.capabilities import probe
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-# Extension name -> source file.
-KERNELS = {"treadle_elementwise": CSRC / "elementwise.cpp",
-           "treadle_paged_attention": CSRC / "paged_attention.cpp",
-           "treadle_quant_linear": CSRC / "quant_linear.cpp"}
+EXTENSION = "treadle_kernels"
+
+
+def sources() -> list[Path]:
+    return sorted(CSRC.glob("*.cpp"))
 
 
 def build_flags(machine: str, isa: str, vnni: bool = False) -> tuple[list[str], list[str]]:
@@ -52,63 +54,62 @@ def build_flags(machine: str, isa: str, vnni: bool = False) -> tuple[list[str], 
     return cflags, ldflags
 
 
-def build_folder(name: str, machine: str, isa: str, cflags: list[str],
-                 ldflags: list[str]) -> Path:
+def build_folder(machine: str, isa: str, cflags: list[str], ldflags: list[str]) -> Path:
     from treadle.model.source import cache_dir
 
-    key = hashlib.sha256(KERNELS[name].read_bytes())
+    key = hashlib.sha256()
+    for path in sorted(CSRC.glob("*.[ch]*")):  # sources and the header they share
+        key.update(path.name.encode() + b"\0" + path.read_bytes())
     # torch's install folder too: its build command names torch's headers by path, so two
     # environments sharing one cache rebuilt each other's kernels at every load (seen: a fresh
     # clone's venv and the dev venv, a test timing out on a rebuild it did not expect).
     key.update(" ".join([*cflags, "|", *ldflags, "|", torch.__version__, "|",
                          str(Path(torch.__file__).parent)]).encode())
-    return cache_dir() / "kernels" / f"{name}-{machine}-{isa.lower()}-{key.hexdigest()[:12]}"
+    return cache_dir() / "kernels" / f"{EXTENSION}-{machine}-{isa.lower()}-{key.hexdigest()[:12]}"
 
 
-def this_build(name: str) -> tuple[Path, list[str], list[str]]:
+def this_build() -> tuple[Path, list[str], list[str]]:
     caps = probe()
     cflags, ldflags = build_flags(caps.machine, caps.isa, caps.vnni)
-    return build_folder(name, caps.machine, caps.isa, cflags, ldflags), cflags, ldflags
+    return build_folder(caps.machine, caps.isa, cflags, ldflags), cflags, ldflags
 
 
 def kernel_status() -> dict:
-    """For `treadle env`: where each kernel is built, with which flags, whether it loads. Loads
-    only a kernel already built: building is the first model load's job."""
-    status = {}
-    for name in KERNELS:
-        folder, cflags, ldflags = this_build(name)
-        built = any(folder.glob(f"{name}*.so"))
-        status[name] = {"folder": str(folder), "cflags": cflags, "ldflags": ldflags,
+    """For `treadle env`: where the kernels are built, with which flags, whether they load.
+    Loads only a library already built: building is the first model load's job."""
+    folder, cflags, ldflags = this_build()
+    built = any(folder.glob(f"{EXTENSION}*.so"))
+    return {EXTENSION: {"folder": str(folder), "cflags": cflags, "ldflags": ldflags,
                         "allowed": probe().native_kernels_allowed, "built": built,
-                        "loads": (load_kernel(name) is not None) if built else None}
-    return status
+                        "loads": (load_kernels() is not None) if built else None}}
 
 
 @functools.cache
-def load_kernel(name: str) -> ModuleType | None:
+def load_kernels() -> ModuleType | None:
     if not probe().native_kernels_allowed:
         return None
-    folder, cflags, ldflags = this_build(name)
+    folder, cflags, ldflags = this_build()
     start = time.perf_counter()
     try:
         with build_lock(folder):
-            library = folder / f"{name}.so"
+            library = folder / f"{EXTENSION}.so"
             if library.exists():
                 try:
-                    return import_library(name, library)
+                    return import_library(EXTENSION, library)
                 except ImportError as e:  # a build killed while it linked
-                    logger.warning("rebuilding %s: its library fails to load: %s", name, e)
+                    logger.warning("rebuilding %s: its library fails to load: %s", EXTENSION, e)
                     library.unlink()
-            logger.info("compiling %s for %s into %s (first start on this CPU class: about a "
-                        "minute)", name, probe().isa, folder)
+            logger.info("compiling %s for %s into %s (first start on this CPU class: a few "
+                        "minutes)", EXTENSION, probe().isa, folder)
             from torch.utils.cpp_extension import load
 
-            module = load(name=name, sources=[str(KERNELS[name])], extra_cflags=cflags,
-                          extra_ldflags=ldflags, build_directory=str(folder), verbose=False)
+            module = load(name=EXTENSION, sources=[str(p) for p in sources()],
+                          extra_cflags=cflags, extra_ldflags=ldflags,
+                          build_directory=str(folder), verbose=False)
     except Exception as e:  # no compiler, a library that fails to load: serve without it
-        logger.warning("native kernel %s unavailable, using the torch path: %s", name, e)
+        logger.warning("native kernels %s unavailable, using the torch path: %s", EXTENSION, e)
         return None
-    logger.info("%s built in %.0f s", name, time.perf_counter() - start)
+    logger.info("%s built in %.0f s", EXTENSION, time.perf_counter() - start)
     return module
 
 
@@ -140,14 +141,20 @@ def build_lock(folder: Path) -> Iterator[None]:
 
 def elementwise_kernels() -> ModuleType | None:
     """`rms_norm(x, weight, eps, scale_in_float32)`, `rope(x, cos, sin)`, `silu_and_mul(x)`."""
-    return load_kernel("treadle_elementwise")
+    return load_kernels()
 
 
 def paged_decode_attention() -> Callable | None:
-    module = load_kernel("treadle_paged_attention")
+    module = load_kernels()
     return None if module is None else module.paged_decode_attention
 
 
 def quant_linear_kernels() -> ModuleType | None:
     """`quant_linear(x, weight, qtype, bias)` and `dequantize(weight, qtype, in_features)`."""
-    return load_kernel("treadle_quant_linear")
+    return load_kernels()
+
+
+def llama_decoder_class() -> type | None:
+    """`LlamaDecoder`: a Llama-family model's decode steps over GGUF blocks in one call."""
+    module = load_kernels()
+    return None if module is None else module.LlamaDecoder

@@ -5,7 +5,7 @@
 // Values are computed in float32. Where torch rounds an intermediate to the model's dtype
 // (bfloat16), `round_to` rounds it here too, so both paths give the same bits up to the last
 // float32 ulp of exp and of fused multiply-adds.
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -175,10 +175,4 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
                       out.data_ptr<at::BFloat16>(), tokens, width);
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm);
-  m.def("rope", &rope);
-  m.def("silu_and_mul", &silu_and_mul);
 }

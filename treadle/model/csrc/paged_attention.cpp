@@ -2,7 +2,7 @@
 // values read in place through the block table (no gathered copy, no padding to the longest
 // context). With a window (sliding-window layers), only the last `window` positions are read:
 // blocks wholly before them are skipped.
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -208,8 +208,4 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     decode_kernel<float>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention);
 }

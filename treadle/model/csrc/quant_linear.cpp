@@ -13,7 +13,7 @@
 // weight block once for a tile of activation rows, and keep two accumulators for a lone row.
 // Two blocks per 512-bit register (zmm maddubs) measured 15-40% slower than this 256-bit code
 // on that Xeon: AVX-512 builds run it too, with twice the rows a tile.
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -679,9 +679,4 @@ torch::Tensor dequantize(torch::Tensor weight, int64_t qtype, int64_t k) {
     for (int64_t i = begin; i < end; ++i) dequantize_block(w + i * bb, qtype, o + i * width);
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quant_linear", &quant_linear);
-  m.def("dequantize", &dequantize);
 }

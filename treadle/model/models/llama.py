@@ -22,6 +22,7 @@ from treadle.model.family import (
     common_spec_fields,
     decoder_shapes,
 )
+from treadle.model.kernels import llama_decoder_class
 from treadle.model.layers import (
     DecoderModel,
     Rotary,
@@ -31,7 +32,7 @@ from treadle.model.layers import (
     self_attention,
     silu_and_mul,
 )
-from treadle.model.linear import make_linear
+from treadle.model.linear import QuantizedLinear, make_linear
 from treadle.model.quantization import QuantizedWeight
 from treadle.model.source import ModelLoadError
 
@@ -148,6 +149,10 @@ class LlamaModel(DecoderModel):
         spec, meta = self.spec, attention[None]
         rope = self.rotary.at(positions)
         hidden = embed_tokens(self.embed, input_ids, self.dtype)
+        if self.fused_decode(meta, hidden):
+            return self.native_decoder.forward(
+                hidden, *rope, kv_cache.keys, kv_cache.values, meta.slot_mapping,
+                meta.decode_block_tables, meta.decode_context_lens)
         for i, layer in enumerate(self.layers):
             residual = hidden
             x = self.norm(hidden, layer["input_norm"])
@@ -158,6 +163,39 @@ class LlamaModel(DecoderModel):
             x = self.norm(hidden, layer["post_norm"])
             hidden = residual + layer["down"](silu_and_mul(layer["gate_up"](x)))
         return hidden
+
+    def fused_decode(self, meta: AttentionMetadata, hidden: torch.Tensor) -> bool:
+        """Whether this step runs in the native decoder: a step of decode tokens only, few
+        enough for every projection to take the integer kernel."""
+        return (meta.decode_block_tables is not None and meta.decode_indices is None
+                and not meta.prefills and hidden.is_cpu and self.native_decoder is not None
+                and hidden.shape[0] <= min(self.layers[0][name].max_gemv_rows
+                                           for name in PROJECTIONS))
+
+    @functools.cached_property
+    def native_decoder(self) -> object | None:
+        """The native kernels' `LlamaDecoder` over these layers, where every projection is a
+        `QuantizedLinear` with the kernel (not under tensor parallelism, whose all-reduces wrap
+        them; not with Qwen3's q/k norms). Built at the first decode step, after the runner
+        has set up the layers."""
+        decoder_class = llama_decoder_class()
+        projections = [layer[name] for layer in self.layers for name in PROJECTIONS]
+        if decoder_class is None or self.spec.qk_norm or not all(
+                type(p) is QuantizedLinear and p.kernels is not None for p in projections):
+            return None
+        spec = self.spec
+        decoder = decoder_class(spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                                spec.rms_norm_eps, self.scale)
+        for layer in self.layers:
+            qkv, o, gate_up, down = (layer[name] for name in PROJECTIONS)
+            decoder.add_layer(layer["input_norm"], layer["post_norm"], qkv.weight.data,
+                              qkv.weight.qtype, qkv.bias, o.weight.data, o.weight.qtype,
+                              gate_up.weight.data, gate_up.weight.qtype, down.weight.data,
+                              down.weight.qtype)
+        return decoder
+
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 def unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:

@@ -1,0 +1,16 @@
+// The one Python module of the native kernels (each source defines its entry points; this file
+// only names them).
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm);
+  m.def("rope", &rope);
+  m.def("silu_and_mul", &silu_and_mul);
+  m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("quant_linear", &quant_linear);
+  m.def("dequantize", &dequantize);
+  pybind11::class_<LlamaDecoder>(m, "LlamaDecoder")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double>())
+      .def("add_layer", &LlamaDecoder::add_layer)
+      .def("forward", &LlamaDecoder::forward);
+}
