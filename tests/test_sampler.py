@@ -11,6 +11,8 @@ import pytest
 import torch
 from model_utils import build_tiny_model, make_runner
 
+from treadle.model import sampler as sampler_module
+from treadle.model.kernels import sampling_kernels
 from treadle.model.runner import ModelInput, ScheduledSequence
 from treadle.model.sampler import DRAW_BLOCK, Sampler, SamplingOptions
 
@@ -298,8 +300,19 @@ def tiny_model_logits(tmp_path_factory) -> torch.Tensor:
 SAMPLES = 20_000
 
 
+@pytest.fixture(params=["native", "torch"])
+def unfiltered_path(request, monkeypatch) -> str:
+    """Unfiltered rows sample in the native kernel where it is built, else in torch: test
+    both."""
+    if request.param == "native" and sampling_kernels() is None:
+        pytest.skip("native kernels unavailable")
+    if request.param == "torch":
+        monkeypatch.setattr(sampler_module, "sampling_kernels", lambda: None)
+    return request.param
+
+
 @pytest.mark.parametrize("seeded", [False, True])
-def test_temperature_one_follows_the_softmax(tiny_model_logits, seeded):
+def test_temperature_one_follows_the_softmax(tiny_model_logits, seeded, unfiltered_path):
     probs = torch.softmax(tiny_model_logits.double(), dim=-1).numpy()
     batch = tiny_model_logits.expand(SAMPLES, -1)
     options = [SamplingOptions(temperature=1.0)] * SAMPLES
@@ -334,7 +347,7 @@ def test_filtered_draws_follow_the_reference_distribution(tiny_model_logits):
 
 
 @pytest.mark.parametrize("vocab", [DRAW_BLOCK, 3 * DRAW_BLOCK + 37])
-def test_draws_cross_the_blocks_of_the_two_level_search(vocab):
+def test_draws_cross_the_blocks_of_the_two_level_search(vocab, unfiltered_path):
     """Mass only on the first and last tokens of blocks, the vocabulary's first and last token
     and, for a vocabulary that is no whole number of blocks, inside the padded last block: the
     block and offset arithmetic must land on each, and never on a token of probability 0."""
@@ -349,3 +362,23 @@ def test_draws_cross_the_blocks_of_the_two_level_search(vocab):
                      [gen] * SAMPLES).token_ids
     stat, df = chi_square(tokens, probs)
     assert stat < chi_square_critical(df), (stat, df)
+
+
+def test_native_and_torch_paths_draw_the_same_token_at_the_same_u():
+    """Both invert the cumulative distribution of softmax(logits / t) at u: the same token
+    but where u falls within rounding of a boundary (none does here), whatever the
+    temperature, with forbidden (-inf) tokens never drawn, and at u near 0 and 1."""
+    kernels = sampling_kernels()
+    if kernels is None:
+        pytest.skip("native kernels unavailable")
+    rows, vocab = 300, 3 * DRAW_BLOCK + 37
+    logits = random_logits(rows, vocab, seed=4)
+    logits[::3, ::2] = float("-inf")
+    temperatures = torch.tensor([(0.05, 0.7, 1.0, 2.5)[r % 4] for r in range(rows)])
+    u = torch.rand(rows, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    u[:4], u[4:8] = 0.0, 1 - 2 ** -40
+    options = [SamplingOptions(temperature=float(t)) for t in temperatures]
+    native = kernels.sample_rows(logits, temperatures, u)
+    reference = Sampler.draw(Sampler.probabilities(logits, options), u)
+    assert torch.equal(native, reference)
+    assert torch.isfinite(logits[torch.arange(rows), native]).all()

@@ -154,6 +154,11 @@ def quant_linear_kernels() -> ModuleType | None:
     return load_kernels()
 
 
+def sampling_kernels() -> ModuleType | None:
+    """`sample_rows(logits, temperatures, u)`: unfiltered sampling, one token a row."""
+    return load_kernels()
+
+
 def llama_decoder_class() -> type | None:
     """`LlamaDecoder`: a Llama-family model's decode steps over GGUF blocks in one call."""
     module = load_kernels()

@@ -9,6 +9,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("quant_linear", &quant_linear);
   m.def("dequantize", &dequantize);
+  m.def("sample_rows", &sample_rows);
   pybind11::class_<LlamaDecoder>(m, "LlamaDecoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &LlamaDecoder::add_layer)

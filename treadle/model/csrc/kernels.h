@@ -21,6 +21,9 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor weight, int64_t qtype,
                            c10::optional<torch::Tensor> bias);
 torch::Tensor dequantize(torch::Tensor weight, int64_t qtype, int64_t k);
 
+// sampling.cpp: one token a row from softmax(logits / temperature) at u ~ U[0, 1) a row.
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperatures, torch::Tensor u);
+
 // decoder.cpp: a Llama-family model's decode steps over GGUF-block projections, one call a step.
 class LlamaDecoder {
  public:
