@@ -5,6 +5,7 @@
 // the target block), in one call instead of some 25 torch ops: one row of 49,152 took ~1 ms
 // that way on Zen 3 (temperature, softmax, sums, searches), most of it dispatch.
 #include "kernels.h"
+#include "vec_math.h"
 
 #include <ATen/Parallel.h>
 
@@ -13,37 +14,10 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 constexpr int64_t BLOCK = 256;  // Sampler.DRAW_BLOCK
 
-#if defined(__AVX2__)
-// exp(x) for x <= 0 (Cephes' expf: 2^n times a polynomial in the remainder, ~2 ulp), 0 below
-// -87 (-inf included: a forbidden token gets weight 0 exactly). std::exp in an `omp simd` loop
-// stays scalar libm here (glibc's vector exp needs -ffast-math): 0.38 ms for one row of 49,152.
-inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 zero = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
-                                                   _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-  const __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(zero, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
-}
-#endif
 
 // weights[i] = exp((logits[i] - top) * inv_t) for i in [begin, end); returns their sum.
 float block_weights(const float* logits, float top, float inv_t, float* weights, int64_t begin,
@@ -53,7 +27,7 @@ float block_weights(const float* logits, float top, float inv_t, float* weights,
 #if defined(__AVX2__)
   __m256 acc = _mm256_setzero_ps();
   for (; i + 8 <= end; i += 8) {
-    const __m256 w = exp_nonpositive(_mm256_mul_ps(
+    const __m256 w = exp_avx2(_mm256_mul_ps(
         _mm256_sub_ps(_mm256_loadu_ps(logits + i), _mm256_set1_ps(top)),
         _mm256_set1_ps(inv_t)));
     _mm256_storeu_ps(weights + i, w);
