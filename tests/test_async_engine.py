@@ -111,6 +111,8 @@ def test_streams_equal_offline_and_aborts_free_blocks(tmp_path):
     # (which came later), generated and prefill tokens add up to what the streams carried.
     events = json.loads((tmp_path / "trace.json").read_text())
     assert all(e["ph"] == "X" and e["dur"] > 0 for e in events)
+    # The model pass is part of the step, and not all of it (scheduling, sampling).
+    assert all(0 < e["args"]["model_ms"] < e["dur"] / 1e3 for e in events)
     served = []
     total = 0
     for event in events:

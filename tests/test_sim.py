@@ -20,6 +20,7 @@ from treadle.config import CacheConfig, EngineConfig, ModelConfig
 from treadle.engine.core import EngineCore
 from treadle.engine.sampling_params import SamplingParams
 from treadle.sim.profile import (
+    DEFAULT_PROFILE,
     FEATURES,
     StepProfile,
     fit_profile,
@@ -264,10 +265,14 @@ def test_the_shipped_default_profile_loads():
         profile.predict_chunks([(0, 512)] + [(256, 1)] * 32)
 
 
-def test_a_profile_fitted_before_shared_context_counts_it_as_decode_context():
-    """The shipped profile has no shared_context coefficient: context that decodes share
-    costs what any decode context costs there, not nothing."""
-    profile = StepProfile.load()
+def test_a_profile_fitted_before_shared_context_counts_it_as_decode_context(tmp_path):
+    """A profile saved before shared_context was split out has no coefficient for it: context
+    that decodes share costs what any decode context costs there, not nothing."""
+    saved = json.loads(DEFAULT_PROFILE.read_text())
+    del saved["coefficients"]["shared_context"]
+    (tmp_path / "old.json").write_text(json.dumps(saved))
+    profile = StepProfile.load(tmp_path / "old.json")
+    assert profile.coefficients["shared_context"] == profile.coefficients["decode_context"]
     chunks = [(256, 1)] * 8
     assert profile.predict_chunks(chunks, shared_context=7 * 256) == \
         pytest.approx(profile.predict_chunks(chunks))
@@ -353,3 +358,20 @@ def test_speed_of_ten_thousand_requests():
     print(f"\n10,000 requests (synthetic-chat lengths, 8 req/s, fair, default profile): "
           f"{result.wall_s:.1f} s to simulate {report['duration_s']:.0f} virtual s "
           f"({report['speedup_vs_real_time']:.0f}x real time), {report['steps']} steps")
+
+
+def test_bench_steps_adds_the_engines_own_work_to_the_model_pass(tiny_folder):
+    """The grid times the model pass; the engine core's own work per step (scheduling,
+    sampling, updating requests), timed on its steps, is added to the profile: a served step
+    costs both."""
+    from treadle.bench.steps import bench_steps, format_steps
+
+    report = bench_steps(str(tiny_folder), "float32", "none", [0, 8], [0, 1, 2], [8],
+                         repeats=1, held_out=2, progress=False)
+    profile, overhead = report["profile"], report["profile"].fit["engine_overhead_s"]
+    assert overhead["per_step"] > 0 and overhead["per_decode"] >= 0
+    for row in report["rows"]:  # "predicted": the model pass alone, as the rows measured it
+        assert profile.predict(row["features"]) == pytest.approx(
+            row["predicted"] + overhead["per_step"] + overhead["per_decode"]
+            * row["decode_seqs"])
+    assert "the engine's work beside the model pass" in format_steps(report)

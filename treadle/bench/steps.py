@@ -3,10 +3,16 @@ simulator's step-time profile (treadle/sim/profile.py) to them.
 
 Each grid point is one pass of the model runner: a prefill chunk of P tokens (after C tokens of
 context) and D decode sequences at context C, for P x D x C over the grid (P = D = 0 skipped).
-A point's time is the least of `repeats` passes after one warm-up: on a shared machine the
-others' interference only ever adds time, and is not the step's own. The fit is checked on
-`held_out` passes at random (P, D, C) within the grid's range, not used in the fit. Only the
-model pass is timed: the scheduler's and sampler's per-step work is not in the profile.
+A point's time is the median of `repeats` passes after one warm-up. (The least of them, used
+before, left out the interference every served step runs amid: steps of a `treadle serve` run
+took 10% longer than that profile predicted, by its step trace.) The fit is checked on
+`held_out` passes at random (P, D, C) within the grid's range, not used in the fit.
+
+Beside the model pass, each step of the engine schedules, samples and updates its requests:
+that work is timed on the engine core itself (steps of 1, 8 and 32 decodes, its `StepStats`:
+the step's time less the model pass's), fitted as a cost per step plus one per decode, and
+added to the profile's `const` and `decode_seqs` (measured here, one thread: 0.5 ms a step and
+about 0.1 ms a decode at temperature 1).
 """
 
 from __future__ import annotations
@@ -14,14 +20,16 @@ from __future__ import annotations
 import os
 import platform
 import random
+import statistics
 import time
 from collections import Counter
 
+import numpy as np
 import torch
 
-from treadle.config import CacheConfig, ModelConfig
-from treadle.model.capabilities import torch_dtype
-from treadle.model.loader import load_model
+from treadle.config import EngineConfig, build_config
+from treadle.engine.core import EngineCore
+from treadle.engine.sampling_params import SamplingParams
 from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence
 from treadle.model.source import resolve_model
 from treadle.sim.profile import (
@@ -33,6 +41,11 @@ from treadle.sim.profile import (
 )
 
 BLOCK_SIZE = 16
+# The engine's own work is timed on steps of these many decodes, of requests of (prompt,
+# output) tokens; the blocks they hold at once.
+OVERHEAD_DECODES = (1, 8, 32)
+OVERHEAD_TOKENS = (32, 24)
+OVERHEAD_BLOCKS = max(OVERHEAD_DECODES) * -(-sum(OVERHEAD_TOKENS) // BLOCK_SIZE)
 
 
 def cpu_name() -> str:
@@ -80,7 +93,29 @@ def time_step(runner: ModelRunner, model_input: ModelInput, repeats: int) -> flo
         start = time.perf_counter()
         runner.execute(model_input)
         times.append(time.perf_counter() - start)
-    return min(times)
+    return statistics.median(times)
+
+
+def engine_overhead(core: EngineCore) -> tuple[float, float]:
+    """Seconds of a step's engine work beside the model pass: (per step, per decode), fitted
+    to the median over steps of `n` decodes each, for n in OVERHEAD_DECODES (sampled at
+    temperature 1, the dearer draw)."""
+    params = SamplingParams(max_tokens=OVERHEAD_TOKENS[1], ignore_eos=True, temperature=1.0,
+                            seed=0)
+    medians = []
+    for n in OVERHEAD_DECODES:
+        for i in range(n):
+            core.add_request(f"overhead-{n}-{i}",
+                             [100 + (i + j) % 50 for j in range(OVERHEAD_TOKENS[0])], params)
+        seconds = []
+        while core.has_unfinished_requests():
+            core.step()
+            step = core.last_step_stats
+            if step is not None and step.num_prefill_tokens == 0 and step.num_decode_tokens == n:
+                seconds.append(step.duration - step.model_duration)
+        medians.append(statistics.median(seconds))
+    per_decode, per_step = np.polyfit(OVERHEAD_DECODES, medians, 1)
+    return max(float(per_step), 0.0), max(float(per_decode), 0.0)
 
 
 def bench_steps(model: str | None, dtype: str, quantization: str, prefill_tokens: list[int],
@@ -88,12 +123,16 @@ def bench_steps(model: str | None, dtype: str, quantization: str, prefill_tokens
                 held_out: int = 12, seed: int = 0, progress: bool = True,
                 quant_gemv_max_rows: int | None = None) -> dict:
     began = time.perf_counter()
-    num_blocks = (max(decode_seqs) + 2) * -(-(max(context_lens) + max(prefill_tokens))
-                                            // BLOCK_SIZE)
-    runner = ModelRunner(load_model(model, torch_dtype(dtype), quantization),
-                         ModelConfig(model=model, dtype=dtype, quantization=quantization,
-                                     quant_gemv_max_rows=quant_gemv_max_rows),
-                         CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks))
+    num_blocks = max((max(decode_seqs) + 2) * -(-(max(context_lens) + max(prefill_tokens))
+                                                // BLOCK_SIZE), OVERHEAD_BLOCKS)
+    core = EngineCore(build_config(EngineConfig, {
+        "model": model, "dtype": dtype, "quantization": quantization,
+        "quant_gemv_max_rows": quant_gemv_max_rows, "block_size": BLOCK_SIZE,
+        "num_blocks": num_blocks, "enable_prefix_caching": False}))
+    # First, while the engine's blocks hold its own requests' KV: the grid below writes its
+    # steps' KV into blocks the engine's cache manager does not know of.
+    per_step, per_decode = engine_overhead(core)
+    runner = core.executor.runner
     # The quantized layers' crossover, one number for the whole model: the most common one
     # among its shapes (pinned with quant_gemv_max_rows, every shape has the same).
     crossovers = Counter(runner.gemv_rows.values())
@@ -129,12 +168,16 @@ def bench_steps(model: str | None, dtype: str, quantization: str, prefill_tokens
                  "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                  **runner.platform_info()},
         notes="")
-    profile.fit.update({"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    for r in rows:
+        r["predicted"] = profile.predict(r["features"])
+    # The errors above are the model pass's; the engine's own work is added after the fit.
+    profile.coefficients["const"] += per_step
+    profile.coefficients["decode_seqs"] += per_decode
+    profile.fit.update({"engine_overhead_s": {"per_step": per_step, "per_decode": per_decode},
+                        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                         "grid": {"prefill_tokens": prefill_tokens, "decode_seqs": decode_seqs,
                                  "context_lens": context_lens}, "repeats": repeats,
                         "seconds_taken": round(time.perf_counter() - began, 1)})
-    for r in rows:
-        r["predicted"] = profile.predict(r["features"])
     return {"profile": profile, "rows": rows}
 
 
@@ -142,8 +185,14 @@ def format_steps(report: dict) -> str:
     profile: StepProfile = report["profile"]
     lines = [f"model {profile.model}  {profile.machine.get('cpu')}  threads "
              f"{profile.machine.get('torch_threads')}  dtype {profile.machine.get('dtype')}",
-             "step_s = " + " + ".join(f"{profile.coefficients[f]:.3g}*{f}" for f in FEATURES),
-             f"{'set':>8} {'P':>5} {'D':>4} {'C':>5} {'ms':>8} {'pred ms':>8} {'err':>6}"]
+             "step_s = " + " + ".join(f"{profile.coefficients[f]:.3g}*{f}" for f in FEATURES)]
+    overhead = profile.fit.get("engine_overhead_s")
+    if overhead:
+        lines.append(f"of which the engine's work beside the model pass: "
+                     f"{overhead['per_step'] * 1e3:.2f} ms a step + "
+                     f"{overhead['per_decode'] * 1e3:.3f} ms a decode (the rows below: the "
+                     "model pass alone)")
+    lines += [f"{'set':>8} {'P':>5} {'D':>4} {'C':>5} {'ms':>8} {'pred ms':>8} {'err':>6}"]
     for r in report["rows"]:
         err = (r["predicted"] - r["seconds"]) / r["seconds"]
         lines.append(f"{r['set']:>8} {r['prefill_tokens']:>5} {r['decode_seqs']:>4} "

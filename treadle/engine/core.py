@@ -44,6 +44,8 @@ class StepStats:
     num_preemptions: int
     kv_cache_usage: float  # after the step
     scheduled_at: float  # time.monotonic(): the requests' "scheduled" events
+    model_duration: float = 0.0  # seconds of `duration` in the model pass; the rest is the
+    # engine's own work (scheduling, sampling, updating requests)
 
     def record(self) -> StepRecord:
         """This step as the frontend receives it."""
@@ -58,7 +60,8 @@ class StepStats:
                     "decode_tokens": self.num_decode_tokens,
                     "generated_tokens": self.num_generated_tokens,
                     "preemptions": self.num_preemptions,
-                    "kv_cache_usage": round(self.kv_cache_usage, 4)}}
+                    "kv_cache_usage": round(self.kv_cache_usage, 4),
+                    "model_ms": round(self.model_duration * 1e3, 3)}}
 
 
 class EngineCore:
@@ -85,6 +88,7 @@ class EngineCore:
         self.compiling: dict[str, tuple[Request, Future]] = {}
         self.generators: dict[str, torch.Generator] = {}  # per-request seeded generators
         self.last_step_stats: StepStats | None = None  # of the last step that ran a batch
+        self.model_seconds = 0.0  # of the last step's model pass
 
     @property
     def max_model_len(self) -> int:
@@ -200,7 +204,7 @@ class EngineCore:
             start, duration, len(scheduler_output.scheduled),
             scheduler_output.num_batched_tokens - decode_tokens, decode_tokens,
             sum(len(o.new_token_ids) for o in outputs), len(scheduler_output.preempted),
-            self.kv_cache_manager.block_pool.usage, now)
+            self.kv_cache_manager.block_pool.usage, now, self.model_seconds)
         return expired + outputs
 
     def _run(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
@@ -212,8 +216,11 @@ class EngineCore:
                                                                        s.num_new_tokens))
                      for s in scheduler_output.scheduled]
         try:
+            started = time.perf_counter()
             output = self.executor.execute_model(ModelInput(sequences))
+            self.model_seconds = time.perf_counter() - started
         except Exception:
+            self.model_seconds = 0.0  # not split out when a batch is retried one by one
             logger.exception("model step of %d requests failed; retrying each alone",
                              len(sequences))
             return self._step_one_by_one(scheduler_output, sequences)
