@@ -11,8 +11,8 @@ took 10% longer than that profile predicted, by its step trace.) The fit is chec
 Beside the model pass, each step of the engine schedules, samples and updates its requests:
 that work is timed on the engine core itself (steps of 1, 8 and 32 decodes, its `StepStats`:
 the step's time less the model pass's), fitted as a cost per step plus one per decode, and
-added to the profile's `const` and `decode_seqs` (measured here, one thread: 0.5 ms a step and
-about 0.1 ms a decode at temperature 1).
+added to the profile's `const` and `decode_seqs` (AMD Zen 3, one thread: 0.26 ms a step and
+0.1 ms a decode, at temperature 1).
 """
 
 from __future__ import annotations
