@@ -4,6 +4,7 @@ model's tokenizer."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import statistics
@@ -190,6 +191,36 @@ def test_file_workload_tenants_are_sent_as_those_tenants(tokenizer, tmp_path):
     path.write_text('{"prompt": [5], "output_len": 1, "tenant": 3}\n')
     with pytest.raises(ValueError, match="tenant must be"):
         file_workload(tokenizer, path)
+
+
+def test_file_workload_arrivals_replace_the_request_rate(tokenizer, tmp_path):
+    """An "arrival" column (every row or none) is when each request is sent, by bench serve
+    and by the simulator alike, whatever the rate; without it the rate's draw decides."""
+    from treadle.bench.serve import arrival_times, send_times
+    from treadle.sim.commands import add_sim_args, build_requests
+
+    path = tmp_path / "w.jsonl"
+    rows = [{"prompt": [5, 6], "output_len": 2, "arrival": 0},
+            {"prompt": [7], "output_len": 1, "tenant": "b", "arrival": 2.5}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    requests = file_workload(tokenizer, path)
+    assert send_times(requests, 100.0, seed=3) == [0.0, 2.5]
+    parser = argparse.ArgumentParser()
+    add_sim_args(parser)
+    args = parser.parse_args(["--workload", "file", "--file", str(path), "--request-rate", "9"])
+    assert [(r.arrival, r.tenant) for r in build_requests(args, 9.0)] == [(0.0, "default"),
+                                                                          (2.5, "b")]
+    del rows[1]["arrival"]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError, match="every row an arrival, or none"):
+        file_workload(tokenizer, path)
+    for bad in (-1, "soon", True):
+        path.write_text(json.dumps({"prompt": [5], "output_len": 1, "arrival": bad}) + "\n")
+        with pytest.raises(ValueError, match="arrival must be"):
+            file_workload(tokenizer, path)
+    path.write_text('{"prompt": [5], "output_len": 1}\n' * 3)
+    assert send_times(file_workload(tokenizer, path), 2.0, seed=1) == \
+        arrival_times(3, 2.0, seed=1)
 
 
 @pytest.mark.default_model

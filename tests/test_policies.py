@@ -619,34 +619,32 @@ def chunk_sizes(output) -> dict[str, int]:
     return {s.request.request_id: s.num_new_tokens for s in output.scheduled}
 
 
-def test_fair_a_tenant_served_more_gets_short_chunks_for_its_long_prompts():
-    """fair_ahead_chunk_tokens: the long prompt of a tenant served more than another known
-    tenant goes in short chunks; a prompt that completes in one step keeps the engine's chunk
-    size; with one tenant nothing changes."""
+def test_fair_long_prompts_get_short_chunks_while_another_tenant_is_known():
+    """fair_chunk_tokens: while another tenant is known, a long prompt goes in short chunks,
+    whichever tenant is served more; a prompt that completes in one step keeps the engine's
+    chunk size; with one tenant nothing changes."""
     s = make_scheduler(num_blocks=256, block_size=4, max_num_seqs=8, policy="fair",
                        max_num_batched_tokens=64, long_prefill_token_threshold=32,
-                       fair_ahead_chunk_tokens=8, max_num_partial_prefills=2)
+                       fair_chunk_tokens=8, max_num_partial_prefills=2)
     model = model_for(s)
     s.add_request(req("alone", 100, max_tokens=2, arrival=0, tenant="heavy"))
     output, _ = step(s, model)
-    assert chunk_sizes(output) == {"alone": 32}  # no other tenant: nobody to be ahead of
+    assert chunk_sizes(output) == {"alone": 32}  # no other tenant
     s.add_request(req("light", 20, max_tokens=2, arrival=1, tenant="light"))
     output, _ = step(s, model)
-    assert chunk_sizes(output)["light"] == 20
-    for _ in range(20):
-        output, _ = step(s, model)
-        if "alone" in chunk_sizes(output):
-            assert chunk_sizes(output)["alone"] in (8, 32)
-        if chunk_sizes(output).get("alone") == 8:
-            break
-    else:
-        raise AssertionError("the heavy tenant, once ahead, never got short chunks")
-    s.add_request(req("heavy-short", 30, max_tokens=2, arrival=2, tenant="heavy"))
+    assert chunk_sizes(output)["light"] == 20  # fits one chunk: never cut
+    # The light tenant's long prompt lifts its counter past the heavy tenant's: still, both
+    # long prompts go in short chunks (cut by who was ahead, the heavy one got 32 here).
+    s.add_request(req("light-long", 60, max_tokens=2, arrival=2, tenant="light"))
+    s.add_request(req("heavy-short", 30, max_tokens=2, arrival=3, tenant="heavy"))
     sizes: dict[str, list[int]] = {}
     while s.has_unfinished_requests():
         output, _ = step(s, model)
         for request_id, n in chunk_sizes(output).items():
             sizes.setdefault(request_id, []).append(n)
+    for long_prompt in ("alone", "light-long"):
+        prefill = [n for n in sizes[long_prompt] if n > 1]
+        assert max(prefill) == 8, (long_prompt, sizes[long_prompt])
     assert sizes["heavy-short"][0] == 30  # completes in one step: never cut
     assert_scheduler_empty(s)
 
@@ -667,7 +665,7 @@ def test_fair_ahead_chunks_keep_a_light_request_from_waiting_on_a_long_heavy_ste
     def worst_light_ttft(ahead_chunk_tokens: int | None) -> float:
         settings = SimSettings(policy="fair", num_blocks=128, long_prefill_token_threshold=128,
                                max_kv_blocks_per_tenant=70, max_num_partial_prefills=1,
-                               fair_ahead_chunk_tokens=ahead_chunk_tokens)
+                               fair_chunk_tokens=ahead_chunk_tokens)
         result = simulate(requests, settings, profile)
         return max(timeline.first_token - request.arrival
                    for request, timeline in zip(requests, result.timelines, strict=True)

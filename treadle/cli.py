@@ -145,9 +145,9 @@ def add_serve_settings(srv: argparse.ArgumentParser) -> None:
                 "token costs")
     add_setting(sched, "fair_output_token_weight", "under --policy fair, the service an output "
                 "token costs")
-    add_setting(sched, "fair_ahead_chunk_tokens", "under --policy fair, the most prompt tokens "
-                "per step of a tenant served more than another, so steps stay short for the "
-                "others' arrivals", none="--long-prefill-token-threshold")
+    add_setting(sched, "fair_chunk_tokens", "under --policy fair, while more than one tenant "
+                "is known, the most prompt tokens per step of a long prompt, so steps stay "
+                "short for the others' arrivals", none="--long-prefill-token-threshold")
     add_setting(sched, "max_kv_blocks_per_tenant", "KV cache blocks one tenant's running "
                 "requests may hold when another of its requests is admitted", none="no cap")
     sched.add_argument("--tenant-weight", action="append", metavar="NAME=WEIGHT",

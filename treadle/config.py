@@ -119,10 +119,10 @@ class SchedulerConfig:
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     fair_prompt_token_weight: float = 1.0
     fair_output_token_weight: float = 2.0
-    # Under fair share, the most prompt tokens per step for a tenant served more than another
-    # known tenant, so that steps stay short for the others' arrivals. None: the engine's
-    # long_prefill_token_threshold for every tenant.
-    fair_ahead_chunk_tokens: int | None = None
+    # Under fair share, while more than one tenant is known, the most prompt tokens per step of
+    # a prompt longer than long_prefill_token_threshold, so that steps stay short for the
+    # others' arrivals. None: long_prefill_token_threshold.
+    fair_chunk_tokens: int | None = None
     # The most KV cache blocks one tenant's running requests may hold when another of its
     # requests is admitted (under every policy). None: no cap.
     max_kv_blocks_per_tenant: int | None = None
@@ -145,8 +145,8 @@ class SchedulerConfig:
             raise ValueError(f"tenant weights must be > 0, got {bad}")
         if not (self.fair_prompt_token_weight >= 0 and self.fair_output_token_weight >= 0):
             raise ValueError("fair token weights must be >= 0")
-        if self.fair_ahead_chunk_tokens is not None and self.fair_ahead_chunk_tokens < 1:
-            raise ValueError("fair_ahead_chunk_tokens must be >= 1 (or None: no cap)")
+        if self.fair_chunk_tokens is not None and self.fair_chunk_tokens < 1:
+            raise ValueError("fair_chunk_tokens must be >= 1 (or None: no cap)")
         if self.max_kv_blocks_per_tenant is not None and self.max_kv_blocks_per_tenant < 1:
             raise ValueError("max_kv_blocks_per_tenant must be >= 1 (or None: no cap)")
 

@@ -45,7 +45,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--file", default=None,
                         help='file: JSONL rows {"prompt": text or token ids, "output_len": N, '
                              '"tenant": NAME (optional: sent as that tenant, per-tenant '
-                             'report)}')
+                             'report), "arrival": S (optional, on every row or none: the send '
+                             'time, replacing the request rate)}')
     parser.add_argument("--request-rate", type=float_list, default=[float("inf")],
                         help="requests/s, comma-separated for one run each (default: inf, "
                              "all at once)")

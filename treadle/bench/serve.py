@@ -87,6 +87,14 @@ def parse_slo(text: str) -> dict[str, float]:
     return slos
 
 
+def send_times(requests: list[BenchRequest], request_rate: float, burstiness: float = 1.0,
+               seed: int = 0) -> list[float]:
+    """When to send each request: the arrivals a workload file gives, else `arrival_times`."""
+    if requests and requests[0].arrival is not None:
+        return [r.arrival for r in requests]
+    return arrival_times(len(requests), request_rate, burstiness, seed)
+
+
 def arrival_times(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0
                   ) -> list[float]:
     """Send times (seconds from the start) of `n` requests: the first at 0, then gaps of
@@ -244,7 +252,7 @@ def bench_serve(base_url: str, model: str, requests: list[BenchRequest],
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     if prompt_format == "text" and any(r.prompt is None for r in requests):
         raise ValueError("prompt format text needs the workload's prompt text")
-    times = [arrival_times(len(requests), rate, burstiness, seed) for rate in request_rates]
+    times = [send_times(requests, rate, burstiness, seed) for rate in request_rates]
     names = workload_tenants(requests, tenants, seed)
     if objectives:
         slos = {**(slos or {}), **objectives}

@@ -51,6 +51,8 @@ class BenchRequest:
     output_len: int  # tokens to generate (sampled with ignore_eos, so exactly this many)
     prompt: str | None = None  # the ids' decoded text
     tenant: str | None = None  # whose request (a workload file's "tenant"); None: not given
+    arrival: float | None = None  # send time, s from the start (a workload file's "arrival");
+    # None: drawn from the request rate
 
     @property
     def prompt_len(self) -> int:
@@ -249,8 +251,11 @@ def file_workload(tokenizer: Tokenizer, path: str | Path, with_text: bool = True
                   ) -> list[BenchRequest]:
     """Requests from a JSONL file of {"prompt": text or token ids, "output_len": int} rows,
     each optionally with "tenant": a name (the field `treadle sim` traces use), whose requests
-    bench serve sends as that tenant. A text prompt is tokenized without special tokens (the
-    server adds its own) and kept as given for frontends that take text."""
+    bench serve sends as that tenant, and "arrival": when to send it, in seconds from the
+    start (as in a trace; every row or none), instead of the request rate's draw: the same
+    requests at the same times with and without another tenant's. A text prompt is tokenized
+    without special tokens (the server adds its own) and kept as given for frontends that take
+    text."""
     requests = []
     for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
@@ -275,7 +280,14 @@ def file_workload(tokenizer: Tokenizer, path: str | Path, with_text: bool = True
         tenant = row.get("tenant")
         if tenant is not None and not (isinstance(tenant, str) and tenant):
             raise ValueError(f"{path}:{line_no}: tenant must be a non-empty string")
-        requests.append(BenchRequest(ids, output_len, text, tenant))
+        arrival = row.get("arrival")
+        if arrival is not None and (isinstance(arrival, bool) or not isinstance(
+                arrival, int | float) or not 0 <= arrival < math.inf):
+            raise ValueError(f"{path}:{line_no}: arrival must be a number of seconds >= 0")
+        if requests and (arrival is None) != (requests[-1].arrival is None):
+            raise ValueError(f"{path}:{line_no}: give every row an arrival, or none")
+        requests.append(BenchRequest(ids, output_len, text, tenant,
+                                     None if arrival is None else float(arrival)))
     return requests
 
 

@@ -53,9 +53,10 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--max-queue-wait", type=float, default=None)
     e.add_argument("--max-kv-blocks-per-tenant", type=int, default=None,
                    help="most KV blocks one tenant's running requests hold (default: no cap)")
-    e.add_argument("--fair-ahead-chunk-tokens", type=int, default=None,
-                   help="under fair, the most prompt tokens per step of a tenant served more "
-                        "than another (default: --long-prefill-token-threshold)")
+    e.add_argument("--fair-chunk-tokens", type=int, default=None,
+                   help="under fair, while more than one tenant is known, the most prompt "
+                        "tokens per step of a long prompt (default: "
+                        "--long-prefill-token-threshold)")
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--num-blocks", type=int, default=None,
                    help="KV cache blocks (default: from --kv-cache-memory)")
@@ -92,11 +93,11 @@ def build_requests(args: argparse.Namespace, rate: float) -> list[SimRequest]:
         report = json.loads(Path(_need(args.trace, "--trace")).read_text())
         return workload.from_bench_serve(report, args.run)
     from treadle.bench.commands import build_workload
-    from treadle.bench.serve import arrival_times
+    from treadle.bench.serve import send_times
 
     bench_args = argparse.Namespace(**vars(args), prompt_format="ids")
     bench_requests = build_workload(bench_args)
-    times = arrival_times(len(bench_requests), rate, args.burstiness, args.seed)
+    times = send_times(bench_requests, rate, args.burstiness, args.seed)
     requests = workload.from_bench(bench_requests, times)
     for i, r in enumerate(requests):
         r.tenant = f"t{i % args.tenants}" if args.tenants > 1 else r.tenant
@@ -120,7 +121,7 @@ def base_settings(args: argparse.Namespace) -> SimSettings:
         max_num_partial_prefills=args.max_num_partial_prefills,
         max_queue_wait=args.max_queue_wait,
         max_kv_blocks_per_tenant=args.max_kv_blocks_per_tenant,
-        fair_ahead_chunk_tokens=args.fair_ahead_chunk_tokens, block_size=args.block_size,
+        fair_chunk_tokens=args.fair_chunk_tokens, block_size=args.block_size,
         num_blocks=num_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
         max_model_len=args.engine_max_model_len, replicas=args.replicas, router=args.router)

@@ -17,7 +17,7 @@ class SimSettings:
     max_num_partial_prefills: int = 4
     max_queue_wait: float | None = None
     max_kv_blocks_per_tenant: int | None = None
-    fair_ahead_chunk_tokens: int | None = None
+    fair_chunk_tokens: int | None = None
     block_size: int = 16
     num_blocks: int = 4096  # per replica
     enable_prefix_caching: bool = True
@@ -42,7 +42,7 @@ class SimSettings:
                                max_num_partial_prefills=self.max_num_partial_prefills,
                                max_queue_wait=self.max_queue_wait,
                                max_kv_blocks_per_tenant=self.max_kv_blocks_per_tenant,
-                               fair_ahead_chunk_tokens=self.fair_ahead_chunk_tokens)
+                               fair_chunk_tokens=self.fair_chunk_tokens)
 
 
 SETTING_TYPES = {f.name: f.type for f in fields(SimSettings)}
