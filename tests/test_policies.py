@@ -649,7 +649,7 @@ def test_fair_long_prompts_get_short_chunks_while_another_tenant_is_known():
     assert_scheduler_empty(s)
 
 
-def test_fair_ahead_chunks_keep_a_light_request_from_waiting_on_a_long_heavy_step():
+def test_fair_chunks_keep_a_light_request_from_waiting_on_a_long_heavy_step():
     """`treadle sim` of a heavy tenant's long prompts beside a light tenant's short ones: with
     short heavy chunks the light requests' worst TTFT falls, since the step in flight when one
     arrives is short."""
@@ -662,10 +662,10 @@ def test_fair_ahead_chunks_keep_a_light_request_from_waiting_on_a_long_heavy_ste
         t += float(rng.exponential(2.0))
     profile = StepProfile.load()
 
-    def worst_light_ttft(ahead_chunk_tokens: int | None) -> float:
+    def worst_light_ttft(chunk_tokens: int | None) -> float:
         settings = SimSettings(policy="fair", num_blocks=128, long_prefill_token_threshold=128,
                                max_kv_blocks_per_tenant=70, max_num_partial_prefills=1,
-                               fair_chunk_tokens=ahead_chunk_tokens)
+                               fair_chunk_tokens=chunk_tokens)
         result = simulate(requests, settings, profile)
         return max(timeline.first_token - request.arrival
                    for request, timeline in zip(requests, result.timelines, strict=True)
