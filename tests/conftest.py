@@ -3,8 +3,17 @@ server in a thread, a tiny chat model, and the checks that an engine ended empty
 
 from __future__ import annotations
 
-import json
 import os
+
+import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter on the CPU. That is chosen when
+# triton is first imported (its own library functions are decorated then), and torch's dynamo,
+# which transformers' models import, imports it: so here, before any other import.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json
 import shutil
 import socket
 import subprocess
@@ -84,6 +93,16 @@ def assert_engine_empty(core: EngineCore) -> None:
     assert_scheduler_empty(core.scheduler)
     assert not core.generators, f"generators left: {sorted(core.generators)}"
     assert not core.compiling, f"requests left compiling: {sorted(core.compiling)}"
+
+
+@pytest.fixture
+def triton_attention():
+    """treadle.model.triton_attention, its kernel compiled on a GPU and interpreted on the CPU
+    (TRITON_INTERPRET, set above), or the test is skipped without Triton."""
+    pytest.importorskip("triton")
+    import treadle.model.triton_attention
+
+    return treadle.model.triton_attention
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import torch
 import transformers
 from gguf.quants import dequantize, quantize
 
-from treadle.config import CacheConfig, ModelConfig
-from treadle.model.capabilities import torch_dtype
+from treadle.config import CacheConfig, ModelConfig, SchedulerConfig
+from treadle.model.capabilities import resolve_device, torch_dtype
 from treadle.model.family import ModelSpec
 from treadle.model.loader import load_model
 from treadle.model.models.llama import GGUF_TENSOR_NAMES
@@ -66,13 +66,19 @@ def build_tiny_model(arch: str, folder: Path, seed: int = 0) -> torch.nn.Module:
 
 def make_runner(model: str | Path | None, dtype: str = "float32", block_size: int = 16,
                 num_blocks: int = 512, quantization: str = "none",
-                quant_gemv_max_rows: int | None = None) -> ModelRunner:
+                quant_gemv_max_rows: int | None = None, device: str = "auto",
+                enforce_eager: bool = False, max_num_seqs: int = 16) -> ModelRunner:
+    """`max_num_seqs`: the largest decode step captured as a CUDA graph, on a GPU."""
     model_config = ModelConfig(model=None if model is None else str(model), dtype=dtype,
-                               quantization=quantization,
-                               quant_gemv_max_rows=quant_gemv_max_rows)
+                               quantization=quantization, device=device,
+                               quant_gemv_max_rows=quant_gemv_max_rows,
+                               enforce_eager=enforce_eager)
     cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks)
-    loaded = load_model(model_config.model, torch_dtype(dtype), quantization)
-    return ModelRunner(loaded, model_config, cache_config)
+    device = resolve_device(device)
+    loaded = load_model(model_config.model, torch_dtype(dtype, device), quantization,
+                        device=device)
+    return ModelRunner(loaded, model_config, cache_config,
+                       SchedulerConfig(max_num_seqs=max_num_seqs))
 
 
 def permute_like_llama_cpp(w: np.ndarray, num_heads: int) -> np.ndarray:

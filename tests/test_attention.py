@@ -1,4 +1,5 @@
-"""Paged decode attention, native kernel and torch fallback, against attention computed naively
+"""Paged decode attention, native kernel, Triton kernel (interpreted on the CPU, compiled on a
+GPU) and torch fallback, against attention computed naively
 per sequence in float64 over each sequence's own tokens (the last `window` of them for
 sliding-window layers, whose blocks before the window must not even be read)."""
 
@@ -8,6 +9,18 @@ import pytest
 import torch
 
 from treadle.model import attention, kernels
+
+
+def on_triton_device(kernel):
+    """The Triton kernel called on the GPU where there is one (compiled Triton takes CUDA
+    tensors only), with its result back on the CPU; else as is (interpreted)."""
+    if not torch.cuda.is_available():
+        return kernel
+
+    def on_gpu(*args):
+        args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+        return kernel(*args).cpu()
+    return on_gpu
 
 
 def naive_attention(q, k_cache, v_cache, tables, lens, scale, window=None):
@@ -27,12 +40,16 @@ def naive_attention(q, k_cache, v_cache, tables, lens, scale, window=None):
 
 @pytest.mark.parametrize("window", [None, 1, 3, 6, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("native", [True, False])
-def test_decode_attention_matches_naive(dtype, native, window, monkeypatch):
-    if native and kernels.paged_decode_attention() is None:
+@pytest.mark.parametrize("path", ["native", "torch", "triton"])
+def test_decode_attention_matches_naive(dtype, path, window, monkeypatch, request):
+    if path == "native" and kernels.paged_decode_attention() is None:
         pytest.skip("native kernel unavailable")
-    if not native:
-        monkeypatch.setattr(attention, "paged_decode_attention", lambda: None)
+    if path == "torch":
+        monkeypatch.setattr(attention, "paged_decode_attention", lambda device: None)
+    if path == "triton":
+        triton_kernel = on_triton_device(
+            request.getfixturevalue("triton_attention").paged_decode_attention)
+        monkeypatch.setattr(attention, "paged_decode_attention", lambda device: triton_kernel)
     gen = torch.Generator().manual_seed(0)
     block_size, num_blocks, num_kv_heads, heads, head_dim = 4, 64, 3, 9, 16
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
@@ -56,11 +73,17 @@ def test_decode_attention_matches_naive(dtype, native, window, monkeypatch):
 
 @pytest.mark.parametrize("window", [None, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_contexts_split_into_tasks_merge_exactly(dtype, window):
-    """The native kernel splits a sequence's positions into tasks of 128 and merges them:
-    contexts at, just past and well past a task's end (and a window ending inside a task)."""
-    if kernels.paged_decode_attention() is None:
+@pytest.mark.parametrize("path", ["native", "triton"])
+def test_long_contexts_split_into_tasks_merge_exactly(dtype, window, path, monkeypatch, request):
+    """The native kernel splits a sequence's positions into tasks of 128 and merges them, the
+    Triton kernel walks them in tiles: contexts at, just past and well past a task's end (and a
+    window ending inside a task)."""
+    if path == "native" and kernels.paged_decode_attention() is None:
         pytest.skip("native kernel unavailable")
+    if path == "triton":
+        triton_kernel = on_triton_device(
+            request.getfixturevalue("triton_attention").paged_decode_attention)
+        monkeypatch.setattr(attention, "paged_decode_attention", lambda device: triton_kernel)
     gen = torch.Generator().manual_seed(1)
     block_size, num_kv_heads, heads, head_dim = 16, 3, 9, 64
     lens = torch.tensor([1, 128, 129, 300, 513])

@@ -1,5 +1,6 @@
 """Logits and greedy tokens of our runner against transformers, on tiny random-weight models of
-every supported architecture (float32)."""
+every supported architecture (float32). The runner takes `--device auto`: on a machine with a
+GPU (bench/device_check.sh) these compare its CUDA path with transformers on the CPU."""
 
 from __future__ import annotations
 
@@ -24,13 +25,13 @@ def test_logits_match_transformers_at_every_position(arch, tmp_path):
     table = list(range(20, 35))  # not starting at block 0
 
     whole = runner.execute(ModelInput([ScheduledSequence(ids, 0, table, all_logits=True)]))
-    assert (whole - ref).abs().max().item() < 1e-3
+    assert (whole.cpu() - ref).abs().max().item() < 1e-3
 
     # Chunks of 7 over the same blocks: later chunks attend to the cached earlier ones.
     chunks = [runner.execute(ModelInput([ScheduledSequence(ids[s:s + 7], s, table,
                                                            all_logits=True)]))
               for s in range(0, len(ids), 7)]
-    assert (torch.cat(chunks) - ref).abs().max().item() < 1e-3
+    assert (torch.cat(chunks).cpu() - ref).abs().max().item() < 1e-3
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -61,6 +62,7 @@ def test_mixed_batch_rows_follow_sequence_order(tmp_path):
         ScheduledSequence(b[5:], 5, [10, 11, 12], all_logits=True),
     ]))
     assert logits.shape[0] == 1 + 1 + len(b) - 5
+    logits = logits.cpu()
     ref_a, ref_b = reference_logits(model, a), reference_logits(model, b)
     assert (logits[0] - ref_b[4]).abs().max().item() < 1e-3
     assert (logits[1] - ref_a[-1]).abs().max().item() < 1e-3

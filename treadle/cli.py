@@ -12,6 +12,7 @@ from typing import Any
 
 from treadle.config import (
     DEFAULT_DTYPE,
+    DEVICES,
     DTYPES,
     POLICY_NAMES,
     POOLING_TYPES,
@@ -48,12 +49,17 @@ def quantization_list(text: str) -> list[str]:
     return names
 
 
-def add_model_args(parser: argparse.ArgumentParser, several_quantizations: bool = False) -> None:
+def add_model_args(parser: argparse.ArgumentParser, several_quantizations: bool = False,
+                   device: bool = True) -> None:
+    """`device`: whether the command takes --device (the CPU-only benches do not)."""
     parser.add_argument("--model", default=None,
                         help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    if device:
+        parser.add_argument("--device", choices=DEVICES, default="auto",
+                            help="auto (default): cuda where torch sees a GPU, else cpu")
     parser.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE,
-                        help="auto (default): bfloat16 where the CPU computes it natively "
-                             "(AVX-512 BF16, AMX), else float32")
+                        help="auto (default): bfloat16 on CUDA and where the CPU computes it "
+                             "natively (AVX-512 BF16, AMX), else float32")
     quantization_help = ("auto (default): a GGUF's Q4_0/Q4_1/Q8_0 matrices served as stored; "
                          "none: dequantized to --dtype; int8/int4: quantized at load")
     if several_quantizations:
@@ -93,8 +99,9 @@ def add_serve_settings(srv: argparse.ArgumentParser) -> None:
     model = srv.add_argument_group("model")
     add_setting(model, "model", "Hugging Face folder or .gguf file",
                 none="SmolLM2-135M-Instruct")
-    add_setting(model, "dtype", "auto: bfloat16 where the CPU computes it natively (AVX-512 BF16, "
-                "AMX), else float32", choices=DTYPES)
+    add_setting(model, "device", "auto: cuda where torch sees a GPU, else cpu", choices=DEVICES)
+    add_setting(model, "dtype", "auto: bfloat16 on CUDA and where the CPU computes it natively "
+                "(AVX-512 BF16, AMX), else float32", choices=DTYPES)
     add_setting(model, "quantization", "auto: a GGUF's Q4_0/Q4_1/Q8_0 matrices served as stored; "
                 "none: dequantized to --dtype; int8/int4: quantized at load",
                 choices=QUANTIZATION_CHOICES)
@@ -113,6 +120,8 @@ def add_serve_settings(srv: argparse.ArgumentParser) -> None:
                 "per token; more: 400")
     add_setting(model, "seed", "seed of the engine's random generator, for requests without a "
                 "seed of their own", none="not seeded")
+    add_setting(model, "enforce_eager", "CUDA: run decode steps eagerly, not as captured "
+                "CUDA graphs")
     add_setting(model, "engine_threads", "torch threads of the engine process; this process "
                 "keeps to HTTP and tokenizing", "--threads", none="one per core")
     add_setting(model, "tensor_parallel_size", "split the model's layers across this many "
@@ -124,6 +133,8 @@ def add_serve_settings(srv: argparse.ArgumentParser) -> None:
     add_setting(cache, "kv_cache_memory_bytes", "memory of the KV cache: bytes, or 512MiB, 2GiB",
                 none="max_num_seqs requests of max_model_len, at most half the memory free "
                 "after the weights")
+    add_setting(cache, "gpu_memory_utilization", "CUDA: the share of GPU memory for weights, "
+                "activations and KV cache; the cache takes what is left")
     add_setting(cache, "enable_prefix_caching", "reuse the KV blocks of prompts' shared prefixes")
     sched = srv.add_argument_group("scheduling")
     add_setting(sched, "policy", "queue order: fcfs; priority (each request's `priority` field, "
@@ -323,13 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_soak_args(bench.add_parser("soak", help="a mixed load for a while (default 10m): "
                                    "errors, memory of both processes, leaked KV blocks"))
     roof = bench.add_parser("roofline", help="memory bandwidth, matmul rate, decode-step floor")
-    add_model_args(roof)
+    add_model_args(roof, device=False)
     add_roofline_args(roof)
     from treadle.bench.steps import add_steps_args
 
     steps = bench.add_parser("steps", help="time mixed prefill+decode steps; fit the step-time "
                                            "profile `treadle sim` uses")
-    add_model_args(steps)
+    add_model_args(steps, device=False)
     add_steps_args(steps)
 
     from treadle.sim.commands import add_sim_args
@@ -378,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
 
         report = bench_forward(args.model, args.dtype, args.batch_sizes, args.thread_counts,
                                context_len=args.context_len,
-                               quantizations=tuple(args.quantization))
+                               quantizations=tuple(args.quantization), device=args.device)
         print(json.dumps(report, indent=2) if args.json else format_forward(report))
         return 0
     if args.bench in ("serve", "roofline"):
@@ -391,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                                     max_output_len=args.max_output_len,
                                     hf_batch_size=args.hf_batch_size).items() if v is not None}
     report = bench_offline(args.model, args.dtype, num_prompts=args.num_prompts, seed=args.seed,
-                           **kwargs)
+                           device=args.device, **kwargs)
     print(json.dumps(report, indent=2) if args.json else format_offline(report))
     return 0
 
@@ -503,7 +514,8 @@ def generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-        llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization)
+        llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                  device=args.device)
         prompt = args.prompt if args.raw or not llm.tokenizer.chat_template \
             else llm.chat_prompt(args.prompt)
         output = llm.generate([prompt], params, use_tqdm=False)[0]

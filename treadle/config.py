@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from treadle.server.auth import APIKey
 
 DTYPES = ("auto", "float32", "bfloat16")
+# auto: cuda where torch sees a GPU, else cpu (treadle/model/capabilities.py resolve_device).
+DEVICES = ("auto", "cpu", "cuda")
 # auto: bfloat16 where the CPU computes it natively, else float32; the model's capability probe
 # (treadle/model/capabilities.py) decides, at load.
 DEFAULT_DTYPE = "auto"
@@ -39,6 +41,7 @@ class ModelConfig:
     """Which weights to serve and how. `model` None means the default model."""
 
     model: str | None = None
+    device: str = "auto"  # one of DEVICES
     dtype: str = DEFAULT_DTYPE
     max_model_len: int | None = None  # None: the model's own context length
     # auto: a GGUF's quantized matrices served as stored; see treadle/model/quantization.py.
@@ -60,8 +63,12 @@ class ModelConfig:
     # Seeds the engine process's random generator, so requests without a seed of their own
     # sample the same across restarts (given the same batches). None: not seeded.
     seed: int | None = None
+    # CUDA: run every step eagerly, without capturing decode steps as CUDA graphs (vLLM's flag).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
@@ -85,6 +92,9 @@ class CacheConfig:
     num_blocks: int | None = None  # None: sized from kv_cache_memory_bytes
     # None: sized from free memory; the rule and why: treadle/model/memory.py size_kv_cache.
     kv_cache_memory_bytes: int | None = None
+    # CUDA: the share of the GPU's memory this engine may take, weights, activations and the
+    # KV cache together; the cache gets what the rest leaves (vLLM's flag and default).
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -94,6 +104,9 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError("kv_cache_memory_bytes must be >= 1 (or None: from free memory)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)

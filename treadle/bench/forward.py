@@ -12,8 +12,8 @@ import time
 import torch
 
 from treadle.bench.roofline import DecodeCost, best_seconds, measure_roofline
-from treadle.config import CacheConfig, ModelConfig
-from treadle.model.capabilities import torch_dtype
+from treadle.config import CacheConfig, ModelConfig, SchedulerConfig
+from treadle.model.capabilities import resolve_device, torch_dtype
 from treadle.model.loader import load_model
 from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence
 from treadle.model.source import resolve_model
@@ -21,17 +21,25 @@ from treadle.model.source import resolve_model
 
 def bench_forward(model: str | None, dtype: str, batch_sizes: list[int], threads: list[int],
                   context_len: int = 128, block_size: int = 16, steps: int = 10,
-                  quantizations: tuple[str, ...] = ("none", "auto")) -> dict:
-    """Each quantization's runner in turn, in this one run, so their rows compare."""
+                  quantizations: tuple[str, ...] = ("none", "auto"), device: str = "auto"
+                  ) -> dict:
+    """Each quantization's runner in turn, in this one run, so their rows compare. On CUDA
+    every quantization is served as `none` (one runner), torch's thread count does not apply,
+    and decode steps replay CUDA graphs captured up to the largest batch."""
+    device = resolve_device(device)
+    if device == "cuda":
+        quantizations, threads = ("none",), [torch.get_num_threads()]
     num_blocks = max(batch_sizes) * (context_len // block_size + 1)
     rows, runs = [], []
     saved_threads = torch.get_num_threads()
     try:
         for quantization in quantizations:
-            model_config = ModelConfig(model=model, dtype=dtype, quantization=quantization)
-            runner = ModelRunner(load_model(model, torch_dtype(dtype), quantization),
-                                 model_config, CacheConfig(block_size=block_size,
-                                                           num_blocks=num_blocks))
+            model_config = ModelConfig(model=model, dtype=dtype, quantization=quantization,
+                                       device=device)
+            runner = ModelRunner(
+                load_model(model, torch_dtype(dtype, device), quantization, device=device),
+                model_config, CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                SchedulerConfig(max_num_seqs=max(batch_sizes)))
             cost = DecodeCost.of(runner.model)
             runs.append({**runner.platform_info(), "weight_bytes": cost.weight_bytes,
                          "resident_bytes": runner.model.resident_bytes()})
@@ -49,13 +57,15 @@ def time_decode_steps(runner: ModelRunner, cost: DecodeCost, batch_sizes: list[i
     rows = []
     for n_threads in threads:
         torch.set_num_threads(n_threads)
-        roof = measure_roofline(runner.dtype)
+        cuda = runner.device.type == "cuda"
+        roof = measure_roofline(runner.dtype, device=runner.device.type)
         for batch in batch_sizes:
             model_input = ModelInput([
                 ScheduledSequence([100 + i], context_len - 1,
                                   list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
                 for i in range(batch)])
-            step_s = best_seconds(lambda mi=model_input: runner.execute(mi), repeats=steps)
+            step_s = best_seconds(lambda mi=model_input: runner.execute(mi), repeats=steps,
+                                  cuda=cuda)
             floor_ms = cost.floor_ms(roof, batch, context_len)
             rows.append({
                 "quantization": runner.quantization, "threads": n_threads, "batch": batch,
@@ -76,7 +86,9 @@ def format_forward(report: dict) -> str:
         lines.append(
             f"quantization {run['quantization']} ({run['quantized_types']}): weights read per "
             f"step {run['weight_bytes'] / 1e6:.0f} MB, resident {run['resident_bytes'] / 1e6:.0f}"
-            f" MB; dtype {run['dtype']} ({run['dtype_reason']}); "
+            f" MB; device {run['device']}"
+            + (f" (CUDA graphs: {run['cuda_graphs']})" if "cuda_graphs" in run else "")
+            + f"; dtype {run['dtype']} ({run['dtype_reason']}); "
             f"{run['isa']}, oneDNN linear {on_off(run['onednn_linear'])}, native attention "
             f"{on_off(run['native_attention'])}, quantized kernels "
             f"{on_off(run['quant_kernels'])} (integer path up to rows: {run['gemv_rows']})")

@@ -17,12 +17,15 @@ if TYPE_CHECKING:
     from treadle.model.layers import DecoderModel
 
 
-def best_seconds(fn, repeats: int = 5) -> float:
+def best_seconds(fn, repeats: int = 5, cuda: bool = False) -> float:
+    """The least of `repeats` timed calls; `cuda`: each waits for the GPU's work to finish."""
     fn()  # warm up caches and allocator
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        if cuda:
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -43,13 +46,17 @@ class Roofline:
 
 
 def measure_roofline(dtype: torch.dtype, buffer_bytes: int = 512 << 20,
-                     matmul_size: int = 2048) -> Roofline:
-    """Measured with the current torch thread count."""
-    buffer = torch.ones(buffer_bytes // 4, dtype=torch.float32)
-    read_s = best_seconds(lambda: buffer.sum())
-    a = torch.randn(matmul_size, matmul_size).to(dtype)
-    b = torch.randn(matmul_size, matmul_size).to(dtype)
-    mm_s = best_seconds(lambda: torch.mm(a, b))
+                     matmul_size: int = 2048, device: str = "cpu") -> Roofline:
+    """Measured with the current torch thread count, or on the GPU (`device` cuda: a buffer
+    far beyond its L2, and matmuls large enough for its tensor cores)."""
+    cuda = device == "cuda"
+    if cuda:
+        buffer_bytes, matmul_size = max(buffer_bytes, 4 << 30), max(matmul_size, 8192)
+    buffer = torch.ones(buffer_bytes // 4, dtype=torch.float32, device=device)
+    read_s = best_seconds(lambda: buffer.sum(), cuda=cuda)
+    a = torch.randn(matmul_size, matmul_size, device=device).to(dtype)
+    b = torch.randn(matmul_size, matmul_size, device=device).to(dtype)
+    mm_s = best_seconds(lambda: torch.mm(a, b), cuda=cuda)
     return Roofline(threads=torch.get_num_threads(),
                     read_bandwidth_gbs=buffer_bytes / read_s / 1e9,
                     matmul_gflops=2 * matmul_size ** 3 / mm_s / 1e9,

@@ -126,7 +126,7 @@ def bench_steps(model: str | None, dtype: str, quantization: str, prefill_tokens
     num_blocks = max((max(decode_seqs) + 2) * -(-(max(context_lens) + max(prefill_tokens))
                                                 // BLOCK_SIZE), OVERHEAD_BLOCKS)
     core = EngineCore(build_config(EngineConfig, {
-        "model": model, "dtype": dtype, "quantization": quantization,
+        "model": model, "device": "cpu", "dtype": dtype, "quantization": quantization,
         "quant_gemv_max_rows": quant_gemv_max_rows, "block_size": BLOCK_SIZE,
         "num_blocks": num_blocks, "enable_prefix_caching": False}))
     # First, while the engine's blocks hold its own requests' KV: the grid below writes its

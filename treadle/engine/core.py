@@ -332,7 +332,7 @@ class EngineCore:
         if end <= len(collected):
             return
         first = len(collected)
-        targets = torch.tensor(request.prompt_token_ids[first + 1:end + 1])
+        targets = torch.tensor(request.prompt_token_ids[first + 1:end + 1], device=rows.device)
         collected += gather_logprobs(rows[first - start:end - start], targets,
                                      [request.sampling_params.prompt_logprobs] * len(targets))
 

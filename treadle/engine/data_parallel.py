@@ -138,6 +138,11 @@ class ReplicaGroup:
             return EngineFailed(f"{self.size} replicas of {cpus} CPU each need {self.size * cpus}"
                                 f" CPUs; the Ray cluster has {total:g}")
         engine = self.config.engine
+        from treadle.model.capabilities import resolve_device
+
+        if resolve_device(engine.model.device) == "cuda":
+            return EngineFailed("data-parallel replicas run on CPUs; on a GPU serve one engine "
+                                "per GPU, or pass --device cpu")
         cache = engine.cache
         if started_locally and cache.num_blocks is None and cache.kv_cache_memory_bytes is None:
             # Every replica on this machine, all loading at once: each would size its default

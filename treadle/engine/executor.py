@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from treadle.config import EngineConfig
-from treadle.model.capabilities import torch_dtype
+from treadle.model.capabilities import resolve_device, torch_dtype
 from treadle.model.loader import load_model
 from treadle.model.memory import KVCacheSize, check_weights_fit
 from treadle.model.runner import ModelInput, ModelOutput, ModelRunner
@@ -55,6 +55,9 @@ class Executor(ABC):
 def build_executor(config: EngineConfig) -> Executor:
     """The executor `config` asks for: one in-process runner, or tensor-parallel ranks."""
     if config.parallel.tensor_parallel_size > 1:
+        if resolve_device(config.model.device) == "cuda":
+            raise ValueError("tensor parallelism runs on CPU processes (gloo); on CUDA serve "
+                             "with --tensor-parallel-size 1")
         # Imported here: tp_executor builds on this module's Executor.
         from treadle.engine.tp_executor import TensorParallelExecutor
 
@@ -70,14 +73,21 @@ class InProcessExecutor(Executor):
             torch.set_num_threads(config.parallel.engine_threads)
         model = config.model
         check_weights_fit(model)
-        loaded = load_model(model.model, torch_dtype(model.dtype), model.quantization)
+        device = resolve_device(model.device)
+        loaded = load_model(model.model, torch_dtype(model.dtype, device), model.quantization,
+                            device=device)
         self.runner = ModelRunner(loaded, model, config.cache, config.scheduler)
         self.facts = ModelFacts(self.runner.max_model_len, self.runner.num_blocks,
                                 loaded.spec.vocab_size, frozenset(loaded.spec.eos_token_ids),
                                 self.runner.kv_size, self.runner.model.resident_bytes())
 
     def execute_model(self, model_input: ModelInput) -> ModelOutput:
-        return self.runner.run(model_input)
+        output = self.runner.run(model_input)
+        if self.runner.device.type == "cuda":
+            # The step's time is the GPU's, and a fault in it raises here, where the core
+            # retries the batch one by one, not later in the sampler.
+            torch.cuda.synchronize(self.runner.device)
+        return output
 
     def platform_info(self) -> dict[str, Any]:
         return self.runner.platform_info()

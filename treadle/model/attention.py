@@ -53,15 +53,23 @@ class AttentionMetadata:
 
 
 class KVCache:
-    """Preallocated key and value blocks for every layer."""
+    """Preallocated key and value blocks for every layer: `num_blocks` for sequences, and one
+    more (`pad_block`) that none owns, which the padding rows of a captured decode step write
+    and read (treadle/model/cuda_graphs.py)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype) -> None:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+                 head_dim: int, dtype: torch.dtype, device: torch.device | None = None) -> None:
+        shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.keys = [lazy_zeros(shape, dtype) for _ in range(num_layers)]
-        self.values = [lazy_zeros(shape, dtype) for _ in range(num_layers)]
+        self.pad_block = num_blocks
+        if device is None or device.type == "cpu":
+            self.keys = [lazy_zeros(shape, dtype) for _ in range(num_layers)]
+            self.values = [lazy_zeros(shape, dtype) for _ in range(num_layers)]
+        else:
+            self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.values = [torch.zeros(shape, dtype=dtype, device=device)
+                           for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -101,7 +109,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """One query per sequence, [num_decodes, H, D]."""
-    kernel = paged_decode_attention()
+    kernel = paged_decode_attention(q.device.type)
     if kernel is not None:  # reads the blocks in place
         return kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                       scale, meta.window or 0)
@@ -114,12 +122,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if meta.window is not None:  # only the blocks that hold the window's positions
         first_block = (lens - meta.window).clamp(min=0) // block_size
         span = min(tables.shape[1], (meta.window + block_size - 2) // block_size + 1)
-        columns = (first_block[:, None] + torch.arange(span)).clamp(max=tables.shape[1] - 1)
+        columns = (first_block[:, None] + torch.arange(span, device=lens.device)).clamp(
+            max=tables.shape[1] - 1)
         tables = tables.gather(1, columns)
         first_position = first_block * block_size
     keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
     values = v_cache[tables].flatten(1, 2).transpose(1, 2)
-    positions = first_position[:, None] + torch.arange(keys.shape[2])
+    positions = first_position[:, None] + torch.arange(keys.shape[2], device=lens.device)
     mask = positions < lens[:, None]
     if meta.window is not None:
         mask &= positions >= (lens - meta.window)[:, None]
@@ -144,6 +153,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     group = q.shape[1] // k.shape[1]
     keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)
     values = values.transpose(0, 1).repeat_interleave(group, dim=0)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=chunk.mask,
-                                         is_causal=chunk.mask is None, scale=scale)
+    query = q.transpose(0, 1)
+    if q.is_cpu:
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask,
+                                             is_causal=chunk.mask is None, scale=scale)
+    else:  # CUDA's fused SDPA kernels take [batch, heads, tokens, dim] only
+        out = F.scaled_dot_product_attention(query[None], keys[None], values[None],
+                                             attn_mask=chunk.mask, is_causal=chunk.mask is None,
+                                             scale=scale)[0]
     return out.transpose(0, 1)

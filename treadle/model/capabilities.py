@@ -1,8 +1,9 @@
-"""What this CPU computes natively, and so which dtype and which fast paths the model uses.
+"""What this machine computes natively, and so which device, dtype and fast paths the model uses.
 
 The one place that decides: `probe()` asks torch and oneDNN (not /proc/cpuinfo) once per process,
+`resolve_device()` turns `--device auto` into cuda where torch sees a GPU, else cpu,
 `resolve_dtype()` turns `--dtype auto` into a dtype with the reason, and the linear layers and the
-attention kernel read `probe()` rather than testing the CPU themselves.
+attention kernels read `probe()` rather than testing the machine themselves.
 
 Each fast path has a fallback that gives the same results, and any of them can be forced off on
 any machine, so a test run on an AVX-512 machine also covers the AVX2 path and the reverse:
@@ -22,6 +23,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from treadle.config import DEVICES
+
 logger = logging.getLogger(__name__)
 
 FAST_PATHS = ("onednn", "native-kernels")
@@ -40,6 +43,7 @@ class Capabilities:
     vnni: bool  # AVX-512 VNNI: int8 dot products in one instruction (quantized kernels)
     native_kernels_allowed: bool  # TREADLE_DISABLE does not name native-kernels
     disabled: tuple[str, ...]
+    cuda: bool = False  # torch sees a CUDA GPU
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -73,14 +77,32 @@ def probe() -> Capabilities:
         onednn_bf16=onednn_bf16,
         native_bf16=(avx512_bf16 or amx) and torch.ops.mkldnn._is_mkldnn_bf16_supported(),
         vnni=avx512 and torch.cpu._is_vnni_supported(),
-        native_kernels_allowed="native-kernels" not in disabled, disabled=disabled)
+        native_kernels_allowed="native-kernels" not in disabled, disabled=disabled,
+        cuda=torch.cuda.is_available())
+
+
+def resolve_device(requested: str) -> str:
+    """`auto`, `cpu` or `cuda` -> the device served on: auto is cuda where torch sees a GPU."""
+    if requested not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {requested!r}")
+    cuda = probe().cuda
+    if requested == "cuda" and not cuda:
+        raise ValueError("--device cuda, but torch sees no CUDA GPU here (torch "
+                         f"{torch.__version__}, CUDA {torch.version.cuda or 'not built in'}); "
+                         "use --device cpu or auto")
+    if requested == "auto":
+        return "cuda" if cuda else "cpu"
+    return requested
 
 
 @functools.cache  # once per process: one warning, one answer
-def resolve_dtype(requested: str) -> tuple[str, str]:
-    """`auto`, `float32` or `bfloat16` -> (the dtype served, why)."""
+def resolve_dtype(requested: str, device: str = "cpu") -> tuple[str, str]:
+    """`auto`, `float32` or `bfloat16` on a resolved `device` -> (the dtype served, why)."""
     if requested not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {requested!r}")
+    if device == "cuda":
+        return ("bfloat16", "CUDA GPUs compute bfloat16 natively") if requested == "auto" \
+            else (requested, "requested")
     caps = probe()
     native = "AMX" if caps.amx else "AVX-512 BF16"
     if requested == "auto":
@@ -98,9 +120,9 @@ def resolve_dtype(requested: str) -> tuple[str, str]:
     return requested, "requested"
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """A dtype name (`auto` resolved here) as torch's dtype."""
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[resolve_dtype(name)[0]]
+def torch_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """A dtype name (`auto` resolved here, for a resolved `device`) as torch's dtype."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[resolve_dtype(name, device)[0]]
 
 
 def use_onednn_linear(dtype: torch.dtype) -> bool:

@@ -10,7 +10,8 @@ an AVX-512 build to an AVX2 CPU, where it would die with SIGILL. The level maps 
 one level share one build.
 
 A kernel is None where its build or load fails (no compiler, say) or the probe disables it:
-its caller then takes the pure-torch path, which gives the same results.
+its caller then takes the pure-torch path, which gives the same results. On CUDA the decode
+attention kernel is Triton's (treadle/model/triton_attention.py) and the rest is torch's.
 """
 
 from __future__ import annotations
@@ -144,9 +145,23 @@ def elementwise_kernels() -> ModuleType | None:
     return load_kernels()
 
 
-def paged_decode_attention() -> Callable | None:
+def paged_decode_attention(device: str = "cpu") -> Callable | None:
+    """The paged decode kernel for `device`'s tensors: the native one on the CPU, Triton's on
+    CUDA (where Triton imports); None: the torch path."""
+    if device == "cuda":
+        return triton_paged_decode_attention()
     module = load_kernels()
     return None if module is None else module.paged_decode_attention
+
+
+@functools.cache
+def triton_paged_decode_attention() -> Callable | None:
+    try:
+        from treadle.model.triton_attention import paged_decode_attention as kernel
+    except ImportError as e:  # no Triton in this environment
+        logger.warning("Triton unavailable, CUDA decode attention takes the torch path: %s", e)
+        return None
+    return kernel
 
 
 def quant_linear_kernels() -> ModuleType | None:

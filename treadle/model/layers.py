@@ -26,8 +26,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """As transformers computes it: normalized in float32, then scaled by `weight` after the
     cast back to x's dtype (Llama), or before it (`scale_in_float32`: Gemma, whose weight is
     float32). (F.rms_norm is several times slower on CPU.)"""
-    kernels = elementwise_kernels()
-    if kernels is not None and x.is_cpu:
+    kernels = elementwise_kernels() if x.is_cpu else None
+    if kernels is not None:
         return kernels.rms_norm(x, weight, eps, scale_in_float32)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
@@ -56,8 +56,8 @@ class Rotary:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rope (Hugging Face layout) on [T, heads, D]; cos, sin [T, 1, D/2]."""
-    kernels = elementwise_kernels()
-    if kernels is not None and x.is_cpu:
+    kernels = elementwise_kernels() if x.is_cpu else None
+    if kernels is not None:
         return kernels.rope(x, cos, sin)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
@@ -66,8 +66,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU of the first half of the last dim times the second (a fused gate/up projection)."""
-    kernels = elementwise_kernels()
-    if kernels is not None and gate_up.is_cpu:
+    kernels = elementwise_kernels() if gate_up.is_cpu else None
+    if kernels is not None:
         return kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -33,7 +33,7 @@ class Linear:
         self.numel = weight.numel() + (0 if bias is None else bias.numel())
         self.nbytes = weight.numel() * weight.element_size()
         self.bias = bias
-        self.prepacked = use_onednn_linear(weight.dtype)
+        self.prepacked = weight.is_cpu and use_onednn_linear(weight.dtype)
         self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight) if self.prepacked
                        else weight)
 

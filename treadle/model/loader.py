@@ -51,14 +51,16 @@ class LoadedModel:
 
 
 def load_model(model: str | os.PathLike | None, dtype: torch.dtype,
-               quantization: str = "none", select: WeightSelect | None = None) -> LoadedModel:
-    """Load `model` (an HF folder, a .gguf file, or None for the default model) in `dtype`,
-    its matrices quantized as `quantization` says (see treadle/model/quantization.py).
+               quantization: str = "none", select: WeightSelect | None = None,
+               device: str = "cpu") -> LoadedModel:
+    """Load `model` (an HF folder, a .gguf file, or None for the default model) in `dtype`
+    into host memory, its matrices quantized as `quantization` says for the resolved `device`
+    they will be served on (see treadle/model/quantization.py).
     `select(name, weight)`: the part of each weight to keep (a tensor-parallel rank's slice,
     treadle/model/parallel.py), taken before the conversion to `dtype` or quantization."""
     source = resolve_model(model)
     spec = read_spec(source.folder)
-    quantization = resolve_quantization(quantization, source.gguf is not None)
+    quantization = resolve_quantization(quantization, source.gguf is not None, device)
     weights = (read_gguf_weights(source.gguf, spec, keep_quantized=quantization == "gguf")
                if source.gguf is not None else read_safetensors_weights(source.folder))
     check_weights(weights, spec)

@@ -139,6 +139,40 @@ def size_kv_cache(cache: CacheConfig, scheduler: SchedulerConfig, bytes_per_toke
     return size
 
 
+def size_kv_cache_on_gpu(cache: CacheConfig, bytes_per_token: int, max_model_len: int,
+                         activations: int, free: int, total: int) -> KVCacheSize:
+    """The KV cache's blocks on a GPU whose memory is `free` of `total` with the weights
+    loaded: `num_blocks` or `kv_cache_memory_bytes` if set, else, as vLLM does, all that
+    `gpu_memory_utilization` of `total` leaves after what is in use now (`total - free`: the
+    weights, the CUDA context, other processes) and a step's `activations`. Unlike the CPU's
+    default it is not capped by max_num_seqs: on a GPU the memory is the engine's, and a larger
+    cache keeps more prefixes. InsufficientMemoryError when that leaves no block, or a set size
+    does not fit in what is free."""
+    block_bytes = bytes_per_token * cache.block_size
+    budget = int(cache.gpu_memory_utilization * total) - (total - free) - activations
+    if cache.num_blocks is not None:
+        num_blocks = cache.num_blocks
+    elif cache.kv_cache_memory_bytes is not None:
+        num_blocks = max(1, cache.kv_cache_memory_bytes // block_bytes)
+    else:
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise InsufficientMemoryError(
+                f"no GPU memory left for the KV cache: {gib(total - free)} of {gib(total)} in "
+                f"use with the weights loaded, a step's activations need about "
+                f"{gib(activations)}, and --gpu-memory-utilization "
+                f"{cache.gpu_memory_utilization} allows {gib(cache.gpu_memory_utilization * total)}"
+                f"; raise it, or lower max_num_batched_tokens / max_model_len")
+    size = KVCacheSize(cache.block_size, num_blocks, bytes_per_token, max_model_len)
+    if size.bytes + activations > free:
+        raise InsufficientMemoryError(
+            f"a KV cache of {num_blocks} blocks ({gib(size.bytes)}) and a step's activations "
+            f"(about {gib(activations)}) do not fit in the {gib(free)} of GPU memory free with "
+            f"the weights loaded; lower --num-blocks / --kv-cache-memory-bytes, or leave them "
+            f"unset to size the cache by --gpu-memory-utilization")
+    return size
+
+
 def served_weight_bytes(spec: ModelSpec, itemsize: int, quantization: str,
                         dense_batch_weights: bool, gguf: Path | None) -> int:
     """Bytes of the weights as the engine holds them (`DecoderModel.resident_bytes`), from the
@@ -183,22 +217,24 @@ class ServedWeights:
 
 
 def served_weights(model: ModelConfig) -> ServedWeights:
-    from treadle.model.capabilities import resolve_dtype, torch_dtype
+    from treadle.model.capabilities import resolve_device, resolve_dtype, torch_dtype
     from treadle.model.loader import read_spec
     from treadle.model.quantization import resolve_quantization
     from treadle.model.source import resolve_model
 
     source = resolve_model(model.model)
     spec = read_spec(source.folder)
-    dtype, _ = resolve_dtype(model.dtype)
-    quantization = resolve_quantization(model.quantization, source.gguf is not None)
+    device = resolve_device(model.device)
+    dtype, _ = resolve_dtype(model.dtype, device)
+    quantization = resolve_quantization(model.quantization, source.gguf is not None, device)
     return ServedWeights(source.name, spec, dtype, quantization, served_weight_bytes(
-        spec, torch_dtype(dtype).itemsize, quantization, model.dense_batch_weights,
+        spec, torch_dtype(dtype, device).itemsize, quantization, model.dense_batch_weights,
         source.gguf))
 
 
 def check_weights_fit(model: ModelConfig) -> None:
-    """Before loading: InsufficientMemoryError if the weights as served exceed the memory
+    """Before loading (into this host's memory, on any device): InsufficientMemoryError if the
+    weights as served exceed the memory
     available, rather than the process being killed while it loads them."""
     weights, available = served_weights(model), available_memory()
     if weights.bytes > available:

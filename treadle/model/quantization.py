@@ -64,10 +64,17 @@ class QuantizedWeight:
                                           self.in_features))
 
 
-def resolve_quantization(requested: str, is_gguf: bool) -> str:
+def resolve_quantization(requested: str, is_gguf: bool, device: str = "cpu") -> str:
+    """`auto` serves a GGUF's blocks as stored on the CPU; on CUDA the weights are dequantized
+    to the served dtype (the block kernels here are CPU kernels)."""
     if requested not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, "
                          f"got {requested!r}")
+    if device == "cuda":
+        if requested not in ("auto", "none"):
+            raise ValueError(f"--quantization {requested} runs on CPU kernels only; on CUDA "
+                             "the weights are served in --dtype (--quantization auto or none)")
+        return "none"
     if requested == "auto":
         return "gguf" if is_gguf else "none"
     return requested

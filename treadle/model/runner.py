@@ -13,7 +13,14 @@ import torch
 
 from treadle.config import CacheConfig, ModelConfig, SchedulerConfig
 from treadle.model.attention import AttentionMetadata, KVCache, PrefillChunk
-from treadle.model.capabilities import probe, resolve_dtype, torch_dtype, use_onednn_linear
+from treadle.model.capabilities import (
+    probe,
+    resolve_device,
+    resolve_dtype,
+    torch_dtype,
+    use_onednn_linear,
+)
+from treadle.model.cuda_graphs import capture_decode_graphs, graph_output_bytes
 from treadle.model.kernels import paged_decode_attention, quant_linear_kernels
 from treadle.model.linear import tune_gemv_rows
 from treadle.model.loader import LoadedModel, load_model
@@ -22,6 +29,7 @@ from treadle.model.memory import (
     available_memory,
     kv_bytes_per_token,
     size_kv_cache,
+    size_kv_cache_on_gpu,
 )
 from treadle.model.registry import build_model
 
@@ -75,32 +83,55 @@ class ModelRunner:
         scheduler_config = scheduler_config or SchedulerConfig()
         spec = loaded.spec
         self.spec = spec
-        self.dtype_name, self.dtype_reason = resolve_dtype(model_config.dtype)
-        self.dtype = torch_dtype(self.dtype_name)
+        self.device = torch.device(resolve_device(model_config.device))
+        device = self.device.type
+        self.dtype_name, self.dtype_reason = resolve_dtype(model_config.dtype, device)
+        self.dtype = torch_dtype(self.dtype_name, device)
         limit = spec.context_limit
         self.max_model_len = min(model_config.max_model_len or limit, limit)
         self.block_size = cache_config.block_size
-        self.model = build_model(spec, loaded.weights, self.dtype, self.max_model_len,
-                                 dense_for_batches=model_config.dense_batch_weights)
+        # On CUDA the weights are plain tensors (resolve_quantization) moved there, and what the
+        # model builds (rope tables, scales) is built there.
+        weights = loaded.weights if device == "cpu" else {
+            name: w.to(self.device) for name, w in loaded.weights.items()}
+        with self.device:
+            self.model = build_model(spec, weights, self.dtype, self.max_model_len,
+                                     dense_for_batches=model_config.dense_batch_weights)
+        del weights  # on CUDA, q/k/v and gate/up now live fused: free the separate copies
         # Sliding-window layers' windows: each gets its own attention metadata per step.
         self.windows = sorted({w for w in spec.layer_windows() if w is not None})
         self.quantization, self.quantized_types = loaded.quantization, loaded.quantized_types()
         self.gemv_rows = self.choose_gemv_rows(model_config.quant_gemv_max_rows)
-        native_decode = paged_decode_attention() is not None  # built now, not in a step
+        # Built (or imported) now, not in a step.
+        native_decode = paged_decode_attention(device) is not None
         # Sized after the model is built: what is available then excludes the weights, their
         # dense copies and prepacked forms.
-        self.kv_size = size_kv_cache(
-            cache_config, scheduler_config, kv_bytes_per_token(spec, self.dtype.itemsize),
-            self.max_model_len, activation_bytes(spec, self.dtype.itemsize, scheduler_config,
-                                                 self.max_model_len, native_decode),
-            available_memory())
+        per_token = kv_bytes_per_token(spec, self.dtype.itemsize)
+        activations = activation_bytes(spec, self.dtype.itemsize, scheduler_config,
+                                       self.max_model_len, native_decode)
+        capture = device == "cuda" and native_decode and not model_config.enforce_eager
+        if capture:  # the graphs' outputs stay allocated
+            activations += graph_output_bytes(scheduler_config.max_num_seqs, spec.vocab_size)
+        if device == "cuda":
+            torch.cuda.empty_cache()  # what the build freed counts as free
+            free, total = torch.cuda.mem_get_info(self.device)
+            self.kv_size = size_kv_cache_on_gpu(cache_config, per_token, self.max_model_len,
+                                                activations, free, total)
+        else:
+            self.kv_size = size_kv_cache(cache_config, scheduler_config, per_token,
+                                         self.max_model_len, activations, available_memory())
         self.kv_cache = KVCache(spec.num_layers, self.kv_size.num_blocks, self.block_size,
-                                spec.num_kv_heads, spec.head_dim, self.dtype)
+                                spec.num_kv_heads, spec.head_dim, self.dtype, self.device)
+        # Only over the Triton kernel (`capture`): the torch path would gather every row's
+        # blocks to the static tables' full width, max_model_len, at every step.
+        self.decode_graphs = (capture_decode_graphs(self, scheduler_config.max_num_seqs)
+                              if capture else None)
 
     @classmethod
     def from_config(cls, model_config: ModelConfig, cache_config: CacheConfig) -> ModelRunner:
-        loaded = load_model(model_config.model, torch_dtype(model_config.dtype),
-                            model_config.quantization)
+        device = resolve_device(model_config.device)
+        loaded = load_model(model_config.model, torch_dtype(model_config.dtype, device),
+                            model_config.quantization, device=device)
         return cls(loaded, model_config, cache_config)
 
     def choose_gemv_rows(self, fixed: int | None) -> dict[str, int]:
@@ -115,12 +146,20 @@ class ModelRunner:
     def platform_info(self) -> dict:
         """The dtype served and why, and which fast paths run: for logs, /v1/models, benches."""
         caps = probe()
-        return {"dtype": self.dtype_name, "dtype_reason": self.dtype_reason, "isa": caps.isa,
-                "onednn_linear": use_onednn_linear(self.dtype),
-                "native_attention": paged_decode_attention() is not None,
+        device = self.device.type
+        info = {"device": (torch.cuda.get_device_name(self.device) if device == "cuda"
+                           else "cpu")}
+        if self.decode_graphs is not None:
+            info["cuda_graphs"] = (f"{len(self.decode_graphs.sizes)} batch sizes up to "
+                                   f"{self.decode_graphs.sizes[-1]}, captured in "
+                                   f"{self.decode_graphs.capture_seconds:.1f} s")
+        return {**info, "dtype": self.dtype_name, "dtype_reason": self.dtype_reason,
+                "isa": caps.isa,
+                "onednn_linear": device == "cpu" and use_onednn_linear(self.dtype),
+                "native_attention": paged_decode_attention(device) is not None,
                 "quantization": self.quantization,
                 "quantized_types": ", ".join(f"{n} {t}" for t, n in self.quantized_types.items())
-                or "none", "quant_kernels": quant_linear_kernels() is not None,
+                or "none", "quant_kernels": device == "cpu" and quant_linear_kernels() is not None,
                 "gemv_rows": ", ".join(f"{k}: {v}" for k, v in self.gemv_rows.items()) or "none"}
 
     @property
@@ -135,13 +174,17 @@ class ModelRunner:
     def run(self, model_input: ModelInput) -> ModelOutput:
         """One model pass; the final norm and the LM head run only on the rows asked for, so
         generating sequences pay nothing for pooling ones and pooling ones skip the LM head."""
+        if self.decode_graphs is not None and self.decode_graphs.serves(model_input):
+            for seq in model_input.sequences:
+                self.check(seq)
+            return ModelOutput(self.decode_graphs.run(model_input))
         input_ids, positions, attention, logits_indices, hidden_indices = \
             self.prepare(model_input)
         model = self.model
         hidden = model.hidden_states(input_ids, positions, attention, self.kv_cache)
         rows = hidden if logits_indices is None else hidden[logits_indices]
         logits = (model.logits(model.final_hidden(rows)) if rows.shape[0]
-                  else torch.empty(0, self.spec.vocab_size))
+                  else torch.empty(0, self.spec.vocab_size, device=self.device))
         pooled = (None if hidden_indices is None
                   else model.final_hidden(hidden[hidden_indices]).float())
         return ModelOutput(logits, pooled)
@@ -163,14 +206,9 @@ class ModelRunner:
         prefills: list[PrefillChunk] = []
         windowed_prefills: dict[int, list[PrefillChunk]] = {w: [] for w in self.windows}
         for seq in model_input.sequences:
+            self.check(seq)
             start, n = seq.num_computed_tokens, len(seq.token_ids)
             context_len = start + n
-            if context_len > self.max_model_len:
-                raise ValueError(f"sequence of {context_len} tokens exceeds max_model_len "
-                                 f"{self.max_model_len}")
-            if len(seq.block_table) * bs < context_len:
-                raise ValueError(f"block table of {len(seq.block_table)} blocks cannot hold "
-                                 f"{context_len} tokens")
             row = len(input_ids)
             input_ids.extend(seq.token_ids)
             table = seq.block_table
@@ -194,25 +232,38 @@ class ModelRunner:
 
         num_tokens = len(input_ids)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            slot_mapping=self.index_tensor(slots),
             decode_indices=None, decode_block_tables=None, decode_context_lens=None,
             prefills=prefills)
         if decode_rows:
             max_blocks = max(len(t) for t in decode_tables)
-            meta.decode_block_tables = torch.tensor(
-                [t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long)
-            meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long)
+            meta.decode_block_tables = self.index_tensor(
+                [t + [0] * (max_blocks - len(t)) for t in decode_tables])
+            meta.decode_context_lens = self.index_tensor(decode_lens)
             if len(decode_rows) < num_tokens:
-                meta.decode_indices = torch.tensor(decode_rows, dtype=torch.long)
+                meta.decode_indices = self.index_tensor(decode_rows)
         logits_indices = (None if len(logits_rows) == num_tokens
-                          else torch.tensor(logits_rows, dtype=torch.long))
+                          else self.index_tensor(logits_rows))
         attention: dict[int | None, AttentionMetadata] = {None: meta}
         for window, chunks in windowed_prefills.items():
             attention[window] = replace(meta, prefills=chunks, window=window)
-        hidden_indices = torch.tensor(hidden_rows, dtype=torch.long) if hidden_rows else None
-        return (torch.tensor(input_ids, dtype=torch.long),
-                torch.tensor(positions, dtype=torch.long), attention, logits_indices,
-                hidden_indices)
+        hidden_indices = self.index_tensor(hidden_rows) if hidden_rows else None
+        return (self.index_tensor(input_ids), self.index_tensor(positions), attention,
+                logits_indices, hidden_indices)
+
+    def index_tensor(self, values: list) -> torch.Tensor:
+        """A long tensor of `values` on the model's device."""
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def check(self, seq: ScheduledSequence) -> None:
+        """ValueError for a sequence the cache or the context length cannot hold."""
+        context_len = seq.num_computed_tokens + len(seq.token_ids)
+        if context_len > self.max_model_len:
+            raise ValueError(f"sequence of {context_len} tokens exceeds max_model_len "
+                             f"{self.max_model_len}")
+        if len(seq.block_table) * self.block_size < context_len:
+            raise ValueError(f"block table of {len(seq.block_table)} blocks cannot hold "
+                             f"{context_len} tokens")
 
     def prefill_chunk(self, row: int, start: int, n: int, table: list[int],
                       window: int | None = None) -> PrefillChunk:
@@ -225,12 +276,12 @@ class ModelRunner:
         key_start = first_block * bs
         mask = None
         if start > 0 or (window is not None and n > window):
-            keys = torch.arange(key_start, context_len)[None, :]
-            queries = torch.arange(start, context_len)[:, None]
+            keys = torch.arange(key_start, context_len, device=self.device)[None, :]
+            queries = torch.arange(start, context_len, device=self.device)[:, None]
             mask = keys <= queries
             if window is not None:
                 mask &= keys > queries - window
         blocks = table[first_block:(context_len + bs - 1) // bs]
         return PrefillChunk(start=row, end=row + n, context_len=context_len,
-                            block_table=torch.tensor(blocks, dtype=torch.long), mask=mask,
+                            block_table=self.index_tensor(blocks), mask=mask,
                             key_start=key_start)

@@ -115,9 +115,9 @@ class Sampler:
         torch path. Both invert the cumulative distribution at the same u, so a seeded row
         draws alike."""
         u = uniforms(generators)
-        kernels = sampling_kernels()
+        kernels = sampling_kernels() if logits.is_cpu else None
         vocab = logits.shape[1]
-        if kernels is not None and logits.is_cpu and not any(o.filters(vocab) for o in options):
+        if kernels is not None and not any(o.filters(vocab) for o in options):
             temperatures = torch.tensor([o.temperature for o in options], dtype=torch.float32)
             return kernels.sample_rows(logits, temperatures, u)
         return self.draw(self.probabilities(logits, options), u)

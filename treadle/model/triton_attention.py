@@ -1,0 +1,109 @@
+"""Paged decode attention on CUDA, in Triton: one query token per sequence over its cache blocks.
+
+The same contract as the native CPU kernel (csrc/paged_attention.cpp) and the torch reference
+(`attention.decode_attention`'s fallback): q [seqs, heads, dim]; the cache
+[num_blocks, block_size, kv_heads, dim]; each sequence's block table row and context length;
+with `window` > 0 only the last `window` positions are seen.
+
+One program per (sequence, KV head) computes the query heads that share that KV head, so each
+key and value is read once for its whole group. It walks the context in tiles of positions,
+finds each position's block through the table (any block size), and keeps an online softmax in
+float32. The launch takes no host-side reads of the lengths, so a decode step that calls it can
+be captured as a CUDA graph.
+
+Imported only where it runs (a CUDA device, or the tests under TRITON_INTERPRET=1, Triton's
+interpreter on the CPU): `triton.jit` picks compiled or interpreted code when it decorates.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Elements of the [group, tile, dim] products a program holds at once: tiles shrink as heads
+# and dims grow, so registers do not spill (SmolLM2: group 4 x dim 64 -> tiles of 32).
+PRODUCT_ELEMENTS = 8192
+MAX_TILE = 64
+
+
+@triton.jit
+def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale, stride_qs,
+                  stride_qh, stride_kb, stride_kt, stride_kh, stride_ts, stride_os, stride_oh,
+                  BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, TILE: tl.constexpr,
+                  WINDOW: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    context_len = tl.load(lens_ptr + seq)
+    first = context_len * 0
+    if WINDOW > 0:
+        first = tl.maximum(context_len - WINDOW, 0)
+
+    group = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    head_ok = group < GROUP
+    dim_ok = dims < HEAD_DIM
+    heads = kv_head * GROUP + group
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32) * scale
+
+    running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    # A while loop, not a range over loaded values: Triton's interpreter cannot index with
+    # those under numpy 2 (its scalars are 1-element arrays).
+    start = first // TILE * TILE
+    while start < context_len:
+        pos = start + tl.arange(0, TILE)
+        seen = (pos >= first) & (pos < context_len)
+        block = tl.load(tables_ptr + seq * stride_ts + pos // BLOCK_SIZE, mask=seen, other=0)
+        offsets = block * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
+        kv_mask = seen[:, None] & dim_ok[None, :]
+        k = tl.load(k_ptr + offsets[:, None] + dims[None, :], mask=kv_mask,
+                    other=0.0).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [group, tile]
+        scores = tl.where(seen[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        # A tile wholly before the window's first position leaves the max at -inf: subtract 0
+        # there rather than -inf - -inf.
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        weights = tl.exp(scores - safe_max[:, None])
+        rescale = tl.exp(running_max - safe_max)
+        total = total * rescale + tl.sum(weights, axis=1)
+        v = tl.load(v_ptr + offsets[:, None] + dims[None, :], mask=kv_mask,
+                    other=0.0).to(tl.float32)
+        acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
+        running_max = new_max
+        start += TILE
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           window: int = 0) -> torch.Tensor:
+    """q [seqs, heads, dim] -> [seqs, heads, dim]; block_tables [seqs, max_blocks] and
+    context_lens [seqs] on q's device."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k_cache.stride() == v_cache.stride()):
+        raise ValueError("paged decode attention needs contiguous key and value caches of one "
+                         "layout")
+    q = q.contiguous()
+    block_tables = block_tables.contiguous()
+    out = torch.empty_like(q)
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    dim_pad = triton.next_power_of_2(head_dim)
+    tile = max(1, min(MAX_TILE, PRODUCT_ELEMENTS // (group_pad * dim_pad)))
+    tile = 1 << (tile.bit_length() - 1)  # a power of two, as tl.arange needs
+    _paged_decode[(num_seqs, num_kv_heads)](
+        q, k_cache, v_cache, block_tables, context_lens, out, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
+        DIM_PAD=dim_pad, TILE=tile, WINDOW=window)
+    return out
