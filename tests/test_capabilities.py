@@ -159,6 +159,9 @@ def test_treadle_env_reports_the_forced_path():
     assert report["environment"] == AVX2_ENV
     text = run_forced(["-m", "treadle.cli", "env"], AVX2_ENV, timeout=120).stdout
     assert "dtype auto -> float32" in text and "build folder" in text
+    if not torch.cuda.is_available():
+        assert report["device_auto"] == "cpu" and report["gpu"] is None
+        assert "gpu: none that torch sees" in text and "device auto -> cpu" in text
 
 
 # The model's parity tests against transformers and the kernels' tests, rerun on the forced

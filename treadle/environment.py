@@ -1,6 +1,6 @@
 """`treadle env`: what a user pastes into a bug report (as vLLM's collect_env): versions, the CPU
-and the features that matter, the dtype `auto` picks, which fast paths run and why, threads, and
-the kernel build."""
+and the features that matter, the GPU if torch sees one, the device and dtype `auto` pick, which
+fast paths run and why, threads, and the kernel build."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import torch
 
-from treadle.model.capabilities import probe, resolve_dtype, use_onednn_linear
+from treadle.model.capabilities import probe, resolve_device, resolve_dtype, use_onednn_linear
 from treadle.model.kernels import kernel_status
 from treadle.model.source import ModelLoadError, cache_dir, default_model_path
 
 # Settings read from the environment that change what runs.
 ENV_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "TREADLE_DISABLE", "TREADLE_CACHE",
-            "OMP_NUM_THREADS", "OPENBLAS_CORETYPE")
+            "OMP_NUM_THREADS", "OPENBLAS_CORETYPE", "CUDA_VISIBLE_DEVICES")
 
 
 def cpu_model() -> str:
@@ -38,7 +38,14 @@ def version(package: str) -> str | None:
 
 def collect_env() -> dict:
     caps = probe()
-    dtype, reason = resolve_dtype("auto")
+    device = resolve_device("auto")
+    dtype, reason = resolve_dtype("auto", device)
+    gpu = None
+    if caps.cuda:
+        free, total = torch.cuda.mem_get_info()
+        gpu = {"name": torch.cuda.get_device_name(), "count": torch.cuda.device_count(),
+               "cuda": torch.version.cuda, "memory_free": free, "memory_total": total,
+               "triton": version("triton")}
     try:
         model = str(default_model_path())
     except ModelLoadError as e:
@@ -53,7 +60,7 @@ def collect_env() -> dict:
         "cpu_features": {name.removeprefix("_is_").removesuffix("_supported"): fn()
                          for name in sorted(dir(torch.cpu))
                          if name.startswith("_is_") and callable(fn := getattr(torch.cpu, name))},
-        "capabilities": caps.as_dict(),
+        "capabilities": caps.as_dict(), "gpu": gpu, "device_auto": device,
         "dtype_auto": dtype, "dtype_auto_reason": reason,
         "onednn_linear": {"float32": use_onednn_linear(torch.float32),
                           "bfloat16": use_onednn_linear(torch.bfloat16)},
@@ -74,6 +81,16 @@ def kernel_lines(name: str, kernel: dict) -> list[str]:
             f"  flags {' '.join(kernel['cflags'])} | {' '.join(kernel['ldflags'])}"]
 
 
+def gpu_line(gpu: dict | None) -> str:
+    if gpu is None:
+        return "gpu: none that torch sees" + (" (torch built without CUDA)"
+                                              if torch.version.cuda is None else "")
+    triton = gpu["triton"] or "missing (decode attention takes the torch path)"
+    return (f"gpu {gpu['name']} x{gpu['count']}, CUDA {gpu['cuda']}, "
+            f"{gpu['memory_free'] / 2**30:.1f} of {gpu['memory_total'] / 2**30:.1f} GiB free, "
+            f"triton {triton}")
+
+
 def format_env(report: dict) -> str:
     caps = report["capabilities"]
     features = ", ".join(k for k, v in report["cpu_features"].items() if v) or "none"
@@ -86,6 +103,8 @@ def format_env(report: dict) -> str:
         f"cpu features (torch): {features}",
         f"kernel level {caps['isa']} on {caps['machine']}; native bfloat16 "
         f"{'yes' if caps['native_bf16'] else 'no'}",
+        gpu_line(report["gpu"]),
+        f"device auto -> {report['device_auto']}",
         f"dtype auto -> {report['dtype_auto']}: {report['dtype_auto_reason']}",
         f"oneDNN prepacked linear: float32 {'on' if report['onednn_linear']['float32'] else 'off'}"
         f", bfloat16 {'on' if report['onednn_linear']['bfloat16'] else 'off'}",
