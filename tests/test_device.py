@@ -126,6 +126,33 @@ def test_greedy_with_padded_decode_steps_equals_eager(tmp_path):
         greedy_decode(eager, prompts, 20, chunk_size=7)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_the_triton_kernels_in_a_model_match_transformers(arch, tmp_path, monkeypatch):
+    """The CUDA path's kernels (decode attention, RMS norm, rope, SiLU-and-multiply) inside
+    whole models, interpreted on the CPU (compiled on a GPU): greedy tokens as transformers
+    generates them, over q/k views, Qwen3's and Gemma's q/k norms and Gemma's windows."""
+    pytest.importorskip("triton")
+    import treadle.model.triton_attention
+    import treadle.model.triton_layers
+    from treadle.model import attention, layers
+
+    monkeypatch.setattr(layers, "elementwise_kernels",
+                        lambda device: treadle.model.triton_layers)
+    monkeypatch.setattr(attention, "paged_decode_attention",
+                        lambda device: treadle.model.triton_attention.paged_decode_attention)
+    model = build_tiny_model(arch, tmp_path)
+    runner = make_runner(tmp_path, block_size=4, num_blocks=128)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 14)]
+    ours = greedy_decode(runner, prompts, max_tokens=8, chunk_size=6)
+    for prompt, tokens in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert tokens == out[0, len(prompt):].tolist()
+
+
 # On a GPU only (bench/device_check.sh runs these).
 
 @cuda

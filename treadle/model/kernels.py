@@ -11,7 +11,8 @@ one level share one build.
 
 A kernel is None where its build or load fails (no compiler, say) or the probe disables it:
 its caller then takes the pure-torch path, which gives the same results. On CUDA the decode
-attention kernel is Triton's (treadle/model/triton_attention.py) and the rest is torch's.
+attention kernel and the layers' elementwise steps are Triton's (treadle/model/triton_attention.py,
+triton_layers.py), the matrix products torch's.
 """
 
 from __future__ import annotations
@@ -140,9 +141,23 @@ def build_lock(folder: Path) -> Iterator[None]:
         yield
 
 
-def elementwise_kernels() -> ModuleType | None:
-    """`rms_norm(x, weight, eps, scale_in_float32)`, `rope(x, cos, sin)`, `silu_and_mul(x)`."""
-    return load_kernels()
+def elementwise_kernels(device: str = "cpu") -> ModuleType | None:
+    """`rms_norm(x, weight, eps, scale_in_float32)`, `rope(x, cos, sin)`, `silu_and_mul(x)` for
+    `device`'s tensors: the native library on the CPU, Triton's (treadle/model/triton_layers.py)
+    on CUDA; None: the torch formulas."""
+    if device == "cuda":
+        return triton_layer_kernels()
+    return load_kernels() if device == "cpu" else None
+
+
+@functools.cache
+def triton_layer_kernels() -> ModuleType | None:
+    try:
+        import treadle.model.triton_layers as module
+    except ImportError as e:  # no Triton in this environment
+        logger.warning("Triton unavailable, CUDA layers take the torch formulas: %s", e)
+        return None
+    return module
 
 
 def paged_decode_attention(device: str = "cpu") -> Callable | None:

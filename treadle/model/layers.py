@@ -26,7 +26,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """As transformers computes it: normalized in float32, then scaled by `weight` after the
     cast back to x's dtype (Llama), or before it (`scale_in_float32`: Gemma, whose weight is
     float32). (F.rms_norm is several times slower on CPU.)"""
-    kernels = elementwise_kernels() if x.is_cpu else None
+    kernels = elementwise_kernels(x.device.type)
     if kernels is not None:
         return kernels.rms_norm(x, weight, eps, scale_in_float32)
     x32 = x.float()
@@ -56,7 +56,7 @@ class Rotary:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rope (Hugging Face layout) on [T, heads, D]; cos, sin [T, 1, D/2]."""
-    kernels = elementwise_kernels() if x.is_cpu else None
+    kernels = elementwise_kernels(x.device.type)
     if kernels is not None:
         return kernels.rope(x, cos, sin)
     half = x.shape[-1] // 2
@@ -66,7 +66,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU of the first half of the last dim times the second (a fused gate/up projection)."""
-    kernels = elementwise_kernels() if gate_up.is_cpu else None
+    kernels = elementwise_kernels(gate_up.device.type)
     if kernels is not None:
         return kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
