@@ -5,6 +5,8 @@ sliding-window layers, whose blocks before the window must not even be read)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -107,3 +109,13 @@ def test_long_contexts_split_into_tasks_merge_exactly(dtype, window, path, monke
         decode_block_tables=tables[3:4], decode_context_lens=lens[3:4], prefills=[],
         window=window)
     assert torch.equal(attention.decode_attention(q[3:4], k_cache, v_cache, alone, 0.125), out[3:4])
+    # Tables twice as wide (a CUDA graph's are max_model_len wide), the same longest context:
+    # the same splits, the same bits; a longer longest context only adds empty splits.
+    wide = attention.AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long), decode_indices=None,
+        decode_block_tables=torch.cat([tables, tables], dim=1), decode_context_lens=lens,
+        prefills=[], window=window, max_context_len=2 * max_blocks * block_size)
+    result = attention.decode_attention(q, k_cache, v_cache, wide, 0.125)
+    assert (result.double() - expected).abs().max().item() < tolerance
+    narrow = replace(wide, decode_block_tables=tables)
+    assert torch.equal(attention.decode_attention(q, k_cache, v_cache, narrow, 0.125), result)

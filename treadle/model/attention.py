@@ -50,6 +50,10 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decodes] long
     prefills: list[PrefillChunk]
     window: int | None = None  # decode tokens see only the last `window` positions
+    # The longest context any step may hold (max_model_len; 0: the tables' width). The CUDA
+    # kernel splits contexts by it, so an eager step and a graph's replay, whose tables differ
+    # in width, split alike and give the same bits.
+    max_context_len: int = 0
 
 
 class KVCache:
@@ -112,7 +116,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     kernel = paged_decode_attention(q.device.type)
     if kernel is not None:  # reads the blocks in place
         return kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                      scale, meta.window or 0)
+                      scale, meta.window or 0, meta.max_context_len)
     # Fallback: gather each sequence's blocks, padded to the longest context, and mask. The
     # query heads sharing a KV head lie along SDPA's query axis: no copy of keys per head.
     num_seqs, num_heads, head_dim = q.shape

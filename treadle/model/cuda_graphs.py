@@ -92,7 +92,8 @@ class DecodeGraphs:
         meta = AttentionMetadata(
             slot_mapping=self.slots[:size], decode_indices=None,
             decode_block_tables=self.block_tables[:size],
-            decode_context_lens=self.context_lens[:size], prefills=[])
+            decode_context_lens=self.context_lens[:size], prefills=[],
+            max_context_len=runner.max_model_len)
         attention = {None: meta} | {w: replace(meta, window=w) for w in runner.windows}
         hidden = model.hidden_states(self.input_ids[:size], self.positions[:size], attention,
                                      runner.kv_cache)

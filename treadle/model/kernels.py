@@ -166,7 +166,14 @@ def paged_decode_attention(device: str = "cpu") -> Callable | None:
     if device == "cuda":
         return triton_paged_decode_attention()
     module = load_kernels()
-    return None if module is None else module.paged_decode_attention
+    if module is None:
+        return None
+
+    def native(q, k_cache, v_cache, block_tables, context_lens, scale, window=0,
+               max_context_len=0):  # the CPU kernel needs no splits
+        return module.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
+                                             scale, window)
+    return native
 
 
 @functools.cache

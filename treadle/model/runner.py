@@ -234,7 +234,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=self.index_tensor(slots),
             decode_indices=None, decode_block_tables=None, decode_context_lens=None,
-            prefills=prefills)
+            prefills=prefills, max_context_len=self.max_model_len)
         if decode_rows:
             max_blocks = max(len(t) for t in decode_tables)
             meta.decode_block_tables = self.index_tensor(

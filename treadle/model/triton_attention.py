@@ -25,20 +25,32 @@ import triton.language as tl
 # and dims grow, so registers do not spill (SmolLM2: group 4 x dim 64 -> tiles of 32).
 PRODUCT_ELEMENTS = 8192
 MAX_TILE = 64
+# Positions per split of a context: a sequence's context is cut into splits computed by
+# separate programs and merged by a second kernel (flash decoding), so a small batch still
+# fills the GPU (batch 1 of SmolLM2 is 3 programs unsplit, 3 per 256 positions split).
+SPLIT_POSITIONS = 256
 
 
 @triton.jit
-def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale, stride_qs,
-                  stride_qh, stride_kb, stride_kt, stride_kh, stride_ts, stride_os, stride_oh,
-                  BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, TILE: tl.constexpr,
-                  WINDOW: tl.constexpr):
+def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, max_ptr, sum_ptr, scale,
+                  stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_ts, stride_os,
+                  stride_oh, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
+                  GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                  TILE: tl.constexpr, WINDOW: tl.constexpr, SPLITS: tl.constexpr):
+    """Split `program_id(2)` of one (sequence, KV head): with one split the normalized
+    output; with several, each split's unnormalized sums, its max and its total into
+    out / max / sum [seqs, heads, splits(, dim)] for `_merge_splits`."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     context_len = tl.load(lens_ptr + seq)
     first = context_len * 0
     if WINDOW > 0:
         first = tl.maximum(context_len - WINDOW, 0)
+    end = context_len
+    if SPLITS > 1:
+        first = tl.maximum(first, split * SPLIT_POSITIONS)
+        end = tl.minimum(context_len, (split + 1) * SPLIT_POSITIONS)
 
     group = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, DIM_PAD)
@@ -54,9 +66,9 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale, str
     # A while loop, not a range over loaded values: Triton's interpreter cannot index with
     # those under numpy 2 (its scalars are 1-element arrays).
     start = first // TILE * TILE
-    while start < context_len:
+    while start < end:
         pos = start + tl.arange(0, TILE)
-        seen = (pos >= first) & (pos < context_len)
+        seen = (pos >= first) & (pos < end)
         block = tl.load(tables_ptr + seq * stride_ts + pos // BLOCK_SIZE, mask=seen, other=0)
         offsets = block * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
         kv_mask = seen[:, None] & dim_ok[None, :]
@@ -76,16 +88,48 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale, str
         acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
         running_max = new_max
         start += TILE
-    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
+    head_mask = head_ok[:, None] & dim_ok[None, :]
+    if SPLITS > 1:  # a split past the context or before the window leaves max -inf, total 0
+        row = (seq * GROUP * tl.num_programs(1) + heads) * SPLITS + split
+        tl.store(out_ptr + row[:, None] * DIM_PAD + dims[None, :], acc, mask=head_mask)
+        tl.store(max_ptr + row, running_max, mask=head_ok)
+        tl.store(sum_ptr + row, total, mask=head_ok)
+    else:
+        out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_mask)
+
+
+@triton.jit
+def _merge_splits(part_ptr, max_ptr, sum_ptr, out_ptr, stride_os, stride_oh,
+                  HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS: tl.constexpr,
+                  SPLITS_PAD: tl.constexpr):
+    """One (sequence, head): its splits' sums rescaled to the largest max, then normalized."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    inside = splits < SPLITS
+    row = (seq * tl.num_programs(1) + head) * SPLITS + splits
+    maxes = tl.load(max_ptr + row, mask=inside, other=float("-inf"))
+    largest = tl.max(maxes, axis=0)
+    largest = tl.where(largest == float("-inf"), 0.0, largest)
+    scales = tl.where(inside, tl.exp(maxes - largest), 0.0)
+    total = tl.sum(tl.load(sum_ptr + row, mask=inside, other=0.0) * scales, axis=0)
+    parts = tl.load(part_ptr + row[:, None] * DIM_PAD + dims[None, :], mask=inside[:, None],
+                    other=0.0)
+    out = tl.sum(parts * scales[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           window: int = 0) -> torch.Tensor:
+                           window: int = 0, max_context_len: int = 0) -> torch.Tensor:
     """q [seqs, heads, dim] -> [seqs, heads, dim]; block_tables [seqs, max_blocks] and
-    context_lens [seqs] on q's device."""
+    context_lens [seqs] on q's device. The number of splits follows `max_context_len` (0: the
+    tables' width), not the lengths, so that a captured CUDA graph's launch fits every replay,
+    and a step splits alike whatever its tables' width."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -100,10 +144,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     dim_pad = triton.next_power_of_2(head_dim)
     tile = max(1, min(MAX_TILE, PRODUCT_ELEMENTS // (group_pad * dim_pad)))
     tile = 1 << (tile.bit_length() - 1)  # a power of two, as tl.arange needs
-    _paged_decode[(num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, context_lens, out, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+    splits = triton.cdiv(max_context_len or block_tables.shape[1] * block_size,
+                         SPLIT_POSITIONS)
+    if splits > 1:
+        parts = torch.empty(num_seqs, num_heads, splits, dim_pad, dtype=torch.float32,
+                            device=q.device)
+        maxes = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
+        sums = torch.empty_like(maxes)
+    else:
+        parts, maxes, sums = out, out, out  # unused
+    _paged_decode[(num_seqs, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, parts if splits > 1 else out, maxes,
+        sums, scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-        DIM_PAD=dim_pad, TILE=tile, WINDOW=window)
+        DIM_PAD=dim_pad, TILE=tile, WINDOW=window, SPLITS=splits)
+    if splits > 1:
+        _merge_splits[(num_seqs, num_heads)](
+            parts, maxes, sums, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+            DIM_PAD=dim_pad, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits))
     return out
