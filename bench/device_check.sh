@@ -56,7 +56,7 @@ print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.
 torch.cuda.is_available() and torch.cuda.get_device_name());
 print(\"triton\", triton.__version__, \"transformers\", transformers.__version__)"'
 step tests 200 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_device.py \
-  tests/test_attention.py tests/test_model_parity.py
+  tests/test_attention.py tests/test_elementwise.py tests/test_model_parity.py
 step forward 90 python3 -m treadle.cli bench forward --device "$device" \
   --batch-sizes "$batches" --context-len 512
 step offline 120 python3 -m treadle.cli bench offline --device "$device" \
