@@ -4,9 +4,11 @@ real engine reports at ready."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import json
 import math
+import os
 
 import httpx
 import pytest
@@ -76,20 +78,17 @@ def test_available_memory_is_memavailable_or_less():
 
 
 def resident_bytes_of(tensor: torch.Tensor) -> int:
-    """Rss of the mappings that hold `tensor`'s bytes, from /proc/self/smaps: the buffer's own
-    pages, whatever other threads of this process allocate meanwhile (the process's whole RSS
-    grew 27 MB during one CI run of this test, from elsewhere)."""
-    first, last = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            fields = line.split()
-            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header: start-end perms ...
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                inside = start < last and first < end
-            elif inside and fields[0] == "Rss:":
-                total += int(fields[1]) * 1024
-    return total
+    """Bytes of `tensor`'s pages in memory, by mincore(2): the buffer's own pages, whatever
+    other threads of this process allocate meanwhile (the process's RSS grew 27 MB during one
+    CI run of this test, from elsewhere) and whatever mappings the kernel merged it with."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = tensor.data_ptr() // page * page
+    length = tensor.data_ptr() + tensor.nbytes - start
+    pages = (ctypes.c_ubyte * -(-length // page))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), pages) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(p & 1 for p in pages) * page
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
