@@ -175,8 +175,9 @@ PARITY_TESTS = ["tests/test_model_parity.py", "tests/test_attention.py", "tests/
 
 def test_parity_on_the_forced_path(forced_env):
     # Up to three kernels to build first on this forced path (about 80 s each here).
-    result = run_forced(["-m", "pytest", "-q", "-p", "no:cacheprovider", *PARITY_TESTS],
-                        forced_env, timeout=1200)
+    # Not the Triton kernels' cases: Triton's interpreter runs alike on every CPU path.
+    result = run_forced(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not triton",
+                         *PARITY_TESTS], forced_env, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     summary = result.stdout.strip().splitlines()[-1]
     assert " passed" in summary
