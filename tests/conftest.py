@@ -95,6 +95,18 @@ def assert_engine_empty(core: EngineCore) -> None:
     assert not core.compiling, f"requests left compiling: {sorted(core.compiling)}"
 
 
+def on_triton_device(kernel):
+    """A Triton kernel called on the GPU where there is one (compiled Triton takes CUDA tensors
+    only), with its result back on the CPU; else as is (interpreted)."""
+    if not torch.cuda.is_available():
+        return kernel
+
+    def on_gpu(*args):
+        args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+        return kernel(*args).cpu()
+    return on_gpu
+
+
 @pytest.fixture
 def triton_attention():
     """treadle.model.triton_attention, its kernel compiled on a GPU and interpreted on the CPU

@@ -9,20 +9,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import on_triton_device
 
 from treadle.model import attention, kernels
-
-
-def on_triton_device(kernel):
-    """The Triton kernel called on the GPU where there is one (compiled Triton takes CUDA
-    tensors only), with its result back on the CPU; else as is (interpreted)."""
-    if not torch.cuda.is_available():
-        return kernel
-
-    def on_gpu(*args):
-        args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
-        return kernel(*args).cpu()
-    return on_gpu
 
 
 def naive_attention(q, k_cache, v_cache, tables, lens, scale, window=None):

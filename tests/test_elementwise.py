@@ -5,8 +5,11 @@ float32 rounding of exp and fused multiply-adds."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from conftest import on_triton_device
 
 from treadle.model import kernels, layers
 from treadle.model.layers import (
@@ -35,24 +38,6 @@ def path_tolerance(path: str, dtype: torch.dtype) -> dict:
     return PATH_TOLERANCE[dtype]
 
 
-class OnTritonDevice:
-    """The Triton kernels, called on the GPU where there is one (compiled Triton takes CUDA
-    tensors only) with results back on the CPU; else as they are (interpreted)."""
-
-    def __init__(self, module) -> None:
-        self.module = module
-
-    def __getattr__(self, name: str):
-        kernel = getattr(self.module, name)
-        if not torch.cuda.is_available():
-            return kernel
-
-        def on_gpu(*args):
-            args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
-            return kernel(*args).cpu()
-        return on_gpu
-
-
 @pytest.fixture(params=["native", "triton", "torch"])
 def path(request, monkeypatch) -> str:
     if request.param == "native" and kernels.elementwise_kernels() is None:
@@ -61,7 +46,9 @@ def path(request, monkeypatch) -> str:
         pytest.importorskip("triton")
         import treadle.model.triton_layers
 
-        triton_kernels = OnTritonDevice(treadle.model.triton_layers)
+        triton_kernels = SimpleNamespace(**{
+            name: on_triton_device(getattr(treadle.model.triton_layers, name))
+            for name in ("rms_norm", "rope", "silu_and_mul")})
         monkeypatch.setattr(layers, "elementwise_kernels", lambda device: triton_kernels)
     if request.param == "torch":
         monkeypatch.setattr(layers, "elementwise_kernels", lambda device: None)

@@ -146,25 +146,32 @@ def elementwise_kernels(device: str = "cpu") -> ModuleType | None:
     `device`'s tensors: the native library on the CPU, Triton's (treadle/model/triton_layers.py)
     on CUDA; None: the torch formulas."""
     if device == "cuda":
-        return triton_layer_kernels()
+        return triton_module("triton_layers")
     return load_kernels() if device == "cpu" else None
 
 
 @functools.cache
-def triton_layer_kernels() -> ModuleType | None:
+def triton_module(name: str) -> ModuleType | None:
+    """treadle.model.<name>, a module of Triton kernels, or None where Triton does not
+    import (its callers then take the torch path)."""
     try:
-        import treadle.model.triton_layers as module
+        return importlib.import_module(f"treadle.model.{name}")
     except ImportError as e:  # no Triton in this environment
-        logger.warning("Triton unavailable, CUDA layers take the torch formulas: %s", e)
+        logger.warning("Triton unavailable, CUDA %s take the torch path: %s", name, e)
         return None
-    return module
 
 
 def paged_decode_attention(device: str = "cpu") -> Callable | None:
     """The paged decode kernel for `device`'s tensors: the native one on the CPU, Triton's on
     CUDA (where Triton imports); None: the torch path."""
     if device == "cuda":
-        return triton_paged_decode_attention()
+        module = triton_module("triton_attention")
+        return None if module is None else module.paged_decode_attention
+    return native_paged_decode_attention()
+
+
+@functools.cache  # built once, not per layer and step
+def native_paged_decode_attention() -> Callable | None:
     module = load_kernels()
     if module is None:
         return None
@@ -174,16 +181,6 @@ def paged_decode_attention(device: str = "cpu") -> Callable | None:
         return module.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
                                              scale, window)
     return native
-
-
-@functools.cache
-def triton_paged_decode_attention() -> Callable | None:
-    try:
-        from treadle.model.triton_attention import paged_decode_attention as kernel
-    except ImportError as e:  # no Triton in this environment
-        logger.warning("Triton unavailable, CUDA decode attention takes the torch path: %s", e)
-        return None
-    return kernel
 
 
 def quant_linear_kernels() -> ModuleType | None:
