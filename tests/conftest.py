@@ -24,9 +24,9 @@ import pytest
 import transformers
 from model_utils import TINY
 
-from treadle.engine.core import EngineCore
-from treadle.engine.kv_cache import KVCacheManager
-from treadle.engine.scheduler import Scheduler
+from treadle.core.engine_core import EngineCore
+from treadle.core.kv_cache import KVCacheManager
+from treadle.core.sched.scheduler import Scheduler
 from treadle.model.source import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent

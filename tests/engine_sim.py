@@ -13,11 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 from treadle.config import SchedulerConfig
-from treadle.engine.kv_cache import KVCacheManager
-from treadle.engine.policies import SchedulingPolicy, make_policy
-from treadle.engine.request import Request
-from treadle.engine.sampling_params import SamplingParams
-from treadle.engine.scheduler import Scheduler, SchedulerOutput
+from treadle.core.kv_cache import KVCacheManager
+from treadle.core.request import Request
+from treadle.core.sampling_params import SamplingParams
+from treadle.core.sched.policies import SchedulingPolicy, make_policy
+from treadle.core.sched.scheduler import Scheduler, SchedulerOutput
 
 VOCAB = 32
 EOS = 0

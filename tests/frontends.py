@@ -7,7 +7,7 @@ import threading
 import time
 
 from treadle.config import ServerConfig
-from treadle.engine.async_engine import AsyncEngine
+from treadle.frontend.async_engine import AsyncEngine
 from treadle.server.launcher import Frontends
 
 

@@ -13,11 +13,12 @@ import transformers
 from gguf.quants import dequantize, quantize
 
 from treadle.config import CacheConfig, ModelConfig, SchedulerConfig
+from treadle.model.batch import ModelInput, ScheduledSequence
 from treadle.model.capabilities import resolve_device, torch_dtype
 from treadle.model.family import ModelSpec
 from treadle.model.loader import load_model
 from treadle.model.models.llama import GGUF_TENSOR_NAMES
-from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence
+from treadle.model.runner import ModelRunner
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16,

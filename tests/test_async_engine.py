@@ -12,9 +12,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from treadle.config import AsyncEngineConfig, build_config
-from treadle.engine.admission import EngineOverloaded
-from treadle.engine.async_engine import AsyncEngine
-from treadle.engine.sampling_params import SamplingParams
+from treadle.core.sampling_params import SamplingParams
+from treadle.frontend.admission import EngineOverloaded
+from treadle.frontend.async_engine import AsyncEngine
 from treadle.llm import LLM
 
 pytestmark = pytest.mark.default_model

@@ -285,7 +285,7 @@ def test_counts_match_the_live_servers_own_usage(live_server, tmp_path):
 def live_grpc():
     """Treadle's frontends over an engine, in their own thread (bench serve runs its own loop in
     the test's thread): the gRPC one's address."""
-    from treadle.engine.async_engine import AsyncEngine
+    from treadle.frontend.async_engine import AsyncEngine
 
     engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
         dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20)))

@@ -18,7 +18,7 @@ from frontends import start_frontends, stop_frontends, wait_started
 from model_utils import TINY
 
 from treadle.config import AsyncEngineConfig, ServerConfig, build_config
-from treadle.engine.async_engine import AsyncEngine
+from treadle.frontend.async_engine import AsyncEngine
 from treadle.server.grpc import treadle_pb2 as pb
 from treadle.server.grpc import treadle_pb2_grpc as pb_grpc
 from treadle.server.launcher import serve

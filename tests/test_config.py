@@ -17,6 +17,7 @@ from treadle.cli import build_parser, serve_config
 from treadle.config import (
     POLICY_NAMES,
     AdmissionConfig,
+    APIKey,
     AsyncEngineConfig,
     CacheConfig,
     DataParallelConfig,
@@ -32,9 +33,8 @@ from treadle.config import (
     parse_bytes,
     setting_fields,
 )
-from treadle.engine.policies import POLICIES
+from treadle.core.sched.policies import POLICIES
 from treadle.llm import LLM
-from treadle.server.auth import APIKey
 
 
 def from_flags(*flags: str) -> ServeConfig:

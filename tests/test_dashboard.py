@@ -19,9 +19,9 @@ import pytest
 from frontends import start_frontends, stop_frontends, wait_started
 
 from treadle.config import AsyncEngineConfig, ServerConfig, build_config
-from treadle.engine.async_engine import AsyncEngine
-from treadle.engine.messages import EngineCensus, EngineLoad, StepRecord
-from treadle.engine.output_processor import SampleDelta
+from treadle.core.messages import EngineCensus, EngineLoad, StepRecord
+from treadle.frontend.async_engine import AsyncEngine
+from treadle.frontend.output_processor import SampleDelta
 from treadle.observability import live
 from treadle.observability.live import LiveFeed, timeline_segments
 from treadle.server.dashboard import router

@@ -21,11 +21,11 @@ from frontends import start_frontends, stop_frontends, wait_started
 from prometheus_client.parser import text_string_to_metric_families
 
 from treadle.config import AsyncEngineConfig, ServerConfig, build_config
-from treadle.engine.async_engine import AsyncEngine
-from treadle.engine.kv_cache import KVCacheManager
-from treadle.engine.request import Request
-from treadle.engine.router import Router, prefix_hashes
-from treadle.engine.sampling_params import SamplingParams
+from treadle.core.kv_cache import KVCacheManager
+from treadle.core.request import Request
+from treadle.core.sampling_params import SamplingParams
+from treadle.frontend.async_engine import AsyncEngine
+from treadle.frontend.router import Router, prefix_hashes
 
 BLOCK = 16
 MAX_MODEL_LEN = 256

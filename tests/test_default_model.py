@@ -12,7 +12,7 @@ import torch
 from model_utils import greedy_decode, make_runner
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from treadle.model.runner import ModelInput, ScheduledSequence
+from treadle.model.batch import ModelInput, ScheduledSequence
 from treadle.model.source import default_model_path
 
 pytestmark = pytest.mark.default_model

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from treadle.engine.detokenizer import REPLACEMENT_CHAR, DetokenizerDelta, IncrementalDetokenizer
+from treadle.frontend.detokenizer import REPLACEMENT_CHAR, DetokenizerDelta, IncrementalDetokenizer
 from treadle.model.source import converted_gguf_folder, default_model_path
 from treadle.tokenizer import Tokenizer
 

@@ -13,11 +13,12 @@ from conftest import run_forced
 from model_utils import build_tiny_model, greedy_decode, make_runner
 
 from treadle.config import CacheConfig, ModelConfig
+from treadle.model.batch import ModelInput, ScheduledSequence
 from treadle.model.capabilities import resolve_device, resolve_dtype
 from treadle.model.cuda_graphs import DecodeGraphs
 from treadle.model.memory import InsufficientMemoryError, size_kv_cache_on_gpu
 from treadle.model.quantization import resolve_quantization
-from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence
+from treadle.model.runner import ModelRunner
 
 GIB = 1 << 30
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -30,9 +30,9 @@ from treadle.config import (
     ServerConfig,
     build_config,
 )
-from treadle.engine.async_engine import AsyncEngine
-from treadle.engine.core import EngineCore
-from treadle.engine.sampling_params import SamplingParams
+from treadle.core.engine_core import EngineCore
+from treadle.core.sampling_params import SamplingParams
+from treadle.frontend.async_engine import AsyncEngine
 from treadle.llm import LLM
 from treadle.model.pooling import PooledHidden
 from treadle.model.source import default_model_path

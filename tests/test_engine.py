@@ -9,9 +9,9 @@ from conftest import assert_engine_empty
 from model_utils import build_tiny_model, greedy_decode, make_runner
 
 from treadle.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from treadle.engine.core import EngineCore
-from treadle.engine.messages import EngineCoreOutput
-from treadle.engine.sampling_params import SamplingParams
+from treadle.core.engine_core import EngineCore
+from treadle.core.messages import EngineCoreOutput
+from treadle.core.sampling_params import SamplingParams
 
 MAX_TOKENS = 20
 

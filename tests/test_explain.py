@@ -20,8 +20,8 @@ from frontends import start_frontends, stop_frontends, wait_started
 from model_utils import TINY
 
 from treadle.config import AsyncEngineConfig, ServerConfig, build_config
-from treadle.engine.async_engine import AsyncEngine, sanitize_request_id
-from treadle.engine.request import RequestStats
+from treadle.core.request import RequestStats
+from treadle.frontend.async_engine import AsyncEngine, sanitize_request_id
 from treadle.observability.explain import PARTS, e2e, explain, timings
 
 # Hand-built timelines, as the observer writes them.
@@ -233,7 +233,7 @@ class Background(threading.Thread):
 
 def test_queued_behind_running_requests(roomy_server, caplog):
     server = roomy_server
-    caplog.set_level(logging.INFO, logger="treadle.engine.observer")
+    caplog.set_level(logging.INFO, logger="treadle.frontend.observer")
     # Both batch slots taken (and all 64 blocks: 127 tokens each).
     ahead = [Background(server, {"prompt": prompt(8, i), "max_tokens": 120}, "same")
              for i in range(2)]

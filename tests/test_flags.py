@@ -23,9 +23,9 @@ from conftest import ROOT
 from frontends import start_frontends, stop_frontends, wait_started
 
 from treadle.config import AsyncEngineConfig, ServerConfig, build_config
-from treadle.engine.async_engine import AsyncEngine
-from treadle.engine.generation_defaults import sampling_defaults
-from treadle.engine.sampling_params import SamplingParams, check_max_logprobs
+from treadle.core.generation_defaults import sampling_defaults
+from treadle.core.sampling_params import SamplingParams, check_max_logprobs
+from treadle.frontend.async_engine import AsyncEngine
 
 NAMES = ("alpha", "beta")
 

@@ -15,9 +15,9 @@ import torch
 from model_utils import build_tiny_model, greedy_decode, make_runner
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from treadle.model.batch import ModelInput, ScheduledSequence
 from treadle.model.loader import read_gguf_weights, read_spec
 from treadle.model.models.gemma3 import FAMILY
-from treadle.model.runner import ModelInput, ScheduledSequence
 from treadle.model.source import resolve_model
 
 PROMPT_LENGTHS = (5, 17, 30, 9)  # the tiny models' window is 9 positions

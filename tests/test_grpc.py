@@ -12,8 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from treadle.config import AsyncEngineConfig, ServerConfig, build_config
-from treadle.engine.async_engine import AsyncEngine
-from treadle.engine.sampling_params import SamplingParams
+from treadle.core.sampling_params import SamplingParams
+from treadle.frontend.async_engine import AsyncEngine
 from treadle.llm import LLM
 from treadle.server.auth import parse_api_keys
 from treadle.server.grpc import treadle_pb2 as pb

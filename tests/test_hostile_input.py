@@ -26,9 +26,7 @@ from starlette.routing import Route
 
 from treadle.cli import build_parser
 from treadle.config import AsyncEngineConfig, ServerConfig, build_config
-from treadle.engine.async_engine import AsyncEngine
-from treadle.engine.detokenizer import IncrementalDetokenizer
-from treadle.engine.sampling_params import (
+from treadle.core.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_N,
     MAX_N_STOP_CHARS,
@@ -37,6 +35,8 @@ from treadle.engine.sampling_params import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
+from treadle.frontend.async_engine import AsyncEngine
+from treadle.frontend.detokenizer import IncrementalDetokenizer
 from treadle.server.auth import bearer_token, parse_api_keys
 from treadle.server.grpc import treadle_pb2 as pb
 from treadle.server.grpc import treadle_pb2_grpc as pb_grpc

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from conftest import assert_kv_cache_empty
 
-from treadle.engine.kv_cache import (
+from treadle.core.kv_cache import (
     BlockPool,
     KVCacheManager,
     hash_block_tokens,
 )
-from treadle.engine.request import Request
+from treadle.core.request import Request
 
 
 def free_ids(pool: BlockPool) -> list[int]:

@@ -8,9 +8,9 @@ import torch
 from conftest import assert_engine_empty
 from model_utils import make_runner
 
-from treadle.engine.sampling_params import SamplingParams
+from treadle.core.sampling_params import SamplingParams
 from treadle.llm import LLM
-from treadle.model.runner import ModelInput, ScheduledSequence
+from treadle.model.batch import ModelInput, ScheduledSequence
 
 pytestmark = pytest.mark.default_model
 

@@ -12,13 +12,13 @@ from gguf import GGMLQuantizationType as Q
 from model_utils import build_tiny_model, make_runner, write_tiny_gguf
 from safetensors.torch import load_file, save_file
 
+from treadle.model.batch import ModelInput, ScheduledSequence
 from treadle.model.loader import (
     ModelLoadError,
     load_model,
     read_gguf_weights,
     read_spec,
 )
-from treadle.model.runner import ModelInput, ScheduledSequence
 
 
 def test_sharded_safetensors_load_like_one_file(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from model_utils import ARCHITECTURES, build_tiny_model, greedy_decode, make_runner
 
-from treadle.model.runner import ModelInput, ScheduledSequence
+from treadle.model.batch import ModelInput, ScheduledSequence
 
 
 def reference_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:

@@ -23,7 +23,7 @@ from treadle.config import (
     ServerConfig,
     build_config,
 )
-from treadle.engine.async_engine import AsyncEngine
+from treadle.frontend.async_engine import AsyncEngine
 from treadle.model.loader import load_model
 from treadle.model.memory import (
     DEFAULT_KV_MEMORY_FRACTION,

@@ -18,10 +18,12 @@ from hypothesis import strategies as st
 from model_utils import build_tiny_model
 
 from treadle.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from treadle.engine.core import EngineCore
-from treadle.engine.engine_process import add_request
-from treadle.engine.messages import AddRequest, RequestRejected
-from treadle.engine.policies import (
+from treadle.core.engine_core import EngineCore
+from treadle.core.engine_process import add_request
+from treadle.core.messages import AddRequest, RequestRejected
+from treadle.core.request import Request, RequestStatus
+from treadle.core.sampling_params import SamplingParams
+from treadle.core.sched.policies import (
     POLICIES,
     FairPolicy,
     StepFit,
@@ -30,9 +32,7 @@ from treadle.engine.policies import (
     predict_tpot,
     predict_ttft,
 )
-from treadle.engine.request import Request, RequestStatus
-from treadle.engine.sampling_params import SamplingParams
-from treadle.engine.scheduler import Scheduler
+from treadle.core.sched.scheduler import Scheduler
 from treadle.sim.profile import StepProfile
 from treadle.sim.settings import SimSettings
 from treadle.sim.simulator import simulate

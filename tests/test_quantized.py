@@ -14,6 +14,7 @@ from model_utils import build_tiny_model, greedy_decode, make_runner, write_tiny
 
 from treadle.config import CacheConfig, ModelConfig
 from treadle.model import linear
+from treadle.model.batch import ModelInput, ScheduledSequence
 from treadle.model.gguf_file import read_gguf
 from treadle.model.kernels import quant_linear_kernels
 from treadle.model.linear import QuantizedLinear, make_linear
@@ -28,7 +29,7 @@ from treadle.model.quantization import (
     quantize,
     resolve_quantization,
 )
-from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence
+from treadle.model.runner import ModelRunner
 
 QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 # Served as stored but not quantized to at load; the gguf package quantizes only Q5_0 of them.

@@ -25,7 +25,7 @@ from openai.types import completion_create_params as openai_completion
 from openai.types.chat import completion_create_params as openai_chat
 
 from treadle.config import AsyncEngineConfig, ServerConfig, build_config
-from treadle.engine.async_engine import AsyncEngine
+from treadle.frontend.async_engine import AsyncEngine
 from treadle.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 MODEL = "<served model>"  # a case value replaced by the served model's name

@@ -5,9 +5,9 @@ from __future__ import annotations
 import multiprocessing
 import time
 
-from treadle.engine.messages import AbortRequest, AddRequest
-from treadle.engine.request_sender import RequestSender
-from treadle.engine.sampling_params import SamplingParams
+from treadle.core.messages import AbortRequest, AddRequest
+from treadle.core.sampling_params import SamplingParams
+from treadle.frontend.request_sender import RequestSender
 
 
 def add(i: int, prompt_len: int = 4000) -> AddRequest:

@@ -11,10 +11,10 @@ import pytest
 import torch
 from model_utils import build_tiny_model, make_runner
 
+from treadle.core.sampler import DRAW_BLOCK, Sampler, SamplingOptions
 from treadle.model import sampler as sampler_module
+from treadle.model.batch import ModelInput, ScheduledSequence
 from treadle.model.kernels import sampling_kernels
-from treadle.model.runner import ModelInput, ScheduledSequence
-from treadle.model.sampler import DRAW_BLOCK, Sampler, SamplingOptions
 
 VOCAB = 64
 sampler = Sampler()

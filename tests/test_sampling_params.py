@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from treadle.engine.sampling_params import SamplingParams
+from treadle.core.sampling_params import SamplingParams
 
 
 def test_defaults_follow_vllm():

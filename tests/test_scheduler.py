@@ -15,10 +15,10 @@ from engine_sim import (
     step,
 )
 
-from treadle.engine.policies import FCFSPolicy, PriorityPolicy
-from treadle.engine.request import Request, RequestStatus
-from treadle.engine.sampling_params import SamplingParams
-from treadle.engine.scheduler import MAX_SKIPS, Scheduler
+from treadle.core.request import Request, RequestStatus
+from treadle.core.sampling_params import SamplingParams
+from treadle.core.sched.policies import FCFSPolicy, PriorityPolicy
+from treadle.core.sched.scheduler import MAX_SKIPS, Scheduler
 
 
 def req(request_id: str, prompt: list[int] | int, max_tokens: int = 8, *, arrival: float = 0.0,
@@ -244,7 +244,7 @@ def test_a_skipped_request_reserves_the_queue_and_is_not_starved():
 
 
 def test_without_the_reservation_the_big_request_would_starve(monkeypatch):
-    monkeypatch.setattr("treadle.engine.scheduler.MAX_SKIPS", 10**9)
+    monkeypatch.setattr("treadle.core.sched.scheduler.MAX_SKIPS", 10**9)
     assert run_big_among_small_arrivals(steps=100)[0] is None
 
 

@@ -18,11 +18,11 @@ from engine_sim import VOCAB, make_scheduler, model_for, reference_output, run_u
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
-from treadle.engine.kv_cache import cdiv
-from treadle.engine.policies import POLICIES, StepFit
-from treadle.engine.request import Request, RequestStatus
-from treadle.engine.sampling_params import SamplingParams
-from treadle.engine.scheduler import Scheduler
+from treadle.core.kv_cache import cdiv
+from treadle.core.request import Request, RequestStatus
+from treadle.core.sampling_params import SamplingParams
+from treadle.core.sched.policies import POLICIES, StepFit
+from treadle.core.sched.scheduler import Scheduler
 
 # Prompts cut from a few shared stems, so prefix hits are frequent.
 STEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [1, 2, 3, 4, 20, 21]]

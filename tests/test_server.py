@@ -21,8 +21,8 @@ from frontends import start_frontends, stop_frontends, wait_started
 from prometheus_client.parser import text_string_to_metric_families
 
 from treadle.config import AsyncEngineConfig, ServerConfig, build_config
-from treadle.engine.async_engine import AsyncEngine
-from treadle.engine.sampling_params import SamplingParams
+from treadle.core.sampling_params import SamplingParams
+from treadle.frontend.async_engine import AsyncEngine
 from treadle.llm import LLM
 from treadle.server.auth import parse_api_keys
 from treadle.server.grpc import treadle_pb2 as pb
@@ -241,7 +241,7 @@ def test_metrics_count_a_known_workload_exactly(client, model, port, engine):
 
 
 def test_request_timeline_and_log_line(client, model, port, caplog):
-    caplog.set_level(logging.INFO, logger="treadle.engine.observer")
+    caplog.set_level(logging.INFO, logger="treadle.frontend.observer")
     out = client.completions.create(model=model, prompt=PROMPT, max_tokens=7, temperature=0,
                                     extra_body={"ignore_eos": True})
     status, timeline, _ = get(port, f"/debug/requests/{out.id}")

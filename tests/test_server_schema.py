@@ -15,7 +15,7 @@ from frontends import start_frontends, stop_frontends, wait_started
 from schemathesis.checks import not_a_server_error
 
 from treadle.config import AsyncEngineConfig, ServerConfig, build_config
-from treadle.engine.async_engine import AsyncEngine
+from treadle.frontend.async_engine import AsyncEngine
 
 pytestmark = pytest.mark.default_model
 

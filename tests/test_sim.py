@@ -17,8 +17,8 @@ from treadle.bench.metrics import RequestRecord
 from treadle.bench.workloads import sharegpt_lengths
 from treadle.cli import main
 from treadle.config import CacheConfig, EngineConfig, ModelConfig
-from treadle.engine.core import EngineCore
-from treadle.engine.sampling_params import SamplingParams
+from treadle.core.engine_core import EngineCore
+from treadle.core.sampling_params import SamplingParams
 from treadle.sim.profile import (
     DEFAULT_PROFILE,
     FEATURES,
@@ -243,7 +243,7 @@ def test_bench_steps_shares_a_prefix_the_way_the_simulator_counts_it():
     """`bench steps`' shared-prefix steps: the decodes' full context blocks are the first
     decode's, each writes its own last block; `shared_decode_context` counts the context read
     again, as the simulator counts it from the scheduler's block tables."""
-    from treadle.bench.steps import BLOCK_SIZE, shared_of, step_input
+    from treadle.sim.steps import BLOCK_SIZE, shared_of, step_input
 
     alone, shared = step_input(32, 4, 100), step_input(32, 4, 100, shared=True)
     assert shared_of(alone) == 0
@@ -364,7 +364,7 @@ def test_bench_steps_adds_the_engines_own_work_to_the_model_pass(tiny_folder):
     """The grid times the model pass; the engine core's own work per step (scheduling,
     sampling, updating requests), timed on its steps, is added to the profile: a served step
     costs both."""
-    from treadle.bench.steps import bench_steps, format_steps
+    from treadle.sim.steps import bench_steps, format_steps
 
     report = bench_steps(str(tiny_folder), "float32", "none", [0, 8], [0, 1, 2], [8],
                          repeats=1, held_out=2, progress=False)

@@ -24,11 +24,11 @@ from conftest import assert_engine_empty
 from frontends import start_frontends, stop_frontends, wait_started
 
 from treadle.config import AsyncEngineConfig, ServerConfig, build_config
-from treadle.engine.async_engine import AsyncEngine
-from treadle.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from treadle.engine.structured_output import StructuredOutputManager
+from treadle.core.sampler import apply_token_bitmask
+from treadle.core.sampling_params import SamplingParams, StructuredOutputsParams
+from treadle.core.structured_output import StructuredOutputManager
+from treadle.frontend.async_engine import AsyncEngine
 from treadle.llm import LLM
-from treadle.model.sampler import apply_token_bitmask
 
 SCHEMAS = json.loads((Path(__file__).parent / "data" / "structured_output_schemas.json")
                      .read_text())

@@ -19,9 +19,9 @@ from frontends import start_frontends, stop_frontends, wait_started
 from prometheus_client.parser import text_string_to_metric_families
 from test_hostile_input import MAX_MODEL_LEN
 
-from treadle.config import AsyncEngineConfig, ServerConfig, build_config
-from treadle.engine.async_engine import AsyncEngine
-from treadle.server.auth import APIKey, parse_api_keys
+from treadle.config import APIKey, AsyncEngineConfig, ServerConfig, build_config
+from treadle.frontend.async_engine import AsyncEngine
+from treadle.server.auth import parse_api_keys
 from treadle.server.grpc import treadle_pb2 as pb
 from treadle.server.grpc import treadle_pb2_grpc as pb_grpc
 

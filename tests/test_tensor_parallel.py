@@ -17,10 +17,10 @@ import transformers
 from model_utils import TINY, build_tiny_model
 
 from treadle.config import EngineConfig, build_config
-from treadle.engine.executor import build_executor
-from treadle.engine.sampling_params import SamplingParams
+from treadle.core.executor import build_executor
+from treadle.core.sampling_params import SamplingParams
 from treadle.llm import LLM
-from treadle.model.runner import ModelInput, ScheduledSequence
+from treadle.model.batch import ModelInput, ScheduledSequence
 
 
 def save_tiny_llama(folder, **overrides) -> torch.nn.Module:

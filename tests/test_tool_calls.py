@@ -13,7 +13,7 @@ import pytest
 from frontends import start_frontends, stop_frontends, wait_started
 
 from treadle.config import AsyncEngineConfig, ServerConfig, build_config
-from treadle.engine.async_engine import AsyncEngine
+from treadle.frontend.async_engine import AsyncEngine
 from treadle.server.openai.protocol import ChatMessage
 from treadle.server.openai.tool_parsers import (
     HermesToolParser,

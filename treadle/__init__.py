@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from treadle.async_llm import AsyncLLM
-    from treadle.engine.sampling_params import SamplingParams
+    from treadle.core.sampling_params import SamplingParams
     from treadle.llm import LLM
     from treadle.outputs import CompletionOutput, RequestOutput
 
 # name -> the module that defines it
 LAZY = {"LLM": "treadle.llm", "AsyncLLM": "treadle.async_llm",
-        "SamplingParams": "treadle.engine.sampling_params",
+        "SamplingParams": "treadle.core.sampling_params",
         "RequestOutput": "treadle.outputs", "CompletionOutput": "treadle.outputs"}
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 

@@ -16,8 +16,8 @@ from types import TracebackType
 from typing import Any
 
 from treadle.config import AsyncEngineConfig, build_config
-from treadle.engine.async_engine import AsyncEngine
-from treadle.engine.sampling_params import SamplingParams
+from treadle.core.sampling_params import SamplingParams
+from treadle.frontend.async_engine import AsyncEngine
 from treadle.outputs import RequestOutput, request_output
 from treadle.tokenizer import Tokenizer
 

@@ -60,7 +60,7 @@ async def chat(args: argparse.Namespace) -> int:
                 return 1
             return await converse(remote_reply(client, model, sampling), args.system)
     from treadle.async_llm import AsyncLLM
-    from treadle.engine.sampling_params import SamplingParams
+    from treadle.core.sampling_params import SamplingParams
 
     try:
         llm = AsyncLLM(args.model, dtype=args.dtype, quantization=args.quantization)

@@ -336,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     roof = bench.add_parser("roofline", help="memory bandwidth, matmul rate, decode-step floor")
     add_model_args(roof, device=False)
     add_roofline_args(roof)
-    from treadle.bench.steps import add_steps_args
+    from treadle.sim.steps import add_steps_args
 
     steps = bench.add_parser("steps", help="time mixed prefill+decode steps; fit the step-time "
                                            "profile `treadle sim` uses")
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_sim(args)
     if args.bench == "steps":
-        from treadle.bench.steps import run_steps
+        from treadle.sim.steps import run_steps
 
         return run_steps(args)
     if args.bench == "soak":
@@ -486,7 +486,7 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
 
 
 def serve(args: argparse.Namespace) -> int:
-    from treadle.engine.async_engine import AsyncEngine
+    from treadle.frontend.async_engine import AsyncEngine
     from treadle.server.launcher import serve as serve_frontends
 
     # Configured first: the first start's GGUF conversion and kernel build say what they do.
@@ -508,7 +508,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from treadle.engine.sampling_params import SamplingParams
+    from treadle.core.sampling_params import SamplingParams
     from treadle.llm import LLM
 
     try:

@@ -16,12 +16,9 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import yaml
-
-if TYPE_CHECKING:
-    from treadle.server.auth import APIKey
 
 DTYPES = ("auto", "float32", "bfloat16")
 # auto: cuda where torch sees a GPU, else cpu (treadle/model/capabilities.py resolve_device).
@@ -165,6 +162,16 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class APIKey:
+    """A bearer key and its name, the tenant of its requests (treadle/server/auth.py reads
+    them)."""
+
+    name: str
+    key: str
+    weight: float | None = None  # the tenant's fair-share weight (None: not set here)
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The frontends `treadle serve` runs over one engine: REST always, gRPC only when
     `grpc_port` is set (as vLLM's gRPC server is opt-in)."""
@@ -222,7 +229,7 @@ class ParallelConfig:
     """How the engine process computes."""
 
     engine_threads: int | None = None  # torch intra-op threads; None: torch's, one per core
-    # Ranks the model is split across (treadle/engine/tp_executor.py), each on
+    # Ranks the model is split across (treadle/core/executor/tensor_parallel.py), each on
     # engine_threads // tensor_parallel_size threads; whether the model's heads allow it is
     # checked when its config is read, before any worker starts.
     tensor_parallel_size: int = 1
@@ -235,7 +242,7 @@ class ParallelConfig:
                              f"{self.tensor_parallel_size}")
 
 
-# The queue orderings of treadle/engine/policies.py (its POLICIES registry; a test keeps the two
+# The queue orderings of treadle/core/sched/policies.py (its POLICIES registry; a test keeps the two
 # equal), named here so that a bad name fails before any process starts.
 POLICY_NAMES = ("fcfs", "priority", "fair", "deadline")
 
@@ -259,7 +266,7 @@ class EngineConfig:
 @dataclass(frozen=True)
 class AdmissionConfig:
     """What the frontend checks before a request reaches the engine: queue and tenant limits,
-    tenants, cache isolation, default objectives. See treadle/engine/admission.py."""
+    tenants, cache isolation, default objectives. See treadle/frontend/admission.py."""
 
     # Requests waiting for their first token; past it: 429. None: no limit.
     max_queued_requests: int | None = 256
@@ -322,13 +329,13 @@ class ObservabilityConfig:
             raise ValueError(f"max_tenant_labels must be >= 0, got {self.max_tenant_labels}")
 
 
-# How a request's replica is picked under data parallelism (treadle/engine/router.py).
+# How a request's replica is picked under data parallelism (treadle/frontend/router.py).
 ROUTER_NAMES = ("round-robin", "least-load", "prefix")
 
 
 @dataclass(frozen=True)
 class DataParallelConfig:
-    """Engine replicas as Ray actors behind the frontend's router (treadle/engine/
+    """Engine replicas as Ray actors behind the frontend's router (treadle/frontend/
     data_parallel.py); 1: one engine process, no Ray."""
 
     data_parallel_size: int = 1

@@ -10,9 +10,9 @@ from typing import Any
 from tqdm import tqdm
 
 from treadle.config import EngineConfig, build_config
-from treadle.engine.generation_defaults import sampling_defaults
-from treadle.engine.output_processor import OutputProcessor, RequestState
-from treadle.engine.sampling_params import SamplingParams
+from treadle.core.generation_defaults import sampling_defaults
+from treadle.core.sampling_params import SamplingParams
+from treadle.frontend.output_processor import OutputProcessor, RequestState
 from treadle.model.source import resolve_model
 from treadle.outputs import RequestOutput, request_output
 from treadle.tokenizer import Tokenizer
@@ -47,7 +47,7 @@ class LLM:
         # What generate() samples with when given no SamplingParams (--generation-config).
         self.default_sampling_params = SamplingParams(**sampling_defaults(
             source.folder, config.model.generation_config))
-        from treadle.engine.core import EngineCore  # torch: only once an engine is built
+        from treadle.core.engine_core import EngineCore  # torch: only once an engine is built
 
         self.engine = EngineCore(config)
         self.next_request_id = 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from treadle.engine.messages import TokenLogprobs
-from treadle.engine.output_processor import RequestState
+from treadle.core.messages import TokenLogprobs
+from treadle.frontend.output_processor import RequestState
 
 
 @dataclass

@@ -13,9 +13,10 @@ import torch
 
 from treadle.bench.roofline import DecodeCost, best_seconds, measure_roofline
 from treadle.config import CacheConfig, ModelConfig, SchedulerConfig
+from treadle.model.batch import ModelInput, ScheduledSequence
 from treadle.model.capabilities import resolve_device, torch_dtype
 from treadle.model.loader import load_model
-from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence
+from treadle.model.runner import ModelRunner
 from treadle.model.source import resolve_model
 
 

@@ -57,7 +57,7 @@ def load_hf_model(model: str | None, dtype: str, device: str = "cpu"):
 
 
 def run_treadle(llm, requests: list[BenchRequest]) -> tuple[float, list[list[int]]]:
-    from treadle.engine.sampling_params import SamplingParams
+    from treadle.core.sampling_params import SamplingParams
 
     params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0)
               for r in requests]

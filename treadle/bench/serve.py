@@ -38,7 +38,7 @@ from treadle.bench.grpc_client import GrpcBackend
 from treadle.bench.metrics import PERCENTILES, RequestRecord, compute_metrics, tenant_metrics
 from treadle.bench.streaming import Backend, Clock, Send, StreamTimer
 from treadle.bench.workloads import BenchRequest
-from treadle.engine.request import DEFAULT_TENANT
+from treadle.core.request import DEFAULT_TENANT
 
 
 def assign_tenants(n: int, shares: dict[str, float], seed: int = 0) -> list[str]:

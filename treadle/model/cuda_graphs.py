@@ -19,16 +19,27 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from treadle.model.attention import AttentionMetadata
-
-if TYPE_CHECKING:
-    from treadle.model.runner import ModelInput, ModelRunner
+from treadle.model.attention import AttentionMetadata, KVCache
+from treadle.model.batch import ModelInput
+from treadle.model.layers import DecoderModel
 
 logger = logging.getLogger(__name__)
+
+
+class GraphedRunner(Protocol):
+    """What the graphs read of the runner (model/runner.py's ModelRunner)."""
+
+    model: DecoderModel
+    kv_cache: KVCache
+    device: torch.device
+    block_size: int
+    max_model_len: int
+    windows: list[int]
+
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
@@ -43,7 +54,7 @@ def graph_output_bytes(max_num_seqs: int, vocab_size: int) -> int:
     return sum(graph_batch_sizes(max_num_seqs)) * vocab_size * 4
 
 
-def capture_decode_graphs(runner: ModelRunner, max_num_seqs: int) -> DecodeGraphs | None:
+def capture_decode_graphs(runner: GraphedRunner, max_num_seqs: int) -> DecodeGraphs | None:
     """The runner's decode graphs, or None (every step eager) where capturing fails, out of
     memory say: serving slower beats not serving."""
     try:
@@ -56,7 +67,7 @@ def capture_decode_graphs(runner: ModelRunner, max_num_seqs: int) -> DecodeGraph
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, max_num_seqs: int, capture: bool = True) -> None:
+    def __init__(self, runner: GraphedRunner, max_num_seqs: int, capture: bool = True) -> None:
         self.runner = runner
         self.sizes = graph_batch_sizes(max_num_seqs)
         rows = self.sizes[-1]

@@ -8,6 +8,7 @@ the accounting below reads every family's layers alike.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,6 @@ import torch.nn.functional as F
 from treadle.model.attention import AttentionMetadata, KVCache, paged_attention
 from treadle.model.kernels import elementwise_kernels
 from treadle.model.linear import Linear, QuantizedLinear
-from treadle.model.parallel import VocabParallelEmbedding
 from treadle.model.quantization import QuantizedWeight
 
 Layer = dict[str, torch.Tensor | Linear | QuantizedLinear | None]
@@ -73,13 +73,20 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def embed_tokens(embed: torch.Tensor | QuantizedWeight | VocabParallelEmbedding,
+class EmbeddingLookup(Protocol):
+    """An embedding held elsewhere (a tensor-parallel rank's vocabulary slice,
+    model/parallel.py) that looks its rows up itself."""
+
+    def lookup(self, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
+
+
+def embed_tokens(embed: torch.Tensor | QuantizedWeight | EmbeddingLookup,
                  input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if isinstance(embed, VocabParallelEmbedding):  # a tensor-parallel rank's slice
-        return embed.lookup(input_ids, dtype)
     if isinstance(embed, QuantizedWeight):
         return embed.rows(input_ids).to(dtype)
-    return F.embedding(input_ids, embed)
+    if isinstance(embed, torch.Tensor):
+        return F.embedding(input_ids, embed)
+    return embed.lookup(input_ids, dtype)
 
 
 def self_attention(layer: Layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],

@@ -22,18 +22,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from treadle.model.family import ModelSpec
+from treadle.model.layers import DecoderModel
 from treadle.model.linear import Linear, QuantizedLinear
 from treadle.model.quantization import BLOCK, QuantizedWeight, dequantize
-
-if TYPE_CHECKING:  # layers imports this module for the embedding's lookup
-    from treadle.model.layers import DecoderModel
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,10 @@ import threading
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from treadle.engine.messages import EngineCensus, EngineLoad, StepRecord
-    from treadle.engine.output_processor import SampleDelta
+    from treadle.core.messages import EngineCensus, EngineLoad, StepRecord
 
 STEP_HISTORY = 4096  # steps kept: over a minute at the tiny model's ~50 steps/s
 REQUEST_HISTORY = 200  # finished requests kept for the Gantt, newest first
@@ -26,6 +25,17 @@ LATENCY_WINDOW = 60.0  # seconds the percentiles cover
 MAX_LATENCY_SAMPLES = 50_000  # per series (ITL has one per token): bounded under any load
 RATE_WINDOW = 5.0  # seconds the step and token rates average over
 PERCENTILES = (50, 90, 99)
+
+
+class SampleDelta(Protocol):
+    """What a sample's update says (frontend/output_processor.py makes them)."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    events: list | None
 
 
 @dataclass

@@ -11,16 +11,9 @@ from __future__ import annotations
 import hmac
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
-from treadle.engine.admission import check_tenant_name
-
-
-@dataclass(frozen=True)
-class APIKey:
-    name: str
-    key: str
-    weight: float | None = None  # the tenant's fair-share weight (None: not set here)
+from treadle.config import APIKey
+from treadle.frontend.admission import check_tenant_name
 
 
 def parse_key_line(line: str, number: int) -> APIKey:

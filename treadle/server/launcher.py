@@ -28,7 +28,7 @@ import grpc
 import uvicorn
 
 from treadle.config import ServerConfig
-from treadle.engine.async_engine import UNAVAILABLE, AsyncEngine, EngineUnavailable
+from treadle.frontend.async_engine import UNAVAILABLE, AsyncEngine, EngineUnavailable
 from treadle.server.grpc.servicer import start_grpc_server
 from treadle.server.openai.app import build_app
 

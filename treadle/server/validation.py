@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from treadle.engine.sampling_params import (
+from treadle.core.sampling_params import (
     MAX_N,
     MAX_N_STOP_CHARS,
     MAX_PROMPT_CHARS_PER_TOKEN,

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from treadle.engine.kv_cache import KVCacheManager
-from treadle.engine.policies import make_policy
-from treadle.engine.request import Request
-from treadle.engine.sampling_params import SamplingParams
-from treadle.engine.scheduler import Scheduler
+from treadle.core.kv_cache import KVCacheManager
+from treadle.core.request import Request
+from treadle.core.sampling_params import SamplingParams
+from treadle.core.sched.policies import make_policy
+from treadle.core.sched.scheduler import Scheduler
 from treadle.sim.profile import StepProfile, shared_decode_context
 from treadle.sim.settings import SimSettings
 from treadle.sim.workload import SimRequest

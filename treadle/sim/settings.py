@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from treadle.config import ROUTER_NAMES, SchedulerConfig
-from treadle.engine.policies import POLICIES
+from treadle.core.sched.policies import POLICIES
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from treadle.engine.router import Router
+from treadle.frontend.router import Router
 from treadle.sim.profile import StepProfile
 from treadle.sim.replica import DeadlineRefused, SimReplica, StepRecord, Timeline
 from treadle.sim.settings import SimSettings
@@ -43,7 +43,7 @@ def simulate(requests: list[SimRequest], settings: SimSettings, profile: StepPro
     began = time.perf_counter()
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
     replicas = [SimReplica(settings, profile, i, record_batches) for i in range(settings.replicas)]
-    # The data-parallel server's own router (treadle/engine/router.py), over the simulated
+    # The data-parallel server's own router (treadle/frontend/router.py), over the simulated
     # replicas' outstanding tokens; every simulated replica stays live.
     router = Router(settings.router, settings.replicas, settings.block_size,
                     index_blocks=settings.num_blocks,

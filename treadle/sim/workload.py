@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from treadle.engine.request import DEFAULT_TENANT
+from treadle.core.request import DEFAULT_TENANT
 
 UNIQUE_BASE = 1_000_000  # token ids of length-only prompts: above any real vocabulary
 

@@ -20,7 +20,7 @@ from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.routing import Match
 
-from treadle.engine.async_engine import AsyncEngine
+from treadle.frontend.async_engine import AsyncEngine
 from treadle.server.openai.errors import APIError
 
 STATIC = Path(__file__).parent / "static"

@@ -45,11 +45,11 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from treadle.config import ServerConfig
-from treadle.engine.admission import EngineOverloaded
-from treadle.engine.async_engine import AsyncEngine, EngineUnavailable
-from treadle.engine.sampling_params import SamplingParams
-from treadle.server.auth import APIKey, APIKeys, bearer_token
+from treadle.config import APIKey, ServerConfig
+from treadle.core.sampling_params import SamplingParams
+from treadle.frontend.admission import EngineOverloaded
+from treadle.frontend.async_engine import AsyncEngine, EngineUnavailable
+from treadle.server.auth import APIKeys, bearer_token
 from treadle.server.chat_template import apply_chat_template, chat_tokenizer
 from treadle.server.grpc import treadle_pb2 as pb
 from treadle.server.grpc import treadle_pb2_grpc as pb_grpc

@@ -28,7 +28,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 
 from treadle.config import ServerConfig
-from treadle.engine.async_engine import AsyncEngine
+from treadle.frontend.async_engine import AsyncEngine
 from treadle.server.chat_template import chat_tokenizer
 from treadle.server.dashboard.router import PAGE_PATHS, dashboard_router
 from treadle.server.openai.chat import chat_router

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
-from treadle.engine.output_processor import RequestState
+from treadle.frontend.output_processor import RequestState
 from treadle.server.openai.errors import APIError
 from treadle.server.openai.logprobs import chat_logprobs
 from treadle.server.openai.protocol import (

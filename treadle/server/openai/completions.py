@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
-from treadle.engine.output_processor import RequestState
-from treadle.engine.sampling_params import SamplingParams
+from treadle.core.sampling_params import SamplingParams
+from treadle.frontend.output_processor import RequestState
 from treadle.server.openai.errors import APIError, from_value_error
 from treadle.server.openai.logprobs import completion_logprobs
 from treadle.server.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from treadle.engine.async_engine import AsyncEngine
+from treadle.frontend.async_engine import AsyncEngine
 from treadle.server.openai.errors import APIError
 
 

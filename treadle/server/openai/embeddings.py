@@ -18,9 +18,9 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from treadle.engine.admission import EngineOverloaded
-from treadle.engine.async_engine import EngineUnavailable
-from treadle.engine.sampling_params import SamplingParams
+from treadle.core.sampling_params import SamplingParams
+from treadle.frontend.admission import EngineOverloaded
+from treadle.frontend.async_engine import EngineUnavailable
 from treadle.server.openai.errors import APIError
 from treadle.server.openai.protocol import (
     Embedding,

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.openmetrics import exposition as openmetrics_exposition
 
-from treadle.engine.async_engine import AsyncEngine
+from treadle.frontend.async_engine import AsyncEngine
 
 
 def health_router(engine: AsyncEngine) -> APIRouter:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from tokenizers import decoders
 
-from treadle.engine.messages import TokenLogprobs
+from treadle.core.messages import TokenLogprobs
 from treadle.server.openai.protocol import (
     CompletionLogprobs,
     PromptLogprob,

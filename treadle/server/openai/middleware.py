@@ -12,7 +12,8 @@ from collections.abc import Callable
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from treadle.server.auth import APIKey, APIKeys
+from treadle.config import APIKey
+from treadle.server.auth import APIKeys
 from treadle.server.openai.errors import APIError
 
 

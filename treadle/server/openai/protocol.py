@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from treadle.engine.sampling_params import StructuredOutputsParams
+from treadle.core.sampling_params import StructuredOutputsParams
 from treadle.server.validation import CHAT_ROLES, check_text
 
 logger = logging.getLogger(__name__)

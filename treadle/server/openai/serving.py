@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from treadle.engine.admission import EngineOverloaded, check_tenant_name
-from treadle.engine.async_engine import AsyncEngine, EngineUnavailable, RequestUpdate
-from treadle.engine.output_processor import RequestState, SampleDelta
-from treadle.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from treadle.engine.structured_output import check_structured_outputs
+from treadle.core.sampling_params import SamplingParams, StructuredOutputsParams
+from treadle.core.structured_output import check_structured_outputs
+from treadle.frontend.admission import EngineOverloaded, check_tenant_name
+from treadle.frontend.async_engine import AsyncEngine, EngineUnavailable, RequestUpdate
+from treadle.frontend.output_processor import RequestState, SampleDelta
 from treadle.observability.explain import e2e, timings
 from treadle.server.chat_template import apply_chat_template
 from treadle.server.openai.errors import APIError, from_value_error

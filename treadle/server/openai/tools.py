@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from treadle.engine.sampling_params import MAX_GRAMMAR_CHARS, StructuredOutputsParams
+from treadle.core.sampling_params import MAX_GRAMMAR_CHARS, StructuredOutputsParams
 from treadle.server.openai.protocol import (
     AssistantMessage,
     ChatMessage,

@@ -1,5 +1,5 @@
 """`treadle bench steps`: time mixed prefill + decode model passes over a grid and fit the
-simulator's step-time profile (treadle/sim/profile.py) to them.
+simulator's step-time profile (profile.py) to them.
 
 Each grid point is one pass of the model runner: a prefill chunk of P tokens (after C tokens of
 context) and D decode sequences at context C, for P x D x C over the grid (P = D = 0 skipped).
@@ -28,9 +28,10 @@ import numpy as np
 import torch
 
 from treadle.config import EngineConfig, build_config
-from treadle.engine.core import EngineCore
-from treadle.engine.sampling_params import SamplingParams
-from treadle.model.runner import ModelInput, ModelRunner, ScheduledSequence
+from treadle.core.engine_core import EngineCore
+from treadle.core.sampling_params import SamplingParams
+from treadle.model.batch import ModelInput, ScheduledSequence
+from treadle.model.runner import ModelRunner
 from treadle.model.source import resolve_model
 from treadle.sim.profile import (
     FEATURES,

@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from treadle.config import EngineConfig
-from treadle.engine.messages import (
+from treadle.core.messages import (
     AbortRequest,
     AddRequest,
     EngineCensus,
@@ -28,11 +28,11 @@ from treadle.engine.messages import (
     Shutdown,
     StepOutputs,
 )
-from treadle.observability.step_trace import StepTraceWriter
+from treadle.core.step_trace import StepTraceWriter
 
 if TYPE_CHECKING:
-    from treadle.engine.core import EngineCore, StepStats
-    from treadle.engine.request import Request
+    from treadle.core.engine_core import EngineCore, StepStats
+    from treadle.core.request import Request
 
 # The engine reports its load at least this often when idle.
 HEARTBEAT_SECONDS = 1.0
@@ -46,7 +46,7 @@ def engine_process(config: EngineConfig, requests: Connection, outputs: Connecti
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s treadle-engine %(name)s: %(message)s")
     try:
-        from treadle.engine.core import EngineCore
+        from treadle.core.engine_core import EngineCore
 
         core = EngineCore(config)
     except Exception as e:

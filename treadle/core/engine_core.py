@@ -14,18 +14,18 @@ from dataclasses import dataclass
 import torch
 
 from treadle.config import EngineConfig
-from treadle.engine.executor import Executor, build_executor
-from treadle.engine.kv_cache import KVCacheManager
-from treadle.engine.messages import EngineCoreOutput, StepRecord
-from treadle.engine.policies import make_policy
-from treadle.engine.request import DEFAULT_TENANT, Request, RequestStatus
-from treadle.engine.sampling_params import SamplingParams, check_max_logprobs
-from treadle.engine.scheduler import Scheduler, SchedulerOutput
-from treadle.engine.structured_output import StructuredOutputManager
+from treadle.core.executor import Executor, build_executor
+from treadle.core.kv_cache import KVCacheManager
+from treadle.core.messages import EngineCoreOutput, StepRecord
+from treadle.core.request import DEFAULT_TENANT, Request, RequestStatus
+from treadle.core.sampler import Sampler, SamplingOptions, gather_logprobs
+from treadle.core.sampling_params import SamplingParams, check_max_logprobs
+from treadle.core.sched.policies import make_policy
+from treadle.core.sched.scheduler import Scheduler, SchedulerOutput
+from treadle.core.structured_output import StructuredOutputManager
+from treadle.model.batch import ModelInput, ModelOutput, ScheduledSequence, cat_outputs
 from treadle.model.memory import gib
 from treadle.model.pooling import PooledHidden
-from treadle.model.runner import ModelInput, ModelOutput, ScheduledSequence, cat_outputs
-from treadle.model.sampler import Sampler, SamplingOptions, gather_logprobs
 from treadle.model.source import resolve_model
 
 logger = logging.getLogger(__name__)

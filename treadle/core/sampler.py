@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from treadle.engine.messages import TokenLogprobs
+from treadle.core.messages import TokenLogprobs
 from treadle.model.kernels import sampling_kernels
 
 

@@ -1,6 +1,6 @@
 """ReplicaGroup: data-parallel engine replicas on Ray, as the frontend sees them.
 
-`treadle serve --data-parallel-size N` starts N Ray actors (treadle/engine/ray_replica.py), each
+`treadle serve --data-parallel-size N` starts N Ray actors (treadle/frontend/ray_replica.py), each
 a whole engine core with its own KV cache, on `engine_threads` CPUs (one by default), spread over
 the cluster's nodes: the cluster `RAY_ADDRESS` names, or a local one started here. The group
 stands where one engine process, its pipes and its RequestSender stand in AsyncEngine: `send`
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from treadle.config import AsyncEngineConfig
-from treadle.engine.messages import (
+from treadle.core.messages import (
     AddRequest,
     EngineCensus,
     EngineFailed,
@@ -54,8 +54,8 @@ from treadle.engine.messages import (
     Shutdown,
     StepOutputs,
 )
-from treadle.engine.ray_replica import EngineReplica
-from treadle.engine.router import Router
+from treadle.frontend.ray_replica import EngineReplica
+from treadle.frontend.router import Router
 from treadle.model.memory import DEFAULT_KV_MEMORY_FRACTION, available_memory
 from treadle.observability.live import LiveFeed
 from treadle.observability.metrics import ServerMetrics

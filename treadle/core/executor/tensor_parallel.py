@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 
 from treadle.config import EngineConfig
-from treadle.engine.executor import Executor, ModelFacts
+from treadle.core.executor.base import Executor, ModelFacts
 from treadle.model.attention import KVCache
+from treadle.model.batch import ModelInput, ModelOutput
 from treadle.model.capabilities import torch_dtype
 from treadle.model.family import ModelSpec
 from treadle.model.loader import load_model, read_spec
@@ -48,7 +49,7 @@ from treadle.model.parallel import (
     plan_shard,
     shard_weight,
 )
-from treadle.model.runner import ModelInput, ModelOutput, ModelRunner
+from treadle.model.runner import ModelRunner
 from treadle.model.source import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ class TensorParallelExecutor(Executor):
 def start_worker(rank: int, world_size: int, init_method: str, config: EngineConfig,
                  threads: int) -> subprocess.Popen:
     worker = subprocess.Popen(
-        [sys.executable, "-c", "from treadle.engine.tp_executor import worker_main; "
+        [sys.executable, "-c", "from treadle.core.executor.tensor_parallel import worker_main; "
                                "worker_main()"], stdin=subprocess.PIPE)
     pickle.dump((rank, world_size, init_method, config, threads), worker.stdin)
     worker.stdin.flush()

@@ -14,7 +14,7 @@ import queue
 import threading
 from multiprocessing.connection import Connection
 
-from treadle.engine.messages import EngineRequest
+from treadle.core.messages import EngineRequest
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import hashlib
 import pickle
 from collections.abc import Iterable, Iterator, Sequence
 
-from treadle.engine.request import Request
+from treadle.core.request import Request
 
 BlockHash = bytes
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from treadle.engine.detokenizer import IncrementalDetokenizer
-from treadle.engine.messages import EngineCoreOutput, TokenLogprobs
-from treadle.engine.request import RequestStats
-from treadle.engine.sampling_params import SamplingParams
+from treadle.core.messages import EngineCoreOutput, TokenLogprobs
+from treadle.core.request import RequestStats
+from treadle.core.sampling_params import SamplingParams
+from treadle.frontend.detokenizer import IncrementalDetokenizer
 from treadle.tokenizer import Tokenizer
 
 

@@ -33,7 +33,7 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
-from treadle.engine.sampling_params import StructuredOutputsParams
+from treadle.core.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Router: which data-parallel replica takes a request. Pure Python, in the frontend.
 
 round-robin: in turn. least-load: the fewest outstanding tokens (prompt left to prefill plus
-decode tokens to go), as the frontend counts them (treadle/engine/data_parallel.py). prefix:
+decode tokens to go), as the frontend counts them (treadle/frontend/data_parallel.py). prefix:
 where the request's first blocks were last sent, since that replica likely still caches them
 (as SGLang's router does). Its index is approximate: per replica an LRU of the block hashes
 routed there, as many as the replica's KV cache has blocks (it cannot hold more), hashed as the
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from treadle.engine.kv_cache import BlockHash, hash_block_tokens
+from treadle.core.kv_cache import BlockHash, hash_block_tokens
 
 # The leading blocks a prompt is routed by: 64 blocks of 16 tokens cover a long system prompt;
 # hashing more costs the event loop time (a SHA-256 each) for little more affinity.

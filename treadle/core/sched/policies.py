@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 from treadle.config import SchedulerConfig
-from treadle.engine.request import Request
+from treadle.core.request import Request
 
 
 class WaitingQueue(Protocol):

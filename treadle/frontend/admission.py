@@ -17,7 +17,7 @@ through timing.
 from __future__ import annotations
 
 from treadle.config import AdmissionConfig
-from treadle.engine.request import DEFAULT_TENANT
+from treadle.core.request import DEFAULT_TENANT
 
 OTHER_TENANT = "other"  # the tenant of `user` names past max_tenants
 MAX_CACHE_SALT_CHARS = 256

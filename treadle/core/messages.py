@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from treadle.engine.request import RequestStats
-from treadle.engine.sampling_params import SamplingParams
+from treadle.core.request import RequestStats
+from treadle.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,12 +1,12 @@
 """AsyncEngine: the client of the engine process, one async stream per request.
 
-Layout: the core loop runs in a child process (treadle/engine/engine_process.py), and the
+Layout: the core loop runs in a child process (treadle/core/engine_process.py), and the
 frontend process does HTTP, tokenizing and detokenizing; it never imports torch. Typed messages
-(treadle/engine/messages.py) cross two pipes. In the frontend, a reader thread receives each
+(treadle/core/messages.py) cross two pipes. In the frontend, a reader thread receives each
 step's token outputs, detokenizes them (OutputProcessor) and hands the deltas to the event loop,
 which only moves them into each request's queue: nothing slow runs on the event loop. Admission
-(treadle/engine/admission.py) checks each request before it is sent; the RequestObserver
-(treadle/engine/observer.py) records its metrics, timeline and log line.
+(treadle/frontend/admission.py) checks each request before it is sent; the RequestObserver
+(treadle/frontend/observer.py) records its metrics, timeline and log line.
 
 Threads: torch with 2 intra-op threads slows badly when another process keeps a core busy, so one
 engine thread looked safer on 2 cores. Measured (`treadle bench serve`, 200 ShareGPT-like
@@ -22,7 +22,7 @@ the status is "dead" for good. An engine alive but with no step finished for
 but not restarted, since it may recover and its requests are not lost; the orchestrator's
 liveness probe decides how long to wait.
 
-Data parallelism (data_parallel_size > 1): a ReplicaGroup (treadle/engine/data_parallel.py) of
+Data parallelism (data_parallel_size > 1): a ReplicaGroup (treadle/frontend/data_parallel.py) of
 Ray actors stands where the engine process, its pipes and its sender stand; it routes each
 request to a replica, retries or fails (RequestFailed) the requests of a replica that dies, and
 Ray restarts that replica; the group as a whole is supervised as one engine process is.
@@ -55,11 +55,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from treadle.config import AsyncEngineConfig
-from treadle.engine.admission import Admission, EngineOverloaded
-from treadle.engine.data_parallel import ReplicaGroup, import_ray
-from treadle.engine.engine_process import engine_process
-from treadle.engine.generation_defaults import sampling_defaults
-from treadle.engine.messages import (
+from treadle.core.engine_process import engine_process
+from treadle.core.generation_defaults import sampling_defaults
+from treadle.core.messages import (
     AbortRequest,
     AddRequest,
     EngineFailed,
@@ -70,11 +68,13 @@ from treadle.engine.messages import (
     Shutdown,
     StepOutputs,
 )
-from treadle.engine.observer import RequestObserver
-from treadle.engine.output_processor import OutputProcessor, RequestState, SampleDelta
-from treadle.engine.request import DEFAULT_TENANT
-from treadle.engine.request_sender import RequestSender
-from treadle.engine.sampling_params import SamplingParams, check_max_logprobs
+from treadle.core.request import DEFAULT_TENANT
+from treadle.core.sampling_params import SamplingParams, check_max_logprobs
+from treadle.frontend.admission import Admission, EngineOverloaded
+from treadle.frontend.data_parallel import ReplicaGroup, import_ray
+from treadle.frontend.observer import RequestObserver
+from treadle.frontend.output_processor import OutputProcessor, RequestState, SampleDelta
+from treadle.frontend.request_sender import RequestSender
 from treadle.model.source import resolve_model
 from treadle.observability.live import LiveFeed
 from treadle.observability.metrics import ServerMetrics

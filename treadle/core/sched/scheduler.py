@@ -24,8 +24,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from treadle.config import SchedulerConfig
-from treadle.engine.kv_cache import KVCacheManager, cdiv
-from treadle.engine.policies import (
+from treadle.core.kv_cache import KVCacheManager, cdiv
+from treadle.core.request import Request, RequestStatus
+from treadle.core.sched.policies import (
     SchedulingPolicy,
     StepTimeModel,
     WaitingQueue,
@@ -33,7 +34,6 @@ from treadle.engine.policies import (
     predict_ttft,
     uncomputed_tokens,
 )
-from treadle.engine.request import Request, RequestStatus
 
 # A waiting request passed over this many times for lack of blocks reserves the queue: nothing
 # behind it is admitted until it fits. Running requests then drain (each is bounded by its

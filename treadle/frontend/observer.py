@@ -19,8 +19,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from treadle.config import ObservabilityConfig
-from treadle.engine.output_processor import RequestState, SampleDelta
-from treadle.engine.request import DEFAULT_TENANT, RequestStats
+from treadle.core.request import DEFAULT_TENANT, RequestStats
+from treadle.frontend.output_processor import RequestState, SampleDelta
 from treadle.observability.explain import part_seconds
 from treadle.observability.metrics import ServerMetrics
 from treadle.observability.tracing import request_tracer

@@ -1,4 +1,4 @@
-"""EngineReplica: one data-parallel replica, the body of a Ray actor (treadle/engine/
+"""EngineReplica: one data-parallel replica, the body of a Ray actor (treadle/frontend/
 data_parallel.py makes it one; this module imports neither Ray nor, until built, torch).
 
 It runs the engine process's own loop (`serve_engine`) on a thread over two in-process pipes,
@@ -17,8 +17,8 @@ import threading
 from multiprocessing import Pipe
 
 from treadle.config import EngineConfig
-from treadle.engine.engine_process import ready_message, serve_engine
-from treadle.engine.messages import EngineFailed, EngineOutput, EngineReady, EngineRequest
+from treadle.core.engine_process import ready_message, serve_engine
+from treadle.core.messages import EngineFailed, EngineOutput, EngineReady, EngineRequest
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class EngineReplica:
         requests_in, self.requests = Pipe(duplex=False)
         self.outputs, outputs_out = Pipe(duplex=False)
         try:
-            from treadle.engine.core import EngineCore
+            from treadle.core.engine_core import EngineCore
 
             core = EngineCore(config)
         except Exception as e:

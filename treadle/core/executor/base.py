@@ -1,0 +1,47 @@
+"""Executor: what runs the model for `EngineCore` (vLLM's `Executor`).
+
+The core knows the model only through this interface: the model's facts it schedules by
+(`ModelFacts`), one `execute_model` call per step, and `platform_info` for logs. An executor
+may run one `ModelRunner` in this process (`InProcessExecutor`) or drive several worker
+processes, each holding a shard (`TensorParallelExecutor`, tensor_parallel.py): then
+`execute_model` sends the step's `ModelInput` to every rank and returns the output of the first.
+`build_executor` (this package's) picks one from the config.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from treadle.model.batch import ModelInput, ModelOutput
+from treadle.model.memory import KVCacheSize
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the scheduler and the frontend need to know of the loaded model and its cache."""
+
+    max_model_len: int
+    num_blocks: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    kv_cache: KVCacheSize  # what the cache holds, for the startup log and EngineReady
+    weights_bytes: int  # as held in memory (quantized blocks, dense copies)
+
+
+class Executor(ABC):
+    facts: ModelFacts
+
+    @abstractmethod
+    def execute_model(self, model_input: ModelInput) -> ModelOutput:
+        """Float32 logits [rows, vocab] of one step, and the final hidden states pooling
+        sequences asked for (see `ModelRunner.run`)."""
+
+    @abstractmethod
+    def platform_info(self) -> dict[str, Any]:
+        """The dtype served and why, and which fast paths run: for logs and /v1/models."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the processes the executor started; safe to call twice."""

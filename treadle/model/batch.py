@@ -1,0 +1,48 @@
+"""A step's batch as the model sees it: sequences as token ids, cached-token counts and block
+tables in; logits (and pooling rows' final hidden states) out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's share of a step."""
+
+    token_ids: list[int]  # the tokens to compute this step (a prefill chunk, or one decode token)
+    num_computed_tokens: int  # tokens of this sequence already in the KV cache
+    block_table: list[int]  # blocks covering num_computed_tokens + len(token_ids) slots
+    all_logits: bool = False  # logits at every position (prompt logprobs), not only the last
+    # A pooling (embedding) sequence: the final hidden states of its last `num_hidden_rows`
+    # tokens of this step (0 .. all of them), and no logits. None: a generating sequence.
+    num_hidden_rows: int | None = None
+
+
+@dataclass
+class ModelInput:
+    sequences: list[ScheduledSequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+
+@dataclass
+class ModelOutput:
+    """Float32 `logits` [rows, vocab]: for each generating sequence in order, one row for its last
+    token, or one per token with all_logits. `hidden_states` [rows, hidden] (None when no
+    sequence asked): for each pooling sequence in order, its num_hidden_rows, after the final norm
+    (transformers' last_hidden_state)."""
+
+    logits: torch.Tensor
+    hidden_states: torch.Tensor | None = None
+
+
+def cat_outputs(outputs: list[ModelOutput]) -> ModelOutput:
+    """The outputs of sequences run one by one, as if run in one batch."""
+    hidden = [o.hidden_states for o in outputs if o.hidden_states is not None]
+    return ModelOutput(torch.cat([o.logits for o in outputs]),
+                       torch.cat(hidden) if hidden else None)
