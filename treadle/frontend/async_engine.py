@@ -294,9 +294,8 @@ class AsyncEngine:
                        ) -> AsyncIterator[RequestUpdate]:
         """Updates as tokens arrive. `request_id` is the server's own, unique among requests in
         flight (ValueError otherwise); `received`: when the frontend received the request
-        (time.monotonic(); None: now), where its breakdown starts. `tenant`, `ttft`, `tpot` (seconds; None:
-        the server's defaults): from `admit`.
-        ValueError before any update if the engine refuses the request, EngineOverloaded if the
+        (time.monotonic(); None: now), where its breakdown starts. `tenant`, `ttft`, `tpot`
+        (seconds; None: the server's defaults): from `admit`. ValueError before any update if the engine refuses the request, EngineOverloaded if the
         queue is full, a tenant limit is reached or (deadline policy) its TTFT or TPOT cannot be
         met, EngineUnavailable if the engine is down or dies, or the server shuts down. Leaving the
         iteration early (a disconnect) aborts the request; one that waits past max_queue_wait
