@@ -292,16 +292,17 @@ class AsyncEngine:
                        ttft: float | None = None, tpot: float | None = None,
                        received: float | None = None, pooling: bool = False
                        ) -> AsyncIterator[RequestUpdate]:
-        """Updates as tokens arrive. `request_id` is the server's own, unique among requests in flight
-        (ValueError otherwise); `received`: when the frontend received the request
+        """Updates as tokens arrive. `request_id` is the server's own, unique among requests in
+        flight (ValueError otherwise); `received`: when the frontend received the request
         (time.monotonic(); None: now), where its breakdown starts. `tenant`, `ttft`, `tpot`
         (seconds; None: the server's defaults): from `admit`. ValueError before any update if the
-        engine refuses the request, EngineOverloaded if the queue is full, a tenant limit is reached
-        or (deadline policy) its TTFT or TPOT cannot be met, EngineUnavailable if the engine is down
-        or dies, or the server shuts down. Leaving the iteration early (a disconnect) aborts the
-        request; one that waits past max_queue_wait finishes with finish_reason "queue_timeout".
-        `pooling`: an embedding request (prefill only, sharing batches with generation; of `params`
-        only n=1 matters): its one update finishes it, with its state's `embedding`."""
+        engine refuses the request, EngineOverloaded if the queue is full, a tenant limit is
+        reached or (deadline policy) its TTFT or TPOT cannot be met, EngineUnavailable if the
+        engine is down or dies, or the server shuts down. Leaving the iteration early (a
+        disconnect) aborts the request; one that waits past max_queue_wait finishes with
+        finish_reason "queue_timeout". `pooling`: an embedding request (prefill only, sharing
+        batches with generation; of `params` only n=1 matters): its one update finishes it, with
+        its state's `embedding`."""
         self.check_available()
         self.check_prompt_token_ids(prompt_token_ids)
         check_max_logprobs(params, self.config.engine.model.max_logprobs)
