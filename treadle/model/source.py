@@ -99,7 +99,8 @@ class ModelSource:
     has_weights: bool = True  # False: a config.json alone (served with --load-format dummy)
 
 
-# A folder with none of these takes the default model's tokenizer (see `config_only_folder`).
+# A folder with a config.json, no weights and none of these takes the default model's tokenizer
+# (see `config_only_folder`).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
@@ -113,7 +114,7 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
         name = path.stem if model is not None else "SmolLM2-135M-Instruct"
         return ModelSource(converted_gguf_folder(path), path, name)
     if path.is_dir():
-        if (path / "config.json").is_file() and \
+        if (path / "config.json").is_file() and not any(path.glob("*.safetensors")) and \
                 not any((path / name).is_file() for name in TOKENIZER_FILES):
             return ModelSource(config_only_folder(path), None, path.name, has_weights=False)
         return ModelSource(path, None, path.name)
