@@ -90,7 +90,7 @@ def test_sim_forms_the_engines_batches(tiny_model, policy):
                            block_size=4, num_blocks=40, max_model_len=256)
     engine = EngineCore(EngineConfig(ModelConfig(model=str(tiny_model), dtype="float32"),
                                      CacheConfig(block_size=4, num_blocks=40),
-                                     settings.scheduler_config(), policy=policy))
+                                     settings.engine.scheduler, policy=policy))
     engine_batches = []
     schedule = engine.scheduler.schedule
 
@@ -165,7 +165,7 @@ def test_requests_the_engine_would_refuse_fail_alone():
 def test_deadline_admission_refuses_an_unreachable_tpot_as_the_engine_does():
     """Sixty requests decoding: a step costs 10 ms + 60 * 0.5 ms (and context) in the profile,
     so a newcomer's 20 ms TPOT is out of reach and refused at arrival, by the scheduler's own
-    objective_out_of_reach; a 1 s TPOT is admitted, and under fcfs nothing is refused."""
+    refusal; a 1 s TPOT is admitted, and under fcfs nothing is refused."""
     requests = [SimRequest(0.0, unique_prompt(i, 8), 200) for i in range(60)]
     requests += [SimRequest(1.0, unique_prompt(60, 8), 10, tpot=0.020),
                  SimRequest(1.0, unique_prompt(61, 8), 10, tpot=1.0)]
