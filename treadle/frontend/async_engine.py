@@ -35,9 +35,10 @@ client can reach or collide with another's request. gRPC's request_id stays a la
 maps to its own ids.
 
 Objectives: a request may carry a TTFT and a TPOT objective (seconds; server-wide defaults
-apply otherwise). Under the deadline policy the engine process refuses at once a request whose
-TTFT or TPOT it predicts it cannot meet (EngineOverloaded, reason "deadline"); under every
-policy the metrics count the samples that finished within their objectives (goodput).
+apply otherwise). The engine process may refuse a request at once by its policy's admission
+(under deadlines: a TTFT or TPOT it predicts it cannot meet): EngineOverloaded, its reason the
+policy's name; under every policy the metrics count the samples that finished within their
+objectives (goodput).
 """
 
 from __future__ import annotations
