@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from conftest import assert_engine_empty
+from conftest import ROOT, assert_engine_empty
 from model_utils import build_tiny_model
 
 from treadle.bench.metrics import RequestRecord
@@ -338,6 +340,18 @@ def test_cli_sweeps_a_setting(tmp_path, capsys):
         assert (tmp_path / "plots" / name).read_bytes().startswith(b"\x89PNG")
     assert main(["sim", "--workload", "trace", "--trace", str(tmp_path / "t.jsonl"),
                  "--sweep", "nope=1"]) == 2
+
+
+def test_the_sim_and_the_parser_never_import_torch():
+    """`treadle sim` (the parser of every command built, and a run) and serve's config stay
+    torch-free: `bench steps`, which times the model, keeps torch to itself."""
+    code = ("import sys; from treadle.cli import build_parser, main, serve_config; "
+            "assert main(['sim', '--num-prompts', '5']) == 0; "
+            "serve_config(build_parser().parse_args(['serve'])); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
 
 
 def test_jain_index():

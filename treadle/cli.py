@@ -190,15 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     roof = bench.add_parser("roofline", help="memory bandwidth, matmul rate, decode-step floor")
     add_model_args(roof, device=False)
     add_roofline_args(roof)
-    from treadle.sim.steps import add_steps_args
+    from treadle.sim.commands import add_sim_args, add_steps_args
 
     steps = bench.add_parser("steps", help="time mixed prefill+decode steps; fit the step-time "
                                            "profile `treadle sim` uses")
     add_model_args(steps, device=False)
     add_steps_args(steps)
-
-    from treadle.sim.commands import add_sim_args
-
     add_sim_args(commands.add_parser("sim", help="replay a workload through the real scheduler "
                                                  "in virtual time (no model)"))
     return parser

@@ -1,4 +1,5 @@
-"""Arguments and entry point of `treadle sim`."""
+"""Arguments and entry point of `treadle sim`, and the arguments of `bench steps` (here, not in
+steps.py: building the CLI's parser must not import torch)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from treadle.config import policy_help
+from treadle.config import ModelConfig, policy_help, setting_fields
 from treadle.flags import add_setting_flag, has_flag
 from treadle.sim.settings import (
     DEFAULT_MAX_MODEL_LEN,
@@ -74,6 +75,24 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--per-request", action="store_true", help="per-request rows in --json")
     o.add_argument("--rates", type=float_list, default=None,
                    help="comma-separated request rates, one run each (bench workloads)")
+
+
+def add_steps_args(parser: argparse.ArgumentParser) -> None:
+    def ints(text: str) -> list[int]:
+        return [int(x) for x in text.split(",") if x]
+
+    parser.add_argument("--prefill-tokens", type=ints, default=[0, 32, 128, 512])
+    # 1, 2 and 4 decodes: either side of the quantized layers' crossover (2-4 rows here).
+    parser.add_argument("--decode-seqs", type=ints, default=[0, 1, 2, 4, 8, 32])
+    parser.add_argument("--context-lens", type=ints, default=[64, 512])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--held-out", type=int, default=12)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default="step_profile.json", help="the profile JSON")
+    parser.add_argument("--notes", default="", help="kept in the profile (e.g. the machine's load)")
+    add_setting_flag(parser, setting_fields(ModelConfig)["quant_gemv_max_rows"], default=None,
+                     help="as `treadle serve`'s: pin the quantized layers' crossover to the "
+                          "server's")
 
 
 def build_requests(args: argparse.Namespace, rate: float) -> list[SimRequest]:
