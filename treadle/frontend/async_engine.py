@@ -14,9 +14,10 @@ Threads: torch's intra-op threads default to one per core. Between steps the fro
 short and the engine's steps are long, so the engine may take every core.
 
 Objectives: a request may carry a TTFT and a TPOT objective (seconds; server-wide defaults
-apply otherwise). A policy may refuse at once a request whose objectives it predicts it cannot
-meet (EngineOverloaded); under every policy the metrics count the samples that finished within
-their objectives (goodput).
+apply otherwise). The engine process may refuse a request at once by its policy's admission
+(under deadlines: a TTFT or TPOT it predicts it cannot meet): EngineOverloaded, its reason the
+policy's name; under every policy the metrics count the samples that finished within their
+objectives (goodput).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from treadle.config import AsyncEngineConfig
 from treadle.core.generation_defaults import sampling_defaults
 from treadle.core.messages import (
+    INVALID_REQUEST,
     AbortRequest,
     AddRequest,
     EngineOutput,
@@ -310,7 +312,6 @@ class AsyncEngine:
         num_tokens = len(prompt_token_ids) * params.n
         self.check_capacity(num_tokens, tenant)
         ttft, tpot = self.admission.objectives(ttft, tpot)
-        admit_deadline = self.config.engine.policy == "deadline"
         queue: asyncio.Queue = asyncio.Queue()
         with self.lock:
             engine_requests = self.processor.add_request(request_id, prompt_token_ids, params)
@@ -324,7 +325,7 @@ class AsyncEngine:
             for engine_id, engine_params in engine_requests:
                 self._send(AddRequest(
                     engine_id, prompt_token_ids, engine_params, priority, tenant, salt,
-                    ttft, tpot, admit_deadline, pooling))
+                    ttft, tpot, pooling))
         finished = False
         try:
             while not finished:
@@ -433,8 +434,9 @@ class AsyncEngine:
                     self.loop.call_soon_threadsafe(queue.put_nowait, update)
 
     def _reject(self, message: RequestRejected) -> None:
-        """The engine refused a request: invalid (ValueError) or, under deadlines, one whose
-        TTFT or TPOT it cannot meet (EngineOverloaded, reason deadline)."""
+        """The engine refused a request: invalid (ValueError), or refused by its policy
+        (EngineOverloaded, the reason its name: under deadlines, a TTFT or TPOT it cannot
+        meet)."""
         with self.lock:
             entry = self.processor.samples.get(message.request_id)
             request_id = entry[0].request_id if entry is not None else None
@@ -443,8 +445,8 @@ class AsyncEngine:
         self.metrics.labels(self.metrics.rejections, reason=message.reason, tenant=label).inc()
         self.live.rejected(message.reason, time.monotonic())
         if queue is not None:
-            error = (EngineOverloaded(message.message, reason=message.reason)
-                     if message.reason == "deadline" else ValueError(message.message))
+            error = (ValueError(message.message) if message.reason == INVALID_REQUEST
+                     else EngineOverloaded(message.message, reason=message.reason))
             self.loop.call_soon_threadsafe(queue.put_nowait, error)
 
     def _fail_request(self, message: RequestFailed) -> None:

@@ -208,24 +208,6 @@ def format_steps(report: dict) -> str:
     return "\n".join(lines)
 
 
-def add_steps_args(parser) -> None:
-    def ints(text: str) -> list[int]:
-        return [int(x) for x in text.split(",") if x]
-
-    parser.add_argument("--prefill-tokens", type=ints, default=[0, 32, 128, 512])
-    # 1, 2 and 4 decodes: either side of the quantized layers' crossover (2-4 rows here).
-    parser.add_argument("--decode-seqs", type=ints, default=[0, 1, 2, 4, 8, 32])
-    parser.add_argument("--context-lens", type=ints, default=[64, 512])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--held-out", type=int, default=12)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", default="step_profile.json", help="the profile JSON")
-    parser.add_argument("--notes", default="", help="kept in the profile (e.g. the machine's load)")
-    parser.add_argument("--quant-gemv-max-rows", type=int, default=None,
-                        help="as `treadle serve`'s: pin the quantized layers' crossover to the "
-                             "server's (default: measured at load, as the server does)")
-
-
 def run_steps(args) -> int:
     report = bench_steps(args.model, args.dtype, args.quantization, args.prefill_tokens,
                          args.decode_seqs, args.context_lens, args.repeats, args.held_out,
