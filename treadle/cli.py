@@ -14,6 +14,7 @@ from treadle.config import (
     DEFAULT_DTYPE,
     DEVICES,
     DTYPES,
+    LOAD_FORMATS,
     POLICY_NAMES,
     POOLING_TYPES,
     QUANTIZATION_CHOICES,
@@ -68,6 +69,9 @@ def add_model_args(parser: argparse.ArgumentParser, several_quantizations: bool 
     else:
         parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto",
                             help=quantization_help)
+    parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                        help="dummy: random weights of the shapes the model's config.json gives "
+                             "(bench/configs/ has some)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
 
 
@@ -105,6 +109,9 @@ def add_serve_settings(srv: argparse.ArgumentParser) -> None:
     add_setting(model, "quantization", "auto: a GGUF's Q4_0/Q4_1/Q8_0 matrices served as stored; "
                 "none: dequantized to --dtype; int8/int4: quantized at load",
                 choices=QUANTIZATION_CHOICES)
+    add_setting(model, "load_format", "auto: the weights in the model's files; dummy: random "
+                "weights of the shapes its config.json gives (bench/configs/)",
+                choices=LOAD_FORMATS)
     add_setting(model, "max_model_len", "context length", none="the model's own")
     add_setting(model, "dense_batch_weights", "with quantization, also keep each quantized "
                 "matrix dequantized for steps of many rows (more memory, faster large steps)")
@@ -389,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
 
         report = bench_forward(args.model, args.dtype, args.batch_sizes, args.thread_counts,
                                context_len=args.context_len,
-                               quantizations=tuple(args.quantization), device=args.device)
+                               quantizations=tuple(args.quantization), device=args.device,
+                               load_format=args.load_format)
         print(json.dumps(report, indent=2) if args.json else format_forward(report))
         return 0
     if args.bench in ("serve", "roofline"):
@@ -402,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                                     max_output_len=args.max_output_len,
                                     hf_batch_size=args.hf_batch_size).items() if v is not None}
     report = bench_offline(args.model, args.dtype, num_prompts=args.num_prompts, seed=args.seed,
-                           device=args.device, **kwargs)
+                           device=args.device, load_format=args.load_format, **kwargs)
     print(json.dumps(report, indent=2) if args.json else format_offline(report))
     return 0
 
@@ -515,7 +523,7 @@ def generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
-                  device=args.device)
+                  device=args.device, load_format=args.load_format)
         prompt = args.prompt if args.raw or not llm.tokenizer.chat_template \
             else llm.chat_prompt(args.prompt)
         output = llm.generate([prompt], params, use_tqdm=False)[0]

@@ -27,6 +27,9 @@ DEVICES = ("auto", "cpu", "cuda")
 # (treadle/model/capabilities.py) decides, at load.
 DEFAULT_DTYPE = "auto"
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
+# auto: the weights in the model's files; dummy: random weights of the shapes its config.json
+# gives (vLLM's), for measuring a model nobody can download here.
+LOAD_FORMATS = ("auto", "dummy")
 # How /v1/embeddings pools a prompt's final hidden states (treadle/model/pooling.py): the last
 # token's, vLLM's default for decoder LLMs, or the mean of all.
 POOLING_TYPES = ("last", "mean")
@@ -43,6 +46,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     # auto: a GGUF's quantized matrices served as stored; see treadle/model/quantization.py.
     quantization: str = "auto"
+    load_format: str = "auto"  # one of LOAD_FORMATS
     # With quantization: also keep each quantized matrix dequantized and prepacked, for steps of
     # many rows (a float GEMM beats the row-by-row integer kernel there). False: the least
     # memory, and such steps dequantize their weights each time.
@@ -74,6 +78,9 @@ class ModelConfig:
             raise ValueError(f"pooling must be one of {POOLING_TYPES}, got {self.pooling!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, "
+                             f"got {self.load_format!r}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, "
                              f"got {self.quantization!r}")

@@ -26,6 +26,7 @@ from treadle.model.quantization import (
     QuantizedWeight,
     quantizable,
     quantize,
+    random_blocks,
     resolve_quantization,
 )
 from treadle.model.registry import family_for_gguf, family_of, spec_from_config
@@ -52,28 +53,62 @@ class LoadedModel:
 
 def load_model(model: str | os.PathLike | None, dtype: torch.dtype,
                quantization: str = "none", select: WeightSelect | None = None,
-               device: str = "cpu") -> LoadedModel:
+               device: str = "cpu", load_format: str = "auto") -> LoadedModel:
     """Load `model` (an HF folder, a .gguf file, or None for the default model) in `dtype`
     into host memory, its matrices quantized as `quantization` says for the resolved `device`
     they will be served on (see treadle/model/quantization.py).
     `select(name, weight)`: the part of each weight to keep (a tensor-parallel rank's slice,
-    treadle/model/parallel.py), taken before the conversion to `dtype` or quantization."""
+    treadle/model/parallel.py), taken before the conversion to `dtype` or quantization.
+    `load_format` dummy: random weights of the shapes the model's config gives."""
     source = resolve_model(model)
     spec = read_spec(source.folder)
     quantization = resolve_quantization(quantization, source.gguf is not None, device)
-    weights = (read_gguf_weights(source.gguf, spec, keep_quantized=quantization == "gguf")
-               if source.gguf is not None else read_safetensors_weights(source.folder))
+    at_load = AT_LOAD.get(quantization)
+    if load_format == "dummy" and select is None:
+        return LoadedModel(spec=spec, weights=dummy_weights(spec, dtype, at_load),
+                           folder=source.folder, name=source.name, quantization=quantization)
+    if load_format == "dummy":  # a rank's slice of the whole model's random weights
+        weights = dummy_weights(spec, torch.float32, None)
+    elif not source.has_weights:
+        raise ModelLoadError(f"{str(model)!r} holds a config.json and no weights: serve it "
+                             f"with --load-format dummy (random weights of its shapes)")
+    elif source.gguf is not None:
+        weights = read_gguf_weights(source.gguf, spec, keep_quantized=quantization == "gguf")
+    else:
+        weights = read_safetensors_weights(source.folder)
     check_weights(weights, spec)
     expected = spec.expected_shapes()
     if select is not None:
         weights = {k: select(k, v) for k, v in weights.items() if k in expected}
-    at_load = AT_LOAD.get(quantization)
     weights = {k: v if isinstance(v, QuantizedWeight)
                else quantize(v, at_load) if quantizable(k, v.shape, at_load)
                else v.to(dtype)
                for k, v in weights.items() if k in expected}
     return LoadedModel(spec=spec, weights=weights, folder=source.folder, name=source.name,
                        quantization=quantization)
+
+
+# Random weights are uniform in (-DUMMY_RANGE, DUMMY_RANGE): activations stay finite through
+# dozens of layers. Norms are ones, biases zeros.
+DUMMY_RANGE = 0.05
+
+
+def dummy_weights(spec: ModelSpec, dtype: torch.dtype, qtype: int | None
+                  ) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """Random weights of every shape `spec` expects, matrices as blocks of `qtype` where it
+    is given (no float copy is ever made: an 8B model's floats would not fit beside them).
+    Seeded: every load gives the same model."""
+    generator = torch.Generator().manual_seed(0)
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    for name, shape in spec.expected_shapes().items():
+        if len(shape) == 1:
+            weights[name] = (torch.ones if "norm" in name else torch.zeros)(shape, dtype=dtype)
+        elif quantizable(name, shape, qtype):
+            weights[name] = random_blocks(qtype, shape, DUMMY_RANGE, generator)
+        else:
+            weights[name] = torch.empty(shape, dtype=dtype).uniform_(
+                -DUMMY_RANGE, DUMMY_RANGE, generator=generator)
+    return weights
 
 
 def read_spec(folder: Path) -> ModelSpec:

@@ -97,6 +97,24 @@ def quantize(weight: torch.Tensor, qtype: int) -> QuantizedWeight:
                            weight.shape[1])
 
 
+def random_blocks(qtype: int, shape: tuple[int, int], spread: float,
+                  generator: torch.Generator) -> QuantizedWeight:
+    """A random [out, in] matrix in blocks of `qtype` (Q8_0 or Q4_1), its weights within
+    +-`spread`: random quants under scales that map them onto that range."""
+    rows, in_features = shape
+    blocks = torch.randint(0, 256, (rows, in_features // BLOCK_WEIGHTS[qtype],
+                                    BLOCK_BYTES[qtype]), dtype=torch.uint8, generator=generator)
+    if qtype == 8:  # d, then 32 int8 quants
+        scales = [spread / 127]
+    elif qtype == 3:  # d, m, then 32 4-bit quants: q d + m
+        scales = [2 * spread / 15, -spread]
+    else:
+        raise ValueError(f"random blocks of {QTYPE_NAMES.get(qtype, qtype)} are not made")
+    fields = torch.tensor(scales, dtype=torch.float16).view(torch.uint8)
+    blocks[..., :fields.numel()] = fields
+    return QuantizedWeight(qtype, blocks.reshape(rows, -1), in_features)
+
+
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:
     """The float32 [out, in] matrix the blocks stand for: the native kernel where it loads, else
     the same arithmetic in torch."""

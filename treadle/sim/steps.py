@@ -122,14 +122,15 @@ def engine_overhead(core: EngineCore) -> tuple[float, float]:
 def bench_steps(model: str | None, dtype: str, quantization: str, prefill_tokens: list[int],
                 decode_seqs: list[int], context_lens: list[int], repeats: int = 3,
                 held_out: int = 12, seed: int = 0, progress: bool = True,
-                quant_gemv_max_rows: int | None = None) -> dict:
+                quant_gemv_max_rows: int | None = None, load_format: str = "auto") -> dict:
     began = time.perf_counter()
     num_blocks = max((max(decode_seqs) + 2) * -(-(max(context_lens) + max(prefill_tokens))
                                                 // BLOCK_SIZE), OVERHEAD_BLOCKS)
     core = EngineCore(build_config(EngineConfig, {
         "model": model, "device": "cpu", "dtype": dtype, "quantization": quantization,
         "quant_gemv_max_rows": quant_gemv_max_rows, "block_size": BLOCK_SIZE,
-        "num_blocks": num_blocks, "enable_prefix_caching": False}))
+        "num_blocks": num_blocks, "enable_prefix_caching": False,
+        "load_format": load_format}))
     # First, while the engine's blocks hold its own requests' KV: the grid below writes its
     # steps' KV into blocks the engine's cache manager does not know of.
     per_step, per_decode = engine_overhead(core)
@@ -228,7 +229,8 @@ def add_steps_args(parser) -> None:
 def run_steps(args) -> int:
     report = bench_steps(args.model, args.dtype, args.quantization, args.prefill_tokens,
                          args.decode_seqs, args.context_lens, args.repeats, args.held_out,
-                         args.seed, quant_gemv_max_rows=args.quant_gemv_max_rows)
+                         args.seed, quant_gemv_max_rows=args.quant_gemv_max_rows,
+                         load_format=args.load_format)
     report["profile"].notes = args.notes
     report["profile"].save(args.output)
     print(format_steps(report))
