@@ -40,7 +40,8 @@ def add_setting_flag(parser: argparse._ActionsContainer, f: Field, *,
     text = help or meta.get("help", "")
     text = text() if callable(text) else text
     value = field_default(f)
-    shown = (none or meta.get("none", "none")) if value is None else value
+    # None, or an empty list of names: what the setting says that means.
+    shown = (none or meta.get("none", "none")) if value is None or value == () else value
     options["help"] = f"{text} (default: {shown})"
     options.update(overrides)
     return parser.add_argument(flag or setting_flag(f.name), *aliases, **options)
