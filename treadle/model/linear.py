@@ -10,6 +10,7 @@ disabled, the layer runs `F.linear`.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -19,11 +20,13 @@ from treadle.model.capabilities import use_onednn_linear
 from treadle.model.kernels import quant_linear_kernels
 from treadle.model.quantization import QuantizedWeight, dequantize
 
-# Above this many rows a quantized layer runs a float GEMM (over its dense copy, or over weights
-# dequantized for the call) instead of the kernel's integer dot products: the default until
-# `tune_gemv_rows` measures each shape's crossover on this machine.
+# With a dense copy, above this many rows a quantized layer runs the float GEMM over it instead
+# of the kernel's integer dot products: the default until `tune_gemv_rows` measures each
+# shape's crossover on this machine. Without one, every step takes the kernel (its batched
+# path is a GEMM over the stored blocks; the float path would dequantize at each call).
 QUANT_GEMV_MAX_ROWS = 4
 TUNE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+UNLIMITED_ROWS = sys.maxsize
 
 
 class Linear:
@@ -44,21 +47,35 @@ class Linear:
 
 
 class QuantizedLinear:
-    """y = x W^T + b with W in GGUF blocks: the native kernel's integer dot products for a few
-    rows (activations quantized to int8 per block); for many rows a float GEMM over `dense` (the
-    same weights dequantized once, prepacked: memory for batch speed) or, without it, over
-    weights dequantized at each call. Without the kernel, always the float path."""
+    """y = x W^T + b with W in GGUF blocks, as parts stacked along the output axis (q/k/v,
+    gate/up: each part keeps its own type and its own bytes, never concatenated): the native
+    kernel's integer dot products (activations quantized to int8 per block); with `dense` (the
+    same weights dequantized once, prepacked: memory for batch speed) a float GEMM over it for
+    more than `max_gemv_rows` rows. Without the kernel, the float path over weights
+    dequantized at each call."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-                 dense: Linear | None = None) -> None:
-        self.numel = weight.numel() + (0 if bias is None else bias.numel())
-        self.nbytes = weight.nbytes  # what a decode step reads
-        self.resident_bytes = weight.nbytes + (0 if dense is None else dense.nbytes)
-        self.weight = weight
+    def __init__(self, weight: QuantizedWeight | list[QuantizedWeight],
+                 bias: torch.Tensor | None = None, dense: Linear | None = None) -> None:
+        self.parts = [weight] if isinstance(weight, QuantizedWeight) else list(weight)
+        self.in_features = self.parts[0].in_features
+        self.out_features = sum(p.shape[0] for p in self.parts)
+        self.numel = self.out_features * self.in_features + (0 if bias is None else bias.numel())
+        self.nbytes = sum(p.nbytes for p in self.parts)  # what a decode step reads
+        self.resident_bytes = self.nbytes + (0 if dense is None else dense.nbytes)
+        self.data = [p.data for p in self.parts]
+        self.qtypes = [p.qtype for p in self.parts]
         self.bias = bias
         self.dense = dense
         self.kernels = quant_linear_kernels()
-        self.max_gemv_rows = QUANT_GEMV_MAX_ROWS
+        self.max_gemv_rows = QUANT_GEMV_MAX_ROWS if dense is not None else UNLIMITED_ROWS
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def type_name(self) -> str:
+        return "+".join(dict.fromkeys(p.name for p in self.parts))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and x.shape[0] <= self.max_gemv_rows:
@@ -66,26 +83,31 @@ class QuantizedLinear:
         return self.float_path(x)
 
     def integer_path(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.quant_linear(x, self.weight.data, self.weight.qtype, self.bias)
+        return self.kernels.quant_linear_parts(x, self.data, self.qtypes, self.bias)
 
     def float_path(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None:
             return self.dense(x)
-        return F.linear(x, dequantize(self.weight).to(x.dtype), self.bias)
+        return F.linear(x, self.dequantized().to(x.dtype), self.bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 [out, in] matrix of all parts."""
+        return torch.cat([dequantize(p) for p in self.parts])
 
     @property
     def shape_key(self) -> tuple[int, int, str, bool]:
-        return (*self.weight.shape, self.weight.name, self.dense is not None)
+        return (*self.shape, self.type_name, self.dense is not None)
 
 
 def tune_gemv_rows(layers: list[QuantizedLinear], dtype: torch.dtype) -> dict[str, int]:
-    """For each distinct shape among `layers`, the most rows (of TUNE_ROWS, at least 1) for
-    which the integer kernel measured at least as fast as the float path, set on every layer of
-    that shape. Beyond the crossover the float path is assumed to stay ahead (its cost grows
-    slower with rows), so the search stops at the first loss. Returns "out x in type" -> rows."""
+    """For each distinct shape among `layers` with a dense copy, the most rows (of TUNE_ROWS, at
+    least 1) for which the integer kernel measured at least as fast as the float GEMM over it,
+    set on every layer of that shape (the others always take the kernel). Beyond the crossover
+    the float path is assumed to stay ahead (its cost grows slower with rows), so the search
+    stops at the first loss. Returns "out x in type" -> rows."""
     by_shape: dict[tuple, list[QuantizedLinear]] = {}
     for layer in layers:
-        if layer.kernels is not None:
+        if layer.kernels is not None and layer.dense is not None:
             by_shape.setdefault(layer.shape_key, []).append(layer)
     chosen = {}
     for (out_features, in_features, qtype, _), group in by_shape.items():
@@ -105,7 +127,7 @@ def crossover_rows(layer: QuantizedLinear, dtype: torch.dtype, repeats: int = 5)
     2-core machine under load picked 1 row for shapes where the kernel wins at 2-4."""
     rows_ok = 1
     for rows in TUNE_ROWS[1:]:
-        x = torch.randn(rows, layer.weight.in_features).to(dtype)
+        x = torch.randn(rows, layer.in_features).to(dtype)
         if not kernel_wins(layer, x, repeats + rows // 4):
             break
         rows_ok = rows
@@ -135,15 +157,13 @@ def seconds(fn, x: torch.Tensor) -> float:
 def make_linear(weights: list[torch.Tensor | QuantizedWeight], bias: torch.Tensor | None = None,
                 dtype: torch.dtype = torch.float32, dense_for_batches: bool = False
                 ) -> Linear | QuantizedLinear:
-    """One layer over `weights` stacked along the output axis. Quantized weights of one type
-    stack as bytes (with a dense copy in `dtype` for batches if asked); a mix of types (or of
-    quantized and float) is served in `dtype`."""
-    first = weights[0]
-    if isinstance(first, QuantizedWeight) and all(
-            isinstance(w, QuantizedWeight) and w.qtype == first.qtype for w in weights):
-        data = torch.cat([w.data for w in weights]) if len(weights) > 1 else first.data
-        weight = QuantizedWeight(first.qtype, data, first.in_features)
-        dense = Linear(dequantize(weight).to(dtype), bias) if dense_for_batches else None
-        return QuantizedLinear(weight, bias, dense)
+    """One layer over `weights` stacked along the output axis. Quantized weights stay their
+    blocks, one part each whatever their types (with a dense copy in `dtype` for batches if
+    asked); a mix of quantized and float weights is served in `dtype`."""
+    if all(isinstance(w, QuantizedWeight) for w in weights):
+        dense = None
+        if dense_for_batches:
+            dense = Linear(torch.cat([dequantize(w) for w in weights]).to(dtype), bias)
+        return QuantizedLinear(weights, bias, dense)
     dense = [dequantize(w).to(dtype) if isinstance(w, QuantizedWeight) else w for w in weights]
     return Linear(torch.cat(dense) if len(dense) > 1 else dense[0], bias)
