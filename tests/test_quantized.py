@@ -4,13 +4,20 @@ against the same model's dequantized float weights."""
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
-from model_utils import build_tiny_model, greedy_decode, make_runner, write_tiny_gguf
+from model_utils import (
+    build_tiny_model,
+    greedy_decode,
+    make_runner,
+    permute_like_llama_cpp,
+    write_tiny_gguf,
+)
 
 from treadle.config import CacheConfig, ModelConfig
 from treadle.model import linear
@@ -18,8 +25,14 @@ from treadle.model.batch import ModelInput, ScheduledSequence
 from treadle.model.gguf_file import read_gguf
 from treadle.model.kernels import quant_linear_kernels
 from treadle.model.linear import QuantizedLinear, make_linear
-from treadle.model.loader import LoadedModel, load_model, read_gguf_weights, read_spec
-from treadle.model.models.llama import LlamaModel
+from treadle.model.loader import (
+    LoadedModel,
+    gguf_weight,
+    load_model,
+    read_gguf_weights,
+    read_spec,
+)
+from treadle.model.models.llama import FAMILY, LlamaModel
 from treadle.model.parallel import slice_columns
 from treadle.model.quantization import (
     BLOCK_BYTES,
@@ -30,6 +43,7 @@ from treadle.model.quantization import (
     resolve_quantization,
 )
 from treadle.model.runner import ModelRunner
+from treadle.model.source import ModelLoadError
 
 QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 # Served as stored but not quantized to at load; the gguf package quantizes only Q5_0 of them.
@@ -490,3 +504,31 @@ def test_real_gemma3_served_as_stored_stays_close_to_its_dequantized_weights(gem
     confident = (top2[:, 0] - top2[:, 1]) > 0.5
     assert confident.sum() >= 6
     assert torch.equal(have[picks].argmax(-1)[confident], want[picks].argmax(-1)[confident])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K, Q.IQ4_XS, Q.Q5_1])
+def test_types_not_served_as_stored_load_as_the_gguf_package_dequantizes_them(qtype, tmp_path):
+    """A matrix in a type the kernels do not serve (random bytes: every pattern is a block)
+    loads as the gguf package dequantizes it, its q rows un-permuted after; a type nothing
+    dequantizes is a ModelLoadError naming it."""
+    build_tiny_model("llama", tmp_path)
+    spec = read_spec(tmp_path)
+    rows = spec.num_heads * spec.head_dim
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    stored = np.random.default_rng(qtype).integers(0, 256, (rows, 256 // block * size),
+                                                   dtype=np.uint8)
+    writer = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "llama")
+    writer.add_tensor("blk.0.attn_q.weight", stored, raw_dtype=qtype)
+    unserved = np.zeros((8, 256 // 32 * gguf.GGML_QUANT_SIZES[Q.Q8_1][1]), dtype=np.uint8)
+    writer.add_tensor("blk.0.attn_k.weight", unserved, raw_dtype=Q.Q8_1)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                  writer.write_tensors_to_file, writer.close):
+        write()
+    q, k = read_gguf(tmp_path / "q.gguf").tensors
+    fix = FAMILY.gguf_fix
+    got = gguf_weight(q, "model.layers.0.self_attn.q_proj.weight", spec, fix, True)
+    assert got.dtype == torch.float32 and got.shape == (rows, 256)
+    np.testing.assert_array_equal(permute_like_llama_cpp(got.numpy(), spec.num_heads),
+                                  gguf_dequantize(stored, qtype))
+    with pytest.raises(ModelLoadError, match="uses Q8_1, which Treadle cannot serve"):
+        gguf_weight(k, "model.layers.0.self_attn.k_proj.weight", spec, fix, True)
