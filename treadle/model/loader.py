@@ -190,15 +190,20 @@ def read_gguf_weights(path: Path, spec: ModelSpec, keep_quantized: bool = False
 
 def gguf_weight(t: GGUFTensor, hf_name: str, spec: ModelSpec, fix: Callable,
                 keep_quantized: bool) -> torch.Tensor | QuantizedWeight:
-    """One GGUF tensor as served: a matrix in a type the kernels serve kept as its blocks (with
-    `keep_quantized`), else dequantized to float32 by the gguf package (Q2_K, Q3_K, IQ4_XS, ...);
-    the family's fix-up applied to either (rows un-permuted as bytes for blocks)."""
+    """One GGUF tensor as served: a matrix in a type the kernels serve kept as its blocks in the
+    file's memory map (with `keep_quantized`), else dequantized to float32 by the gguf package
+    (Q2_K, Q3_K, IQ4_XS, ...); the family's fix-up applied to either (rows un-permuted as bytes
+    for blocks)."""
     from gguf.quants import dequantize
 
     shape = tuple(reversed([int(s) for s in t.shape]))
     if keep_quantized and quantizable(hf_name, shape, int(t.tensor_type)):
-        blocks = fix(hf_name, np.asarray(t.data).reshape(shape[0], -1), spec, False)
-        return QuantizedWeight(int(t.tensor_type), torch.from_numpy(np.array(blocks)), shape[1])
+        rows = np.asarray(t.data).reshape(shape[0], -1)
+        blocks = fix(hf_name, rows, spec, False)
+        # Blocks the fix-up leaves as they are stay the file's pages, read in place (a copy
+        # only of un-permuted q/k rows).
+        data = torch.from_numpy(rows if blocks is rows else np.ascontiguousarray(blocks))
+        return QuantizedWeight(int(t.tensor_type), data, shape[1])
     try:
         array = dequantize(t.data, t.tensor_type)
     except (NotImplementedError, ValueError) as e:
