@@ -257,14 +257,22 @@ def test_layer_stays_close_to_its_float_weights_on_every_path(qtype, monkeypatch
     weight = random_blocks(qtype)
     dense = dequantize_torch(weight)
     layer = QuantizedLinear(weight)
+    # The float path's slices: 16 rows (of 48 or 80) at a time.
+    monkeypatch.setattr(linear, "DEQUANTIZED_SLICE_BYTES", 16 * 4 * weight.in_features)
     torch.manual_seed(qtype)  # the activations: the same draw whatever ran before
     for rows in (1, 9, 70):  # a decode step, a GEMM's partial tiles, two blocks of rows
         x = torch.randn(rows, weight.in_features)
         expected = F.linear(x, dense)
         # int8 activations cost about 1% of the output's scale (worst of 100 draws: 2.4%, Q5_0)
-        assert (layer(x) - expected).abs().max() <= 3e-2 * expected.abs().max()
-        # dequantize + GEMM: nothing
+        integer = layer.integer_path(x) if layer.kernels is not None else expected
+        assert (integer - expected).abs().max() <= 3e-2 * expected.abs().max()
+        # dequantized slices + GEMM: nothing (in float32)
         assert (layer.float_path(x) - expected).abs().max() <= 1e-5 * expected.abs().max()
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        x = torch.randn(5, weight.in_features).to(dtype)
+        got = layer.float_path(x).float()
+        expected = F.linear(x, dense.to(dtype)).float()
+        assert (got - expected).abs().max() <= tolerance * expected.abs().max()
     monkeypatch.setattr(layer, "kernels", None)  # no compiler: the torch path, same weights
     x = torch.randn(2, weight.in_features)
     assert torch.allclose(layer(x), F.linear(x, dense), atol=1e-5)
@@ -294,12 +302,10 @@ def test_a_dense_copy_serves_batches_as_the_float_path():
 def test_crossover_is_measured_per_shape_and_shared_by_its_layers():
     (_, a), (_, b) = random_weight(Q.Q4_1, seed=1), random_weight(Q.Q4_1, seed=2)
     _, c = random_weight(Q.Q8_0, out_features=32)
-    layers = [QuantizedLinear(w, dense=linear.Linear(dequantize_torch(w))) for w in (a, b, c)]
+    layers = [QuantizedLinear(w) for w in (a, b, c)]
     if layers[0].kernels is None:
         pytest.skip("native quantized kernels unavailable")
-    without_copy = QuantizedLinear(random_weight(Q.Q4_0)[1])
-    chosen = linear.tune_gemv_rows([*layers, without_copy], torch.float32)
-    assert without_copy.max_gemv_rows == linear.UNLIMITED_ROWS  # always the kernel
+    chosen = linear.tune_gemv_rows(layers, torch.float32)
     assert set(chosen) == {"80x160 Q4_1", "32x160 Q8_0"}
     assert all(rows in linear.TUNE_ROWS for rows in chosen.values())  # the kernel takes 1
     assert layers[0].max_gemv_rows == layers[1].max_gemv_rows == chosen["80x160 Q4_1"]

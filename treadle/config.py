@@ -47,10 +47,11 @@ class ModelConfig:
     # auto: a GGUF's quantized matrices served as stored; see treadle/model/quantization.py.
     quantization: str = "auto"
     load_format: str = "auto"  # one of LOAD_FORMATS
-    # With quantization: also keep each quantized matrix dequantized and prepacked, for steps of
-    # many rows (a float GEMM beats the row-by-row integer kernel there). False: the least
-    # memory, and such steps dequantize their weights each time.
-    dense_batch_weights: bool = True
+    # With quantization: also keep each quantized matrix dequantized and prepacked, and run
+    # steps of many rows as a float GEMM over it (memory for speed where the integer GEMM over
+    # the blocks is slower). False: every step takes the integer kernels, the weights' memory
+    # is the file's.
+    dense_batch_weights: bool = False
     # Most rows a step may have for a quantized layer to take the integer kernel; None: measured
     # per layer shape when the model loads (the crossover depends on the CPU).
     quant_gemv_max_rows: int | None = None

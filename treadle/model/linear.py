@@ -10,8 +10,8 @@ disabled, the layer runs `F.linear`.
 
 from __future__ import annotations
 
-import sys
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -20,13 +20,14 @@ from treadle.model.capabilities import use_onednn_linear
 from treadle.model.kernels import quant_linear_kernels
 from treadle.model.quantization import QuantizedWeight, dequantize
 
-# With a dense copy, above this many rows a quantized layer runs the float GEMM over it instead
-# of the kernel's integer dot products: the default until `tune_gemv_rows` measures each
-# shape's crossover on this machine. Without one, every step takes the kernel (its batched
-# path is a GEMM over the stored blocks; the float path would dequantize at each call).
+# Above this many rows a quantized layer runs a float GEMM (over its dense copy, or over slices
+# of its weights dequantized for the call) instead of the kernel's integer GEMM: the default
+# until `tune_gemv_rows` measures each shape's crossover on this machine.
 QUANT_GEMV_MAX_ROWS = 4
 TUNE_ROWS = (1, 2, 4, 8, 16, 32, 64)
-UNLIMITED_ROWS = sys.maxsize
+# Weights a float step without a dense copy dequantizes at a time: a slice that stays in cache
+# for its GEMM, and little memory.
+DEQUANTIZED_SLICE_BYTES = 1 << 22
 
 
 class Linear:
@@ -48,11 +49,11 @@ class Linear:
 
 class QuantizedLinear:
     """y = x W^T + b with W in GGUF blocks, as parts stacked along the output axis (q/k/v,
-    gate/up: each part keeps its own type and its own bytes, never concatenated): the native
-    kernel's integer dot products (activations quantized to int8 per block); with `dense` (the
-    same weights dequantized once, prepacked: memory for batch speed) a float GEMM over it for
-    more than `max_gemv_rows` rows. Without the kernel, the float path over weights
-    dequantized at each call."""
+    gate/up: each part keeps its own type and its own bytes, never concatenated): up to
+    `max_gemv_rows` rows the native kernel's integer dot products (activations quantized to
+    int8 per block), beyond them a float GEMM over `dense` (the same weights dequantized once,
+    prepacked: memory for batch speed) or, without it, over slices of the weights dequantized
+    for the call. Without the kernel, always the float path."""
 
     def __init__(self, weight: QuantizedWeight | list[QuantizedWeight],
                  bias: torch.Tensor | None = None, dense: Linear | None = None) -> None:
@@ -67,7 +68,7 @@ class QuantizedLinear:
         self.bias = bias
         self.dense = dense
         self.kernels = quant_linear_kernels()
-        self.max_gemv_rows = QUANT_GEMV_MAX_ROWS if dense is not None else UNLIMITED_ROWS
+        self.max_gemv_rows = QUANT_GEMV_MAX_ROWS
 
     @property
     def shape(self) -> torch.Size:
@@ -88,7 +89,21 @@ class QuantizedLinear:
     def float_path(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None:
             return self.dense(x)
-        return F.linear(x, self.dequantized().to(x.dtype), self.bias)
+        if self.kernels is None:
+            return F.linear(x, self.dequantized().to(x.dtype), self.bias)
+        y = torch.cat([F.linear(x, w) for w in self.dequantized_slices(x.dtype)], dim=1)
+        return y if self.bias is None else y + self.bias
+
+    def dequantized_slices(self, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+        """The weights as `dtype` rows, a slice of about DEQUANTIZED_SLICE_BYTES at a time."""
+        rows = max(16, DEQUANTIZED_SLICE_BYTES // (self.in_features * dtype.itemsize))
+        for part in self.parts:
+            for start in range(0, part.shape[0], rows):
+                data = part.data[start:start + rows]
+                if dtype == torch.bfloat16:
+                    yield self.kernels.dequantize_bf16(data, part.qtype, self.in_features)
+                else:
+                    yield self.kernels.dequantize(data, part.qtype, self.in_features).to(dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 [out, in] matrix of all parts."""
@@ -100,14 +115,14 @@ class QuantizedLinear:
 
 
 def tune_gemv_rows(layers: list[QuantizedLinear], dtype: torch.dtype) -> dict[str, int]:
-    """For each distinct shape among `layers` with a dense copy, the most rows (of TUNE_ROWS, at
-    least 1) for which the integer kernel measured at least as fast as the float GEMM over it,
-    set on every layer of that shape (the others always take the kernel). Beyond the crossover
+    """For each distinct shape among `layers`, the most rows (of TUNE_ROWS, at least 1) for
+    which the integer kernel measured at least as fast as the float path (over the dense copy,
+    or dequantizing slices), set on every layer of that shape. Beyond the crossover
     the float path is assumed to stay ahead (its cost grows slower with rows), so the search
     stops at the first loss. Returns "out x in type" -> rows."""
     by_shape: dict[tuple, list[QuantizedLinear]] = {}
     for layer in layers:
-        if layer.kernels is not None and layer.dense is not None:
+        if layer.kernels is not None:
             by_shape.setdefault(layer.shape_key, []).append(layer)
     chosen = {}
     for (out_features, in_features, qtype, _), group in by_shape.items():

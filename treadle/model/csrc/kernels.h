@@ -23,6 +23,7 @@ torch::Tensor quant_linear_parts(torch::Tensor x, const std::vector<torch::Tenso
                                  const std::vector<int64_t>& qtypes,
                                  c10::optional<torch::Tensor> bias);
 torch::Tensor dequantize(torch::Tensor weight, int64_t qtype, int64_t k);
+torch::Tensor dequantize_bf16(torch::Tensor weight, int64_t qtype, int64_t k);
 
 // sampling.cpp: one token a row from softmax(logits / temperature) at u ~ U[0, 1) a row.
 torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperatures, torch::Tensor u);

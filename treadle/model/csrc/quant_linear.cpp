@@ -548,3 +548,22 @@ torch::Tensor dequantize(torch::Tensor weight, int64_t qtype, int64_t k) {
   });
   return out;
 }
+
+// The same weights as bfloat16 (rounded to nearest even, as .to(torch.bfloat16)): the float
+// path of a large step dequantizes a slice of rows at a time and multiplies it with oneDNN.
+torch::Tensor dequantize_bf16(torch::Tensor weight, int64_t qtype, int64_t k) {
+  weight = weight.contiguous();
+  check_weight(weight, qtype, k);
+  const int64_t n = weight.size(0), width = block_weights(qtype), bb = block_bytes(qtype);
+  auto out = torch::empty({n, k}, torch::kBFloat16);
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, n * (k / width), 256 * QK / width, [&](int64_t begin, int64_t end) {
+    float values[QK_K];
+    for (int64_t i = begin; i < end; ++i) {
+      dequantize_block(w + i * bb, qtype, values);
+      for (int64_t j = 0; j < width; ++j) o[i * width + j] = at::BFloat16(values[j]);
+    }
+  });
+  return out;
+}
