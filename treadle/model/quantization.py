@@ -41,6 +41,10 @@ class QuantizedWeight:
         return torch.Size((self.data.shape[0], self.in_features))
 
     @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
     def name(self) -> str:
         return QTYPE_NAMES[self.qtype]
 
