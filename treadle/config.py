@@ -80,18 +80,18 @@ class ModelConfig:
     dtype: str = setting(DEFAULT_DTYPE, "auto: bfloat16 on CUDA and where the CPU computes it "
                          "natively (AVX-512 BF16, AMX), else float32", choices=DTYPES)
     # See treadle/model/quantization.py.
-    quantization: str = setting("auto", "auto: a GGUF's Q4_0/Q4_1/Q8_0 matrices served as "
-                                "stored; none: dequantized to --dtype; int8/int4: quantized at "
-                                "load", choices=QUANTIZATION_CHOICES)
+    quantization: str = setting("auto", "auto: a GGUF's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K "
+                                "matrices served as stored; none: dequantized to --dtype; "
+                                "int8/int4: quantized at load", choices=QUANTIZATION_CHOICES)
     load_format: str = setting("auto", "auto: the weights in the model's files; dummy: random "
                                "weights of the shapes its config.json gives (bench/configs/)",
                                choices=LOAD_FORMATS)
     max_model_len: int | None = setting(None, "context length", none="the model's own")
-    # A float GEMM beats the row-by-row integer kernel for steps of many rows. False: the least
-    # memory, and such steps dequantize their weights each time.
-    dense_batch_weights: bool = setting(True, "with quantization, also keep each quantized "
-                                        "matrix dequantized for steps of many rows (more "
-                                        "memory, faster large steps)")
+    # Memory for speed where a float GEMM over a dense copy beats dequantizing slices of the
+    # weights for each large step. False: the weights' memory is the file's.
+    dense_batch_weights: bool = setting(False, "with quantization, also keep each quantized "
+                                        "matrix dequantized and prepacked for steps of many "
+                                        "rows (more memory, faster large steps)")
     # None: measured per layer shape when the model loads (the crossover depends on the CPU).
     quant_gemv_max_rows: int | None = setting(None, "most rows a step may have for a quantized "
                                               "layer to take the integer kernel",

@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ import torch
 from treadle.model.family import ModelFamily, ModelSpec
 from treadle.model.quantization import (
     AT_LOAD,
+    QTYPE_NAMES,
     QuantizedWeight,
     quantizable,
     quantize,
@@ -31,6 +33,9 @@ from treadle.model.quantization import (
 )
 from treadle.model.registry import family_for_gguf, family_of, spec_from_config
 from treadle.model.source import ModelLoadError, resolve_model
+
+if TYPE_CHECKING:
+    from treadle.model.gguf_file import GGUFTensor
 
 logger = logging.getLogger(__name__)
 
@@ -165,11 +170,7 @@ def hf_name_for_gguf(name: str, family: ModelFamily) -> str:
 
 def read_gguf_weights(path: Path, spec: ModelSpec, keep_quantized: bool = False
                       ) -> dict[str, torch.Tensor | QuantizedWeight]:
-    """Every tensor dequantized to float32, or with `keep_quantized` the matrices in a type the
-    quantized kernels serve kept as their blocks; the family's fix-ups applied to either (rows
-    un-permuted as bytes for blocks)."""
-    from gguf.quants import dequantize
-
+    """Every tensor as `gguf_weight` makes it."""
     from treadle.model.gguf_file import read_gguf
 
     reader = read_gguf(path)
@@ -181,21 +182,34 @@ def read_gguf_weights(path: Path, spec: ModelSpec, keep_quantized: bool = False
     fix = family.gguf_fix or (lambda name, rows, spec, dequantized: rows)
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     for t in reader.tensors:
-        if t.name in family.gguf_ignored_tensors:
-            continue
-        hf_name = hf_name_for_gguf(t.name, family)
-        shape = tuple(reversed([int(s) for s in t.shape]))
-        if keep_quantized and quantizable(hf_name, shape, int(t.tensor_type)):
-            blocks = fix(hf_name, np.asarray(t.data).reshape(shape[0], -1), spec, False)
-            weights[hf_name] = QuantizedWeight(int(t.tensor_type),
-                                               torch.from_numpy(np.array(blocks)), shape[1])
-            continue
-        try:
-            array = dequantize(t.data, t.tensor_type)
-        except NotImplementedError as e:
-            raise ModelLoadError(
-                f"GGUF tensor {t.name!r} uses {t.tensor_type.name}, which cannot be dequantized"
-            ) from e
-        array = fix(hf_name, array.reshape(shape), spec, True)
-        weights[hf_name] = torch.from_numpy(np.array(array, dtype=np.float32))
+        if t.name not in family.gguf_ignored_tensors:
+            hf_name = hf_name_for_gguf(t.name, family)
+            weights[hf_name] = gguf_weight(t, hf_name, spec, fix, keep_quantized)
     return weights
+
+
+def gguf_weight(t: GGUFTensor, hf_name: str, spec: ModelSpec, fix: Callable,
+                keep_quantized: bool) -> torch.Tensor | QuantizedWeight:
+    """One GGUF tensor as served: a matrix in a type the kernels serve kept as its blocks in the
+    file's memory map (with `keep_quantized`), else dequantized to float32 by the gguf package
+    (Q2_K, Q3_K, IQ4_XS, ...); the family's fix-up applied to either (rows un-permuted as bytes
+    for blocks)."""
+    from gguf.quants import dequantize
+
+    shape = tuple(reversed([int(s) for s in t.shape]))
+    if keep_quantized and quantizable(hf_name, shape, int(t.tensor_type)):
+        rows = np.asarray(t.data).reshape(shape[0], -1)
+        blocks = fix(hf_name, rows, spec, False)
+        # Blocks the fix-up leaves as they are stay the file's pages, read in place (a copy
+        # only of un-permuted q/k rows).
+        data = torch.from_numpy(rows if blocks is rows else np.ascontiguousarray(blocks))
+        return QuantizedWeight(int(t.tensor_type), data, shape[1])
+    try:
+        array = dequantize(t.data, t.tensor_type)
+    except (NotImplementedError, ValueError) as e:
+        raise ModelLoadError(
+            f"GGUF tensor {t.name!r} uses {t.tensor_type.name}, which Treadle cannot serve: "
+            f"served as stored are {', '.join(QTYPE_NAMES.values())}, and types the gguf "
+            f"package dequantizes are dequantized at load") from e
+    array = fix(hf_name, array.reshape(shape), spec, True)
+    return torch.from_numpy(np.array(array, dtype=np.float32))
