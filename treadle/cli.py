@@ -356,8 +356,8 @@ def serve(args: argparse.Namespace) -> int:
         print(f"treadle: {e}", file=sys.stderr)
         return 2
     code = serve_frontends(engine, config.server)
-    # Nothing is left to save: skip the interpreter's teardown of the server's modules (0.6 s
-    # measured), so the process ends within its shutdown timeout.
+    # Nothing is left to save: skip the interpreter's teardown of the server's modules, so the
+    # process ends within its shutdown timeout.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -11,9 +11,7 @@ oracle. Like that baseline it counts only each request's requested tokens as out
 batch computes past a request's end (reported as `computed_tokens`).
 
 `hf_batch_size` 8 is Hugging Face's best of 1, 4, 8, 16, 32 on the 2-core development machine
-(SmolLM2-135M, bfloat16: decode steps of 42, 51, 64, 296 and 2905 ms at a 128-token context);
-with these output lengths, static batches of 1, 4, 8, 16, 32 spend 100, 44, 34, 27, 23% of their
-decode tokens on requested output. Pass another size where the machine differs.
+(docs/decisions.md); pass another size where the machine differs.
 
 Only generation is timed (not loading); each side first runs one small untimed request.
 """

@@ -53,9 +53,8 @@ def engine_process(config: EngineConfig, requests: Connection, outputs: Connecti
     except Exception as e:
         outputs.send(EngineFailed(f"{type(e).__name__}: {e}"))
         return
-    # What startup made (torch, transformers, the model: 191,000 objects with the default
-    # model) lives as long as the process: frozen, a full collection no longer walks it (99 ms
-    # -> 0.004 ms here). Unfrozen, one landed in a decode step as an 81 ms pause.
+    # What startup made lives as long as the process: frozen, a full collection no longer walks
+    # it, which otherwise landed in decode steps as pauses (docs/decisions.md).
     gc.collect()
     gc.freeze()
     outputs.send(ready_message(core))

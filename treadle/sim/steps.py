@@ -3,16 +3,14 @@ simulator's step-time profile (profile.py) to them.
 
 Each grid point is one pass of the model runner: a prefill chunk of P tokens (after C tokens of
 context) and D decode sequences at context C, for P x D x C over the grid (P = D = 0 skipped).
-A point's time is the median of `repeats` passes after one warm-up. (The least of them, used
-before, left out the interference every served step runs amid: steps of a `treadle serve` run
-took 10% longer than that profile predicted, by its step trace.) The fit is checked on
-`held_out` passes at random (P, D, C) within the grid's range, not used in the fit.
+A point's time is the median of `repeats` passes after one warm-up (not the least: a served step
+runs amid interference). The fit is checked on `held_out` passes at random (P, D, C) within the
+grid's range, not used in the fit.
 
 Beside the model pass, each step of the engine schedules, samples and updates its requests:
 that work is timed on the engine core itself (steps of 1, 8 and 32 decodes, its `StepStats`:
 the step's time less the model pass's), fitted as a cost per step plus one per decode, and
-added to the profile's `const` and `decode_seqs` (AMD Zen 3, one thread: 0.26 ms a step and
-0.1 ms a decode, at temperature 1).
+added to the profile's `const` and `decode_seqs`.
 """
 
 from __future__ import annotations
