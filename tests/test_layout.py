@@ -92,3 +92,33 @@ def test_every_module_has_a_layer():
     units = [u for line in design_layers() for u in line]
     for module in treadle_imports():
         unit_of(module, units)
+
+
+def design_paths() -> list[str]:
+    """The paths the first column of DESIGN.md's layout tables names: full paths, and names
+    after a full path in the same cell taken as its siblings (`fair.py`, `csrc/`); a path ending
+    in `/` covers its folder, `<family>` any name."""
+    text = (ROOT / "DESIGN.md").read_text()
+    layout = text[text.index("## Layout"):]
+    paths = []
+    for line in layout.splitlines():
+        if not line.startswith("| `"):
+            continue
+        folder = ""
+        for name in re.findall(r"`([^`]+)`", line.split("|")[1]):
+            if name.startswith(("treadle/", "bench/")):
+                folder = name if name.endswith("/") else name.rsplit("/", 1)[0] + "/"
+                paths.append(name)
+            else:
+                paths.append(folder + name)
+    return paths
+
+
+def test_every_module_has_a_row_in_designs_layout():
+    patterns = [re.escape(p).replace(re.escape("<family>"), r"[^/]+") + ("" if p.endswith("/")
+                                                                         else "$")
+                for p in design_paths()]
+    missing = [str(path.relative_to(ROOT)) for path in sorted((ROOT / "treadle").rglob("*.py"))
+               if path.name != "__init__.py" or path.parent == ROOT / "treadle"
+               if not any(re.match(p, str(path.relative_to(ROOT))) for p in patterns)]
+    assert not missing, "modules DESIGN.md's layout does not name:\n" + "\n".join(missing)

@@ -378,12 +378,15 @@ def test_bench_steps_adds_the_engines_own_work_to_the_model_pass(tiny_folder):
     """The grid times the model pass; the engine core's own work per step (scheduling,
     sampling, updating requests), timed on its steps, is added to the profile: a served step
     costs both."""
-    from treadle.sim.steps import bench_steps, format_steps
+    from treadle.sim.steps import OVERHEAD_DECODES, bench_steps, format_steps
 
     report = bench_steps(str(tiny_folder), "float32", "none", [0, 8], [0, 1, 2], [8],
                          repeats=1, held_out=2, progress=False)
     profile, overhead = report["profile"], report["profile"].fit["engine_overhead_s"]
-    assert overhead["per_step"] > 0 and overhead["per_decode"] >= 0
+    # Each fitted term alone may come out 0 on a busy machine; the line over the measured
+    # steps, whose engine work is never free, cannot (both terms are clamped at 0).
+    assert overhead["per_step"] >= 0 and overhead["per_decode"] >= 0
+    assert overhead["per_step"] + overhead["per_decode"] * max(OVERHEAD_DECODES) > 0
     for row in report["rows"]:  # "predicted": the model pass alone, as the rows measured it
         assert profile.predict(row["features"]) == pytest.approx(
             row["predicted"] + overhead["per_step"] + overhead["per_decode"]

@@ -9,19 +9,24 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
 from treadle.config import EngineConfig
 from treadle.core.executor import Executor, build_executor
 from treadle.core.kv_cache import KVCacheManager
-from treadle.core.messages import EngineCoreOutput, StepRecord
+from treadle.core.messages import EngineCoreOutput
 from treadle.core.request import DEFAULT_TENANT, Request, RequestStatus
 from treadle.core.sampler import Sampler, SamplingOptions, gather_logprobs
 from treadle.core.sampling_params import SamplingParams, check_max_logprobs
 from treadle.core.sched.policy import make_policy
 from treadle.core.sched.scheduler import Scheduler, SchedulerOutput
+from treadle.core.step_loop import (
+    StepLoop,
+    StepStats,
+    SystemClock,
+    latency_breakdown,
+)
 from treadle.core.structured_output import StructuredOutputManager
 from treadle.model.batch import ModelInput, ModelOutput, ScheduledSequence, cat_outputs
 from treadle.model.memory import gib
@@ -30,39 +35,6 @@ from treadle.model.source import resolve_model
 from treadle.plugins import load_plugins
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What one step did: the batch's composition, the cache, the time it took."""
-
-    start: float  # time.time()
-    duration: float  # seconds
-    num_requests: int
-    num_prefill_tokens: int  # prompt chunks, and recomputation after preemption
-    num_decode_tokens: int
-    num_generated_tokens: int  # tokens sampled
-    num_preemptions: int
-    kv_cache_usage: float  # after the step
-    scheduled_at: float  # time.monotonic(): the requests' "scheduled" events
-    model_duration: float = 0.0  # seconds of `duration` in the model pass; the rest is the
-    # engine's own work (scheduling, sampling, updating requests)
-
-    def record(self) -> StepRecord:
-        """This step as the frontend receives it."""
-        return StepRecord(self.scheduled_at, self.duration, self.num_requests,
-                          self.num_prefill_tokens, self.num_decode_tokens, self.num_preemptions)
-
-    def trace_event(self) -> dict:
-        """This step as a Chrome-trace / Perfetto complete event."""
-        return {"name": "step", "ph": "X", "pid": 0, "tid": 0, "ts": self.start * 1e6,
-                "dur": self.duration * 1e6, "args": {
-                    "requests": self.num_requests, "prefill_tokens": self.num_prefill_tokens,
-                    "decode_tokens": self.num_decode_tokens,
-                    "generated_tokens": self.num_generated_tokens,
-                    "preemptions": self.num_preemptions,
-                    "kv_cache_usage": round(self.kv_cache_usage, 4),
-                    "model_ms": round(self.model_duration * 1e3, 3)}}
 
 
 class EngineCore:
@@ -89,8 +61,12 @@ class EngineCore:
         # it is ready, so that a slow grammar never stalls a step.
         self.compiling: dict[str, tuple[Request, Future]] = {}
         self.generators: dict[str, torch.Generator] = {}  # per-request seeded generators
-        self.last_step_stats: StepStats | None = None  # of the last step that ran a batch
-        self.model_seconds = 0.0  # of the last step's model pass
+        self.loop = StepLoop(self.scheduler, self.kv_cache_manager, SystemClock())
+
+    @property
+    def last_step_stats(self) -> StepStats | None:
+        """Of the last step that ran a batch."""
+        return self.loop.last_step_stats
 
     @property
     def max_model_len(self) -> int:
@@ -176,38 +152,16 @@ class EngineCore:
                 self._add_constrained(request, template)
             except Exception as e:
                 logger.warning("request %s cannot run: %s", request_id, e)
-                self.generators.pop(request_id, None)
                 failed.append(EngineCoreOutput(request_id, [], True, "error"))
         return failed
 
     def step(self) -> list[EngineCoreOutput]:
         """Outputs of the step's requests, and of those that waited past max_queue_wait."""
-        start, started = time.time(), time.perf_counter()
-        expired = [self._expired(r) for r in self.scheduler.expire_waiting(time.monotonic())]
-        expired += self._admit_compiled()
-        scheduler_output = self.scheduler.schedule()
-        if not scheduler_output.scheduled:
-            return expired
-        decodes = [is_decode(s.request, s.num_new_tokens) for s in scheduler_output.scheduled]
-        decode_tokens = sum(decodes)
-        now = time.monotonic()
-        for s in scheduler_output.scheduled:
-            s.request.events.append((now, "scheduled", s.num_new_tokens))
-            if s.request.scheduled_time is None:
-                s.request.scheduled_time = now
-        outputs = self._run(scheduler_output)
-        duration = time.perf_counter() - started
-        self.scheduler.step_time.update(duration, scheduler_output.num_batched_tokens)
-        end, prefill_tokens = time.monotonic(), scheduler_output.num_batched_tokens - decode_tokens
-        for s, decode in zip(scheduler_output.scheduled, decodes, strict=True):
-            s.request.stats.step_ran(s.num_computed_tokens, s.num_new_tokens, decode,
-                                     len(decodes), prefill_tokens, duration, end)
-        self.last_step_stats = StepStats(
-            start, duration, len(scheduler_output.scheduled),
-            scheduler_output.num_batched_tokens - decode_tokens, decode_tokens,
-            sum(len(o.new_token_ids) for o in outputs), len(scheduler_output.preempted),
-            self.kv_cache_manager.block_pool.usage, now, self.model_seconds)
-        return expired + outputs
+        outputs = self.loop.step(self._run, self._admit_compiled)
+        for output in outputs:
+            if output.finished:
+                self.generators.pop(output.request_id, None)
+        return outputs
 
     def _run(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
         sequences = [ScheduledSequence(s.token_ids, s.num_computed_tokens, s.block_ids,
@@ -220,9 +174,8 @@ class EngineCore:
         try:
             started = time.perf_counter()
             output = self.executor.execute_model(ModelInput(sequences))
-            self.model_seconds = time.perf_counter() - started
-        except Exception:
-            self.model_seconds = 0.0  # not split out when a batch is retried one by one
+            self.loop.model_seconds = time.perf_counter() - started
+        except Exception:  # model_seconds stays 0: not split out when retried one by one
             logger.exception("model step of %d requests failed; retrying each alone",
                              len(sequences))
             return self._step_one_by_one(scheduler_output, sequences)
@@ -299,7 +252,6 @@ class EngineCore:
                 request.events.append((now, "first_token", 0))
             if done:
                 request.events.append((now, "finished", 0))
-                self.generators.pop(request.request_id, None)
             logprobs = sampler_output.logprobs and sampler_output.logprobs[i]
             first = request.request_id in first_tokens
             outputs.append(EngineCoreOutput(
@@ -338,16 +290,7 @@ class EngineCore:
         collected += gather_logprobs(rows[first - start:end - start], targets,
                                      [request.sampling_params.prompt_logprobs] * len(targets))
 
-    def _expired(self, request: Request) -> EngineCoreOutput:
-        self.generators.pop(request.request_id, None)
-        now = time.monotonic()
-        request.events.append((now, "finished", 0))
-        return EngineCoreOutput(request.request_id, [], True, request.finish_reason,
-                                timings=(now - request.arrival_time, 0.0, 0.0),
-                                events=request.events, stats=request.stats)
-
     def _fail(self, request: Request) -> EngineCoreOutput:
-        self.generators.pop(request.request_id, None)
         self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
         return EngineCoreOutput(request.request_id, [], True, "error", request.num_cached_tokens)
 
@@ -385,19 +328,6 @@ def embedding_output(request: Request, now: float) -> EngineCoreOutput:
                             request.num_cached_tokens, timings=latency_breakdown(request, now),
                             events=request.events, stats=request.stats,
                             embedding=request.pooled_hidden.embedding())
-
-
-def latency_breakdown(request: Request, now: float) -> tuple[float, float, float]:
-    scheduled = request.scheduled_time or request.arrival_time
-    first_token = request.first_token_time or now
-    return scheduled - request.arrival_time, first_token - scheduled, now - first_token
-
-
-def is_decode(request: Request, num_new_tokens: int) -> bool:
-    """One new token after outputs already computed: the decode phase (recomputation after a
-    preemption and prompt chunks count as prefill)."""
-    return (num_new_tokens == 1 and request.num_output_tokens > 0
-            and request.num_computed_tokens == request.num_tokens - 1)
 
 
 def wants_prompt_logprobs(request: Request, num_computed_tokens: int) -> bool:

@@ -32,8 +32,9 @@ from treadle.core.messages import (
 from treadle.core.step_trace import StepTraceWriter
 
 if TYPE_CHECKING:
-    from treadle.core.engine_core import EngineCore, StepStats
+    from treadle.core.engine_core import EngineCore
     from treadle.core.request import Request
+    from treadle.core.step_loop import StepStats
 
 # The engine reports its load at least this often when idle.
 HEARTBEAT_SECONDS = 1.0

@@ -1,11 +1,9 @@
-"""One simulated engine: the production Scheduler and KVCacheManager on a virtual clock.
+"""One simulated engine: the engine's own step loop (core/step_loop.py: expiry, scheduling,
+the step-time model, stats) on a virtual clock, with the profile as its batch runner.
 
-`step()` does what EngineCore.step does, minus the model: expire requests past max_queue_wait,
-schedule, advance the clock by the profile's predicted step time, hand every request that
-completes its chunk a token (never EOS: outputs run to their length), and update. The predicted
-duration feeds the scheduler's step-time model, as the engine feeds it the measured one; `add`
-refuses what the engine process would (the policy's admission hook, through the scheduler's
-`refusal`).
+The runner advances the clock by the profile's predicted step time and hands every request that
+completes its chunk a token (never EOS: outputs run to their length). `add` refuses what the
+engine process would (the policy's admission hook, through the scheduler's `refusal`).
 """
 
 from __future__ import annotations
@@ -13,10 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from treadle.core.kv_cache import KVCacheManager
+from treadle.core.messages import EngineCoreOutput
 from treadle.core.request import Request
 from treadle.core.sampling_params import SamplingParams
 from treadle.core.sched.policy import make_policy
-from treadle.core.sched.scheduler import Scheduler
+from treadle.core.sched.scheduler import Scheduler, SchedulerOutput
+from treadle.core.step_loop import StepLoop
 from treadle.sim.profile import StepProfile, shared_decode_context
 from treadle.sim.settings import SimSettings
 from treadle.sim.workload import SimRequest
@@ -56,9 +56,22 @@ class StepRecord:
     start: float
     duration: float
     num_prefill_tokens: int
-    num_decode_seqs: int
+    num_decode_seqs: int  # decode tokens: one per sequence
     kv_usage: float  # after the step
     num_preempted: int
+
+
+class VirtualClock:
+    """The replica's clock: the time its current step ends (wall and monotonic alike)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def wall(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
 
 
 class SimReplica:
@@ -66,19 +79,29 @@ class SimReplica:
                  record_batches: bool = False) -> None:
         engine = settings.engine
         self.index = index
-        self.now = 0.0
+        self.clock = VirtualClock()
         self.profile = profile
         self.kv = KVCacheManager(engine.cache.num_blocks, engine.cache.block_size,
                                  engine.cache.enable_prefix_caching)
         policy = make_policy(engine.policy, engine.scheduler, engine.policy_settings)
         self.scheduler = Scheduler(engine.scheduler, self.kv, policy,
                                    engine.model.max_model_len, eos_token_ids=(),
-                                   clock=lambda: self.now)
+                                   clock=self.clock.monotonic)
+        self.loop = StepLoop(self.scheduler, self.kv, self.clock)
+        self.requests: dict[str, Request] = {}
         self.timelines: dict[str, Timeline] = {}
         self.steps: list[StepRecord] = []
         # Each step's batch as (request id, tokens computed before, new tokens), for tests.
         self.batches: list[list[tuple[str, int, int]]] | None = [] if record_batches else None
         self.outstanding_tokens = 0  # prompt + output tokens of unfinished requests
+
+    @property
+    def now(self) -> float:
+        return self.clock.now
+
+    @now.setter
+    def now(self, value: float) -> None:
+        self.clock.now = value
 
     def busy(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -96,50 +119,53 @@ class SimReplica:
         if why is not None:
             raise PolicyRefused(why, self.scheduler.policy.name)
         self.scheduler.add_request(req)
+        self.requests[req.request_id] = req
         timeline = self.timelines[req.request_id] = Timeline(index, self.index, request.arrival)
         self.outstanding_tokens += request.prompt_len + request.output_len
         return timeline
 
     def step(self) -> list[Timeline]:
         """One engine step at `now`; returns the timelines of the requests that ended."""
-        scheduler = self.scheduler
-        ended = [self._end(r) for r in scheduler.expire_waiting(self.now)] \
-            if scheduler.config.max_queue_wait is not None else []
-        output = scheduler.schedule()
-        if not output.scheduled:
-            return ended
-        start = self.now
-        chunks = [(s.num_computed_tokens, s.num_new_tokens) for s in output.scheduled]
+        ended, last = [], self.loop.last_step_stats
+        outputs = self.loop.step(self._run_batch)
+        stats = self.loop.last_step_stats
+        if stats is not last:  # a batch ran
+            self.steps.append(StepRecord(stats.start, stats.duration, stats.num_prefill_tokens,
+                                         stats.num_decode_tokens, stats.kv_cache_usage,
+                                         stats.num_preemptions))
+        for output in outputs:
+            timeline = self.timelines[output.request_id]
+            if output.new_token_ids:
+                if timeline.first_token is None:
+                    timeline.first_token = self.now
+                else:
+                    timeline.itl.append(self.now - timeline.last_token)
+                timeline.last_token = self.now
+            if output.finished:
+                ended.append(self._end(self.requests.pop(output.request_id)))
+        return ended
+
+    def _run_batch(self, batch: SchedulerOutput) -> list[EngineCoreOutput]:
+        """The model's pass as the profile predicts it: the clock moves to its end."""
+        chunks = [(s.num_computed_tokens, s.num_new_tokens) for s in batch.scheduled]
         shared = 0 if not self.kv.block_pool.num_shared_blocks else shared_decode_context(
-            ((s.num_computed_tokens, s.block_ids) for s in output.scheduled
+            ((s.num_computed_tokens, s.block_ids) for s in batch.scheduled
              if s.num_new_tokens == 1), self.kv.block_size)
-        duration = self.profile.predict_chunks(chunks, shared)
-        self.now = end = start + duration
-        scheduler.step_time.update(duration, output.num_batched_tokens)
+        self.now += self.profile.predict_chunks(chunks, shared)
         if self.batches is not None:
             self.batches.append([(s.request.request_id, s.num_computed_tokens, s.num_new_tokens)
-                                 for s in output.scheduled])
-        sampled = {}
-        for s in output.scheduled:
-            timeline = self.timelines[s.request.request_id]
-            if timeline.scheduled is None:
-                timeline.scheduled = start
-            if s.produces_token:
-                sampled[s.request.request_id] = SAMPLED_TOKEN
-                if timeline.first_token is None:
-                    timeline.first_token = end
-                else:
-                    timeline.itl.append(end - timeline.last_token)
-                timeline.last_token = end
-        finished = scheduler.update_from_output(output, sampled)
-        num_decode = sum(1 for _, n in chunks if n == 1)
-        self.steps.append(StepRecord(start, duration, output.num_batched_tokens - num_decode,
-                                     num_decode, self.kv.block_pool.usage,
-                                     len(output.preempted)))
-        return ended + [self._end(r) for r in finished]
+                                 for s in batch.scheduled])
+        sampled = {s.request.request_id: SAMPLED_TOKEN for s in batch.scheduled
+                   if s.produces_token}
+        finished = {r.request_id for r in self.scheduler.update_from_output(batch, sampled)}
+        return ([EngineCoreOutput(request_id, [token], request_id in finished)
+                 for request_id, token in sampled.items()] +
+                [EngineCoreOutput(request_id, [], True) for request_id in finished
+                 if request_id not in sampled])
 
     def _end(self, request: Request) -> Timeline:
         timeline = self.timelines.pop(request.request_id)
+        timeline.scheduled = request.scheduled_time
         timeline.finished = self.now
         timeline.finish_reason = request.finish_reason
         timeline.num_output_tokens = request.num_output_tokens
