@@ -1,50 +1,55 @@
 // The native kernels' entry points, shared by their sources, the fused decoder and the bindings.
-// All are built into one extension (kernels.py): the fused decoder calls the others directly.
+// All are built into one library per variant (setup.py, kernels.py): the fused decoder calls the
+// others directly.
 #pragma once
 
-#include <torch/extension.h>
+// ATen's tensor and the two factories the kernels call, not <torch/extension.h>: its
+// Python and pybind11 headers are bindings.cpp's alone.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <vector>
 
 // elementwise.cpp
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool scale_in_float32);
-torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, bool scale_in_float32);
+at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
+at::Tensor silu_and_mul(at::Tensor gate_up);
 
 // paged_attention.cpp
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens,
-                                     double scale, int64_t window);
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_tables, at::Tensor context_lens,
+                                  double scale, int64_t window);
 
 // quant_linear.cpp
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor weight, int64_t qtype,
-                           c10::optional<torch::Tensor> bias);
-torch::Tensor dequantize(torch::Tensor weight, int64_t qtype, int64_t k);
+at::Tensor quant_linear(at::Tensor x, at::Tensor weight, int64_t qtype,
+                        c10::optional<at::Tensor> bias);
+at::Tensor dequantize(at::Tensor weight, int64_t qtype, int64_t k);
 
 // sampling.cpp: one token a row from softmax(logits / temperature) at u ~ U[0, 1) a row.
-torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperatures, torch::Tensor u);
+at::Tensor sample_rows(at::Tensor logits, at::Tensor temperatures, at::Tensor u);
 
 // decoder.cpp: a Llama-family model's decode steps over GGUF-block projections, one call a step.
 class LlamaDecoder {
  public:
   LlamaDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
                double scale);
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, torch::Tensor qkv,
-                 int64_t qkv_type, c10::optional<torch::Tensor> qkv_bias, torch::Tensor o,
-                 int64_t o_type, torch::Tensor gate_up, int64_t gate_up_type, torch::Tensor down,
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor qkv,
+                 int64_t qkv_type, c10::optional<at::Tensor> qkv_bias, at::Tensor o,
+                 int64_t o_type, at::Tensor gate_up, int64_t gate_up_type, at::Tensor down,
                  int64_t down_type);
   // hidden [tokens, hidden] (the embeddings; not modified); cos, sin [tokens, head_dim / 2];
   // one key and one value cache a layer; slots [tokens]; block_tables [tokens, max_blocks];
   // context_lens [tokens]. Returns the residual stream after the last layer.
-  torch::Tensor forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin,
-                        const std::vector<torch::Tensor>& k_caches,
-                        const std::vector<torch::Tensor>& v_caches, torch::Tensor slots,
-                        torch::Tensor block_tables, torch::Tensor context_lens) const;
+  at::Tensor forward(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
+                     const std::vector<at::Tensor>& k_caches,
+                     const std::vector<at::Tensor>& v_caches, at::Tensor slots,
+                     at::Tensor block_tables, at::Tensor context_lens) const;
 
  private:
   struct Layer {
-    torch::Tensor input_norm, post_norm, qkv, o, gate_up, down;
-    c10::optional<torch::Tensor> qkv_bias;
+    at::Tensor input_norm, post_norm, qkv, o, gate_up, down;
+    c10::optional<at::Tensor> qkv_bias;
     int64_t qkv_type, o_type, gate_up_type, down_type;
   };
   int64_t num_heads_, num_kv_heads_, head_dim_;

@@ -559,8 +559,8 @@ void gemv_rows(const uint8_t* w, int64_t n, int64_t k, const QuantizedRows& xq, 
   });
 }
 
-void check_weight(const torch::Tensor& weight, int64_t qtype, int64_t k) {
-  TORCH_CHECK(weight.dtype() == torch::kUInt8 && weight.dim() == 2 && weight.is_contiguous(),
+void check_weight(const at::Tensor& weight, int64_t qtype, int64_t k) {
+  TORCH_CHECK(weight.dtype() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
               "weight must be contiguous uint8 [out_features, row_bytes]");
   const int64_t width = block_weights(qtype), row_bytes = k / width * block_bytes(qtype);
   TORCH_CHECK(k % width == 0, "in_features must be a multiple of ", width);
@@ -643,16 +643,16 @@ void dequantize_block(const uint8_t* blk, int64_t qtype, float* dst) {
 }  // namespace
 
 // y = x W^T (+ bias) for x [rows, k] float32 or bfloat16; W in GGUF blocks [n, row_bytes].
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor weight, int64_t qtype,
-                           c10::optional<torch::Tensor> bias) {
+at::Tensor quant_linear(at::Tensor x, at::Tensor weight, int64_t qtype,
+                        c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features]");
   x = x.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
   check_weight(weight, qtype, k);
-  const QuantizedRows xq = x.scalar_type() == torch::kBFloat16
+  const QuantizedRows xq = x.scalar_type() == at::kBFloat16
       ? quantize_rows(x.data_ptr<at::BFloat16>(), rows, k)
-      : quantize_rows(x.to(torch::kFloat32).data_ptr<float>(), rows, k);
-  auto out = torch::empty({rows, n}, x.options().dtype(torch::kFloat32));
+      : quantize_rows(x.to(at::kFloat).data_ptr<float>(), rows, k);
+  auto out = at::empty({rows, n}, x.options().dtype(at::kFloat));
   const uint8_t* w = weight.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   switch (qtype) {
@@ -664,15 +664,15 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor weight, int64_t qtype,
     case Q6_K: gemv_rows<Q6_K>(w, n, k, xq, rows, o); break;
     default: TORCH_CHECK(false, "unsupported quantized type ", qtype);
   }
-  if (bias.has_value()) out.add_(bias->to(torch::kFloat32));
+  if (bias.has_value()) out.add_(bias->to(at::kFloat));
   return out.to(x.scalar_type());
 }
 
 // The float weights [n, k] the blocks stand for (the large-batch path: dequantize, then GEMM).
-torch::Tensor dequantize(torch::Tensor weight, int64_t qtype, int64_t k) {
+at::Tensor dequantize(at::Tensor weight, int64_t qtype, int64_t k) {
   check_weight(weight, qtype, k);
   const int64_t n = weight.size(0), width = block_weights(qtype), bb = block_bytes(qtype);
-  auto out = torch::empty({n, k}, torch::kFloat32);
+  auto out = at::empty({n, k}, at::kFloat);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, n * (k / width), 256 * QK / width, [&](int64_t begin, int64_t end) {
