@@ -21,7 +21,8 @@ from model_utils import TINY
 
 from treadle.config import AsyncEngineConfig, ServerConfig, build_config
 from treadle.core.request import RequestStats
-from treadle.frontend.async_engine import AsyncEngine, sanitize_request_id
+from treadle.frontend.async_engine import AsyncEngine
+from treadle.frontend.request_ids import sanitize_request_id
 from treadle.observability.explain import PARTS, e2e, explain, timings
 
 # Hand-built timelines, as the observer writes them.

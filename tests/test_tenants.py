@@ -116,7 +116,7 @@ def test_per_tenant_limits_are_429s_naming_them(keyed):
     url = f"http://127.0.0.1:{port}/v1/completions"
     alice = {"Authorization": "Bearer ka"}
     with httpx.Client(timeout=60) as http:
-        os.kill(engine.process.pid, signal.SIGSTOP)  # nothing gets a first token meanwhile
+        os.kill(engine.client.pid, signal.SIGSTOP)  # nothing gets a first token meanwhile
         try:
             def send(body: dict, headers: dict = alice) -> httpx.Response:
                 return http.post(url, json={"max_tokens": 1, **body}, headers=headers)
@@ -160,7 +160,7 @@ def test_per_tenant_limits_are_429s_naming_them(keyed):
             # Another tenant is not held back by alice's limits.
             assert engine.admission.tenant_in_flight.get("bob") is None
         finally:
-            os.kill(engine.process.pid, signal.SIGCONT)
+            os.kill(engine.client.pid, signal.SIGCONT)
         first.join(30)
         second.join(30)
     assert [r.status_code for r in held] == [200, 200]

@@ -16,6 +16,8 @@ through timing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from treadle.config import AdmissionConfig
 from treadle.core.request import DEFAULT_TENANT
 
@@ -28,6 +30,36 @@ def check_tenant_name(name: str, what: str = "tenant name") -> None:
     if not name or len(name) > MAX_TENANT_NAME or not name.isprintable() or name != name.strip():
         raise ValueError(f"{what} must be 1 to {MAX_TENANT_NAME} printable characters without "
                          f"surrounding spaces, got {name[:80]!r}")
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """Who an admitted request is for and what it asks of the schedule, beside its sampling."""
+
+    tenant: str
+    cache_salt: str | None  # the client's; the engine gets `Admission.cache_salt`'s
+    ttft: float | None  # objectives, seconds; None: the server's defaults apply
+    tpot: float | None
+
+
+MAX_OBJECTIVE_MS = 86_400_000.0  # a day: objectives past it mean nothing
+
+
+def objective_seconds(name: str, ms: float | str | None) -> float | None:
+    """A TTFT or TPOT objective given in milliseconds (a number, or a header's text), in
+    seconds; None when not given."""
+    if ms is None:
+        return None
+    if isinstance(ms, str):
+        try:
+            ms = float(ms)
+        except ValueError:
+            raise ValueError(f"{name} must be a number of milliseconds, got {ms[:40]!r}") \
+                from None
+    if isinstance(ms, bool) or not 0 < ms <= MAX_OBJECTIVE_MS:
+        raise ValueError(f"{name} must be > 0 and <= {MAX_OBJECTIVE_MS:.0f} milliseconds, "
+                         f"got {ms}")
+    return ms / 1e3
 
 
 class EngineOverloaded(Exception):

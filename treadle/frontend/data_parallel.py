@@ -1,11 +1,11 @@
 """ReplicaGroup: data-parallel engine replicas on Ray, as the frontend sees them.
 
-`treadle serve --data-parallel-size N` starts N Ray actors (treadle/frontend/ray_replica.py), each
-a whole engine core with its own KV cache, on `engine_threads` CPUs (one by default), spread over
-the cluster's nodes: the cluster `RAY_ADDRESS` names, or a local one started here. The group
-stands where one engine process, its pipes and its RequestSender stand in AsyncEngine: `send`
-takes the same typed messages (an AddRequest goes to the replica the Router picks, an
-AbortRequest to the one running it), `recv` gives the same outputs, merged. Per replica, a
+`treadle serve --data-parallel-size N` starts N Ray actors (ray_replica.py), each a whole engine
+core with its own KV cache, on `engine_threads` CPUs (one by default), spread over the cluster's
+nodes: the cluster `RAY_ADDRESS` names, or a local one started here. The group is an
+EngineClient, as one engine process is: `send` takes the same typed messages (an AddRequest goes
+to the replica the Router picks, an AbortRequest to the one running it), `recv` gives the same
+outputs, merged. Per replica, a
 sender thread submits its queued messages in one actor call, in order, and a puller thread
 fetches its outputs in batches (`pull`: everything since the last call, each message a step's
 outputs), so Ray's per-call cost (about a millisecond) is paid per step, not per token.
@@ -182,7 +182,7 @@ class ReplicaGroup:
                     self.config.data_parallel.router)
         return first
 
-    # As AsyncEngine's request sender.
+    # As an EngineClient (engine_client.py).
 
     def send(self, message: EngineRequest) -> None:
         """Route an AddRequest, pass an AbortRequest to its replica; never blocks."""
@@ -223,8 +223,6 @@ class ReplicaGroup:
             self.replicas[flight.replica].outstanding -= flight.tokens
         return flight
 
-    # As AsyncEngine's engine process and its output pipe.
-
     def recv(self) -> EngineOutput:
         """The next output of any replica; EOFError once the group has stopped."""
         message = self.outputs.get()
@@ -248,15 +246,16 @@ class ReplicaGroup:
                 logger.warning("could not kill replica %d: %s", replica.index, e)
         self.outputs.put(None)
 
+    def stop(self, timeout: float) -> None:
+        """Replicas hold nothing worth a graceful end: stopped at once."""
+        self.kill()
+
     def close(self) -> None:
         """The reader is done with the group (it stopped, or the reader failed): stop it."""
         self.kill()
 
-    def join(self, timeout: float | None = None) -> None:
-        self.stopped.wait(timeout)
-
-    def is_alive(self) -> bool:
-        return not self.stopped.is_set()
+    def exit_status(self) -> str:
+        return "every replica is gone for good" if self.exitcode else "stopped"
 
     # Per replica: its threads.
 

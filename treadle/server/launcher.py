@@ -28,7 +28,8 @@ import grpc
 import uvicorn
 
 from treadle.config import ServerConfig
-from treadle.frontend.async_engine import UNAVAILABLE, AsyncEngine, EngineUnavailable
+from treadle.frontend.async_engine import AsyncEngine
+from treadle.frontend.supervisor import UNAVAILABLE, EngineUnavailable
 from treadle.server.grpc.servicer import start_grpc_server
 from treadle.server.openai.app import build_app
 

@@ -86,23 +86,3 @@ def chat_conversation(messages: Sequence[tuple[str, str] | tuple[str, str, str |
             message["name"] = name[0]
         conversation.append(message)
     return conversation
-
-
-MAX_OBJECTIVE_MS = 86_400_000.0  # a day: objectives past it mean nothing
-
-
-def objective_seconds(name: str, ms: float | str | None) -> float | None:
-    """A TTFT or TPOT objective given in milliseconds (a number, or a header's text), in
-    seconds; None when not given."""
-    if ms is None:
-        return None
-    if isinstance(ms, str):
-        try:
-            ms = float(ms)
-        except ValueError:
-            raise ValueError(f"{name} must be a number of milliseconds, got {ms[:40]!r}") \
-                from None
-    if isinstance(ms, bool) or not 0 < ms <= MAX_OBJECTIVE_MS:
-        raise ValueError(f"{name} must be > 0 and <= {MAX_OBJECTIVE_MS:.0f} milliseconds, "
-                         f"got {ms}")
-    return ms / 1e3

@@ -18,13 +18,17 @@ at::Tensor silu_and_mul(at::Tensor gate_up);
 
 // paged_attention.cpp
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                                  at::Tensor block_tables, at::Tensor context_lens,
-                                  double scale, int64_t window);
+                                     at::Tensor block_tables, at::Tensor context_lens,
+                                     double scale, int64_t window);
 
-// quant_linear.cpp
+// quant_linear.cpp (the K-quants' kernels in quant_kblocks.cpp)
 at::Tensor quant_linear(at::Tensor x, at::Tensor weight, int64_t qtype,
-                        c10::optional<at::Tensor> bias);
+                           c10::optional<at::Tensor> bias);
+at::Tensor quant_linear_parts(at::Tensor x, const std::vector<at::Tensor>& weights,
+                                 const std::vector<int64_t>& qtypes,
+                                 c10::optional<at::Tensor> bias);
 at::Tensor dequantize(at::Tensor weight, int64_t qtype, int64_t k);
+at::Tensor dequantize_bf16(at::Tensor weight, int64_t qtype, int64_t k);
 
 // sampling.cpp: one token a row from softmax(logits / temperature) at u ~ U[0, 1) a row.
 at::Tensor sample_rows(at::Tensor logits, at::Tensor temperatures, at::Tensor u);
@@ -34,23 +38,27 @@ class LlamaDecoder {
  public:
   LlamaDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
                double scale);
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor qkv,
-                 int64_t qkv_type, c10::optional<at::Tensor> qkv_bias, at::Tensor o,
-                 int64_t o_type, at::Tensor gate_up, int64_t gate_up_type, at::Tensor down,
-                 int64_t down_type);
+  // Each projection as its parts (q/k/v, gate/up), each part's blocks and type.
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm,
+                 std::vector<at::Tensor> qkv, std::vector<int64_t> qkv_types,
+                 c10::optional<at::Tensor> qkv_bias, std::vector<at::Tensor> o,
+                 std::vector<int64_t> o_types, std::vector<at::Tensor> gate_up,
+                 std::vector<int64_t> gate_up_types, std::vector<at::Tensor> down,
+                 std::vector<int64_t> down_types);
   // hidden [tokens, hidden] (the embeddings; not modified); cos, sin [tokens, head_dim / 2];
   // one key and one value cache a layer; slots [tokens]; block_tables [tokens, max_blocks];
   // context_lens [tokens]. Returns the residual stream after the last layer.
   at::Tensor forward(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
-                     const std::vector<at::Tensor>& k_caches,
-                     const std::vector<at::Tensor>& v_caches, at::Tensor slots,
-                     at::Tensor block_tables, at::Tensor context_lens) const;
+                        const std::vector<at::Tensor>& k_caches,
+                        const std::vector<at::Tensor>& v_caches, at::Tensor slots,
+                        at::Tensor block_tables, at::Tensor context_lens) const;
 
  private:
   struct Layer {
-    at::Tensor input_norm, post_norm, qkv, o, gate_up, down;
+    at::Tensor input_norm, post_norm;
+    std::vector<at::Tensor> qkv, o, gate_up, down;
     c10::optional<at::Tensor> qkv_bias;
-    int64_t qkv_type, o_type, gate_up_type, down_type;
+    std::vector<int64_t> qkv_types, o_types, gate_up_types, down_types;
   };
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;

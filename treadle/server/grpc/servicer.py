@@ -48,12 +48,13 @@ from grpc_reflection.v1alpha import reflection
 from treadle.config import APIKey, ServerConfig
 from treadle.core.sampling_params import SamplingParams
 from treadle.frontend.admission import EngineOverloaded
-from treadle.frontend.async_engine import AsyncEngine, EngineUnavailable
+from treadle.frontend.async_engine import AsyncEngine
+from treadle.frontend.supervisor import EngineUnavailable
 from treadle.server.auth import APIKeys, bearer_token
 from treadle.server.chat_template import apply_chat_template, chat_tokenizer
 from treadle.server.grpc import treadle_pb2 as pb
 from treadle.server.grpc import treadle_pb2_grpc as pb_grpc
-from treadle.server.validation import check_prompt_text, objective_seconds
+from treadle.server.validation import check_prompt_text
 
 if TYPE_CHECKING:
     from treadle.tokenizer import Tokenizer
@@ -138,19 +139,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                 f"this server serves {self.model_names[0]!r}")
         try:
             params = sampling_params(request, self.engine.sampling_defaults)
-            tenant = self.engine.resolve_tenant(self.key_name(context), request.user)
-            ttft = objective_seconds("ttft_ms", request.ttft_ms
-                                     if request.HasField("ttft_ms") else None)
-            tpot = objective_seconds("tpot_ms", request.tpot_ms
-                                     if request.HasField("tpot_ms") else None)
-            self.engine.cache_salt(tenant, request.cache_salt)  # its length
-            self.engine.check_capacity(tenant=tenant)  # before tokenizing: refuse cheaply
+            admitted = self.engine.admit(
+                self.key_name(context), request.user,
+                ttft_ms=request.ttft_ms if request.HasField("ttft_ms") else None,
+                tpot_ms=request.tpot_ms if request.HasField("tpot_ms") else None,
+                cache_salt=request.cache_salt)
+        except EngineUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineOverloaded as e:
             await overloaded(context, e)
-        options = {"tenant": tenant, "cache_salt": request.cache_salt or None, "ttft": ttft,
-                   "tpot": tpot}
+        options = {"tenant": admitted.tenant, "cache_salt": admitted.cache_salt,
+                   "ttft": admitted.ttft, "tpot": admitted.tpot}
         label = caller(context, request.request_id)
         if request.request_id:
             if label in self.calls:

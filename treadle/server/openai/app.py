@@ -83,8 +83,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])
-    app.add_middleware(RequestIdMiddleware, reserve=engine.reserve_request_id,
-                       release=engine.release_request_id)
+    app.add_middleware(RequestIdMiddleware, reserve=engine.request_ids.reserve,
+                       release=engine.request_ids.release)
     app.include_router(health_router(engine))
     app.include_router(dashboard_router(engine))
     if config.enable_debug_endpoints:

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 
 from treadle.core.sampling_params import SamplingParams
 from treadle.frontend.admission import EngineOverloaded
-from treadle.frontend.async_engine import EngineUnavailable
+from treadle.frontend.supervisor import EngineUnavailable
 from treadle.server.openai.errors import APIError
 from treadle.server.openai.protocol import (
     Embedding,
@@ -28,7 +28,12 @@ from treadle.server.openai.protocol import (
     EmbeddingResponse,
     EmbeddingUsage,
 )
-from treadle.server.openai.serving import OpenAIServing, RequestContext, engine_error
+from treadle.server.openai.serving import (
+    OpenAIServing,
+    RequestContext,
+    engine_error,
+    request_context,
+)
 from treadle.server.validation import check_prompt_text
 
 MAX_INPUTS = 2048  # OpenAI's limit on one request's inputs
@@ -46,18 +51,13 @@ def admit(serving: OpenAIServing, body: EmbeddingRequest, request: Request) -> R
         raise APIError(400, f'Model "{serving.model_name}" does not support matryoshka '
                        f"representation, changing output dimensions will lead to poor results.",
                        param="dimensions", code="unsupported_value")
-    key_name = getattr(request.state, "api_key_name", None)
     try:
-        tenant = serving.engine.resolve_tenant(key_name, body.user)
-    except ValueError as e:
-        raise APIError(400, str(e), param="user") from e
-    try:
-        serving.engine.check_available()
-        serving.engine.check_capacity(tenant=tenant)
+        admitted = serving.engine.admit(getattr(request.state, "api_key_name", None), body.user)
     except (EngineUnavailable, EngineOverloaded) as e:
         raise engine_error(e, {}) from e
-    return RequestContext(tenant, None, None, None, request.state.request_id,
-                          request.state.received)
+    except ValueError as e:
+        raise APIError(400, str(e), param="user") from e
+    return request_context(admitted, request)
 
 
 async def embedding_inputs(serving: OpenAIServing, body: EmbeddingRequest) -> list[list[int]]:

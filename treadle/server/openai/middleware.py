@@ -19,7 +19,7 @@ from treadle.server.openai.errors import APIError
 
 class RequestIdMiddleware:
     """Each request's id, held while it is served: the client's X-Request-Id sanitised and made
-    unique by `reserve` (AsyncEngine.reserve_request_id), or a fresh one; the routes key
+    unique by `reserve` (frontend/request_ids.py), or a fresh one; the routes key
     everything by it (`request.state.request_id`) and every response echoes it. Also when the
     request was received (`request.state.received`, time.monotonic()), where its latency
     breakdown starts."""

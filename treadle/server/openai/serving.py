@@ -14,7 +14,7 @@ NOT_YET tables); a field OpenAI does not know either is ignored with a warning, 
 
 Tenants and objectives: a request's tenant is its API key's name, else its `user` field, else
 its `safety_identifier` (OpenAI's successor of `user`), else "default"
-(AsyncEngine.resolve_tenant); `cache_salt` is vLLM's field; TTFT and TPOT objectives
+(AsyncEngine.admit); `cache_salt` is vLLM's field; TTFT and TPOT objectives
 come from the `ttft_ms` / `tpot_ms` fields, else the `X-Treadle-TTFT-Ms` / `X-Treadle-TPOT-Ms`
 headers. A tenant over its limits, or (deadline policy) a TTFT the engine cannot meet, is a 429
 whose code names the limit (tenant_requests, tenant_queued_tokens, deadline). A request that
@@ -38,9 +38,10 @@ from pydantic import BaseModel
 
 from treadle.core.sampling_params import SamplingParams, StructuredOutputsParams
 from treadle.core.structured_output import check_structured_outputs
-from treadle.frontend.admission import EngineOverloaded, check_tenant_name
-from treadle.frontend.async_engine import AsyncEngine, EngineUnavailable, RequestUpdate
+from treadle.frontend.admission import Admitted, EngineOverloaded, check_tenant_name
+from treadle.frontend.async_engine import AsyncEngine, RequestUpdate
 from treadle.frontend.output_processor import RequestState, SampleDelta
+from treadle.frontend.supervisor import EngineUnavailable
 from treadle.observability.explain import e2e, timings
 from treadle.server.chat_template import apply_chat_template
 from treadle.server.openai.errors import APIError, from_value_error
@@ -55,7 +56,7 @@ from treadle.server.openai.protocol import (
 )
 from treadle.server.openai.tool_parsers import tool_parser
 from treadle.server.openai.tools import ChatTools, chat_tools, template_inputs
-from treadle.server.validation import check_prompt_text, objective_seconds
+from treadle.server.validation import check_prompt_text
 
 if TYPE_CHECKING:
     from treadle.tokenizer import Tokenizer
@@ -68,6 +69,7 @@ TTFT_HEADER = "x-treadle-ttft-ms"
 TPOT_HEADER = "x-treadle-tpot-ms"
 # What AsyncEngine.generate raises when it refuses a request.
 ENGINE_ERRORS = (ValueError, EngineOverloaded, RuntimeError)
+SERVER_QUEUE_LIMITS = ("queue_full", "queued_tokens_full")  # Admission's server-wide reasons
 QUEUE_TIMEOUT_MESSAGE = ("the request waited longer than the server's queue time limit "
                          "(max_queue_wait) without being scheduled; retry later")
 
@@ -92,6 +94,11 @@ class RequestContext:
     tpot: float | None
     request_id: str  # what the request's records are keyed by (RequestIdMiddleware's)
     received: float  # time.monotonic() when the request came in
+
+
+def request_context(admitted: Admitted, request: Request) -> RequestContext:
+    return RequestContext(admitted.tenant, admitted.cache_salt, admitted.ttft, admitted.tpot,
+                          request.state.request_id, request.state.received)
 
 
 async def merge(streams: list[AsyncIterator[RequestUpdate]]) -> Updates:
@@ -167,11 +174,10 @@ def engine_error(error: Exception, params: dict[str, str]) -> APIError:
     if isinstance(error, ValueError):
         return from_value_error(error, params)
     if isinstance(error, EngineOverloaded):
-        # The server-wide queue's limits keep OpenAI's code; the others name theirs.
-        code = error.reason if error.reason in ("tenant_requests", "tenant_queued_tokens",
-                                                "deadline") else "rate_limit_exceeded"
-        return APIError(429, str(error), code=code, param="ttft_ms" if code == "deadline"
-                        else None, error_type="rate_limit_error",
+        # The server-wide queue's limits keep OpenAI's code; the others (a tenant's limits, a
+        # queue policy's refusal) name theirs.
+        code = "rate_limit_exceeded" if error.reason in SERVER_QUEUE_LIMITS else error.reason
+        return APIError(429, str(error), code=code, error_type="rate_limit_error",
                         headers={"Retry-After": str(error.retry_after)})
     if isinstance(error, RuntimeError):
         return APIError(503, str(error), error_type="service_unavailable")
@@ -264,9 +270,10 @@ class OpenAIServing:
     `chat_tokenizer`: the engine's tokenizer, or a copy with the server's chat template."""
 
     def __init__(self, engine: AsyncEngine, chat_tokenizer: Tokenizer,
-                 model_names: tuple[str, ...] = (), sse_keepalive_interval: float = 15.0,
-                 tool_call_parser: str = "hermes") -> None:
-        """`model_names`: those a request's `model` may be, the first in responses (empty: the
+                 model_names: tuple[str, ...], sse_keepalive_interval: float,
+                 tool_call_parser: str) -> None:
+        """The ServerConfig settings of the same names (their defaults are its own):
+        `model_names`: those a request's `model` may be, the first in responses (empty: the
         model's own name); `sse_keepalive_interval`: seconds of silence before a streamed
         response gets a keep-alive comment; `tool_call_parser`: how model outputs' tool calls
         are written (tool_parsers.py)."""
@@ -301,38 +308,25 @@ class OpenAIServing:
         if unsupported is not None:
             param, message = unsupported
             raise APIError(400, message, param=param, code="unsupported_value")
+        user = body.user
+        headers = request.headers
         try:
-            context = self.request_context(body, request)
+            if not user and body.safety_identifier:
+                check_tenant_name(body.safety_identifier, "safety_identifier")  # named as sent
+                user = body.safety_identifier
+            admitted = self.engine.admit(
+                getattr(request.state, "api_key_name", None), user,
+                ttft_ms=body.ttft_ms if body.ttft_ms is not None else headers.get(TTFT_HEADER),
+                tpot_ms=body.tpot_ms if body.tpot_ms is not None else headers.get(TPOT_HEADER),
+                cache_salt=body.cache_salt)
+        except (EngineUnavailable, EngineOverloaded) as e:
+            raise engine_error(e, {}) from e
         except ValueError as e:
             raise from_value_error(e, {name: name for name in (
                 "user", "safety_identifier", "ttft_ms", "tpot_ms", "cache_salt")}) from e
-        try:
-            self.engine.check_available()
-            self.engine.check_capacity(tenant=context.tenant)
-        except (EngineUnavailable, EngineOverloaded) as e:
-            raise engine_error(e, {}) from e
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options needs stream", param="stream_options")
-        return context
-
-    def request_context(self, body: CompletionRequest | ChatCompletionRequest,
-                        request: Request) -> RequestContext:
-        """ValueError names the bad field."""
-        key_name = getattr(request.state, "api_key_name", None)
-        user = body.user
-        if not user and body.safety_identifier:
-            check_tenant_name(body.safety_identifier, "safety_identifier")  # named as sent
-            user = body.safety_identifier
-        tenant = self.engine.resolve_tenant(key_name, user)
-        headers = request.headers
-        ttft = objective_seconds("ttft_ms", body.ttft_ms if body.ttft_ms is not None
-                                 else headers.get(TTFT_HEADER))
-        tpot = objective_seconds("tpot_ms", body.tpot_ms if body.tpot_ms is not None
-                                 else headers.get(TPOT_HEADER))
-        if body.cache_salt is not None:
-            self.engine.cache_salt(tenant, body.cache_salt)  # its length: a 400 now
-        return RequestContext(tenant, body.cache_salt, ttft, tpot, request.state.request_id,
-                              request.state.received)
+        return request_context(admitted, request)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
