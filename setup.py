@@ -19,7 +19,8 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = Path(__file__).parent
 _spec = importlib.util.spec_from_file_location(
-    "kernel_variants", ROOT / "treadle" / "model" / "kernel_variants.py")
+    "kernel_variants", ROOT / "treadle" / "model" / "kernel_variants.py"
+)
 variants = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(variants)
 
@@ -32,16 +33,21 @@ def extensions() -> list[CppExtension]:
     machine = platform.machine()
     if machine not in variants.X86_64:
         return []  # no prebuilt variant: kernels.py builds the generic one at first use
-    sources = [str(p.relative_to(ROOT)) for p in variants.source_files()
-               if p.suffix == ".cpp"]
-    headers = [str(p.relative_to(ROOT)) for p in variants.source_files()
-               if p.suffix != ".cpp"]
+    sources = [str(p.relative_to(ROOT)) for p in variants.source_files() if p.suffix == ".cpp"]
+    headers = [str(p.relative_to(ROOT)) for p in variants.source_files() if p.suffix != ".cpp"]
     extensions = []
     for variant in variants.PREBUILT:
         cflags, ldflags = variants.build_flags(machine, variant)
-        extensions.append(CppExtension(
-            extension_name(variant), sources,
-            depends=headers, extra_compile_args=cflags, extra_link_args=ldflags, optional=True))
+        extensions.append(
+            CppExtension(
+                extension_name(variant),
+                sources,
+                depends=headers,
+                extra_compile_args=cflags,
+                extra_link_args=ldflags,
+                optional=True,
+            )
+        )
     return extensions
 
 
@@ -66,12 +72,18 @@ class BuildVariants(BuildExtension):
         super().run()
         import torch
 
-        libraries = {variant: Path(self.get_ext_fullpath(extension_name(variant)))
-                     for variant in variants.PREBUILT}
+        libraries = {
+            variant: Path(self.get_ext_fullpath(extension_name(variant)))
+            for variant in variants.PREBUILT
+        }
         folder = next(iter(libraries.values())).parent
-        manifest = {"sources": variants.source_hash(), "torch": torch.__version__,
-                    "libraries": {variant: library.name for variant, library in libraries.items()
-                                  if library.exists()}}
+        manifest = {
+            "sources": variants.source_hash(),
+            "torch": torch.__version__,
+            "libraries": {
+                variant: library.name for variant, library in libraries.items() if library.exists()
+            },
+        }
         (folder / variants.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
 
