@@ -27,6 +27,7 @@ from model_utils import TINY
 from treadle.core.engine_core import EngineCore
 from treadle.core.kv_cache import KVCacheManager
 from treadle.core.sched.scheduler import Scheduler
+from treadle.model.kernels import load_kernels, prebuilt_library, this_build
 from treadle.model.source import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,6 +64,21 @@ def tiny_folder(tmp_path_factory) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tokenizer_folder / name, folder / name)
     return folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernel_variants_built() -> None:
+    """Each native-kernel variant the suite runs, built at most once per run, here: this CPU's,
+    and the AVX2 one that AVX2_ENV's child processes load on an AVX-512 machine. Where the
+    install's prebuilt variant fits (the sources it was built from), this only loads it;
+    otherwise (an edited kernel, a checkout never installed) the variant is built into the
+    cache once, not by the first child of each test file that forces the path, under its timeout."""
+    build = this_build()
+    load_kernels()
+    if build.variant == "avx512" and prebuilt_library("avx2")[0] is None:
+        result = run_forced(["-c", "from treadle.model.kernels import load_kernels; "
+                             "load_kernels()"], AVX2_ENV, timeout=1200)
+        assert result.returncode == 0, result.stderr
 
 
 @pytest.fixture(params=[pytest.param(AVX2_ENV, id="avx2"),

@@ -1,6 +1,7 @@
 """The capability probe and the paths it picks: `--dtype auto`, prepacked linear layers, the native
-attention kernel's build, `treadle env`. Child processes force the AVX2 path (as on a Zen 3) and
-the all-portable path, so an AVX-512 machine tests both and an AVX2 one tests the fallbacks."""
+kernels' variant (prebuilt by the install, or built at first use), `treadle env`. Child processes
+force the AVX2 path (as on a Zen 3) and the all-portable path, so an AVX-512 machine tests both and
+an AVX2 one tests the fallbacks."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -20,16 +22,10 @@ import torch
 import torch.nn.functional as F
 from conftest import AVX2_ENV, ROOT, free_port, run_forced
 
-from treadle.model import capabilities
+from treadle.model import capabilities, kernel_variants
 from treadle.model.capabilities import probe, resolve_dtype
-from treadle.model.kernels import (
-    EXTENSION,
-    build_flags,
-    build_folder,
-    build_lock,
-    paged_decode_attention,
-    sources,
-)
+from treadle.model.kernel_variants import build_flags, library_name, variant_for
+from treadle.model.kernels import build_folder, build_lock, this_build
 from treadle.model.linear import Linear
 
 PROBE = ("import json; from treadle.model.capabilities import probe, resolve_dtype; "
@@ -91,60 +87,123 @@ def test_linear_follows_the_probe_and_matches_f_linear(dtype):
     assert (layer(x).float() - F.linear(x, w, b).float()).abs().max().item() < tolerance * 10
 
 
-def test_kernel_build_is_keyed_by_machine_and_level(monkeypatch):
-    v4, _ = build_flags("x86_64", "AVX512")
-    assert "-mavx512vnni" in build_flags("x86_64", "AVX512", vnni=True)[0]
-    assert "-mavx512vnni" not in build_flags("x86_64", "AVX2", vnni=True)[0]
-    v3, ld3 = build_flags("x86_64", "AVX2")
-    arm, arm_ld = build_flags("aarch64", "DEFAULT")
-    assert "-march=x86-64-v4" in v4 and "-march=x86-64-v3" in v3 and "-lmvec" in ld3
+def test_each_cpu_class_gets_its_variant_and_flags(monkeypatch):
+    assert variant_for("x86_64", "AVX512", vnni=True) == "avx512"
+    assert variant_for("x86_64", "AVX512", vnni=False) == "avx2"  # its int8 dots need VNNI
+    assert variant_for("x86_64", "AVX2", vnni=False) == "avx2"
+    assert variant_for("x86_64", "DEFAULT", vnni=False) == "generic"
+    assert variant_for("aarch64", "DEFAULT", vnni=False) == "generic"
+    v4, _ = build_flags("x86_64", "avx512")
+    v3, ld3 = build_flags("x86_64", "avx2")
+    arm, arm_ld = build_flags("aarch64", "generic")
+    assert "-march=x86-64-v4" in v4 and "-mavx512vnni" in v4 and "-lmvec" in ld3
+    assert "-march=x86-64-v3" in v3 and "-mavx512vnni" not in v3
     assert not any(f.startswith(("-march", "-mcpu")) for f in arm) and "-lmvec" not in arm_ld
     assert "-march=native" not in v4 + v3  # a shared cache must not hold a CPU-specific build
-    folders = {build_folder("x86_64", "AVX512", v4, ld3),
-               build_folder("x86_64", "AVX2", v3, ld3),
-               build_folder("aarch64", "DEFAULT", arm, arm_ld)}
+    folders = {build_folder("x86_64", "avx512", v4, ld3),
+               build_folder("x86_64", "avx2", v3, ld3),
+               build_folder("aarch64", "generic", arm, arm_ld)}
     assert len(folders) == 3
-    here = build_folder("x86_64", "AVX2", v3, ld3)
-    assert f"{EXTENSION}-x86_64-avx2-" in str(here)
+    here = build_folder("x86_64", "avx2", v3, ld3)
+    assert f"{library_name('avx2')}-x86_64-" in str(here)
     monkeypatch.setattr(torch, "__file__", "/another/venv/torch/__init__.py")
-    assert build_folder("x86_64", "AVX2", v3, ld3) != here  # another torch install
+    assert build_folder("x86_64", "avx2", v3, ld3) != here  # another torch install
 
 
 def test_kernel_build_is_keyed_by_every_source_and_the_header(monkeypatch, tmp_path):
-    from treadle.model import kernels
-
-    flags = build_flags("x86_64", "AVX2")
-    shutil.copytree(kernels.CSRC, tmp_path / "csrc")
-    monkeypatch.setattr(kernels, "CSRC", tmp_path / "csrc")
-    folders = {build_folder("x86_64", "AVX2", *flags)}
+    flags = build_flags("x86_64", "avx2")
+    shutil.copytree(kernel_variants.CSRC, tmp_path / "csrc")
+    monkeypatch.setattr(kernel_variants, "CSRC", tmp_path / "csrc")
+    folders = {build_folder("x86_64", "avx2", *flags)}
+    hashes = {kernel_variants.source_hash()}
     for path in sorted((tmp_path / "csrc").iterdir()):
         path.write_bytes(path.read_bytes() + b"\n")
-        folders.add(build_folder("x86_64", "AVX2", *flags))
-    assert len(folders) == 1 + len(list((tmp_path / "csrc").iterdir()))
+        folders.add(build_folder("x86_64", "avx2", *flags))
+        hashes.add(kernel_variants.source_hash())
+    assert len(folders) == len(hashes) == 1 + len(list((tmp_path / "csrc").iterdir()))
     assert "kernels.h" in {p.name for p in (tmp_path / "csrc").iterdir()}
 
 
-def test_a_kernel_that_cannot_build_falls_back_with_a_warning(tmp_path):
-    script = ("import logging; logging.basicConfig()\n"
-              "from treadle.model.kernels import paged_decode_attention\n"
-              "print(paged_decode_attention() is None)")
-    result = run_forced(["-c", script], {"TREADLE_CACHE": str(tmp_path), "CXX": "/bin/false"})
+def edited_sources(tmp_path) -> Path:
+    """A copy of csrc/ with one kernel edited, as a developer's editable install has it."""
+    csrc = tmp_path / "csrc"
+    shutil.copytree(kernel_variants.CSRC, csrc)
+    with (csrc / "sampling.cpp").open("a") as f:
+        f.write("// edited\n")
+    return csrc
+
+
+# A child process whose kernels read `csrc` (argv[1]): their first use builds where those are
+# not the sources the package's variants were built from.
+EDITED_KERNELS = ("import logging, sys; logging.basicConfig(level=logging.INFO)\n"
+                  "from pathlib import Path\n"
+                  "from treadle.model import kernel_variants, kernels\n"
+                  "kernel_variants.CSRC = Path(sys.argv[1])\n"
+                  "kernels.PROGRESS_EVERY_S = 0.2\n"
+                  "print(kernels.paged_decode_attention() is not None)\n")
+
+
+def test_an_edited_kernel_is_built_at_first_use_with_progress_lines(tmp_path):
+    """Not the package's variant, built from other sources: a build in the cache, whose log
+    says every few seconds what is left; here the compiler fails, and the torch path serves."""
+    compiler = tmp_path / "slow-failing-c++"
+    compiler.write_text("#!/bin/sh\nsleep 1\nexit 1\n")
+    compiler.chmod(0o755)
+    result = run_forced(["-c", EDITED_KERNELS, str(edited_sources(tmp_path))],
+                        {"TREADLE_CACHE": str(tmp_path / "cache"), "CXX": str(compiler)})
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "True"
-    assert f"native kernels {EXTENSION} unavailable" in result.stderr
+    assert result.stdout.strip() == "False"
+    variant = this_build().variant
+    assert f"compiling {library_name(variant)} into {tmp_path / 'cache'}" in result.stderr
+    if this_build().prebuilt:
+        assert "as the kernel sources changed since the package was built" in result.stderr
+    assert "sources done, left: " in result.stderr and " s so far" in result.stderr
+    assert f"native kernels {kernel_variants.EXTENSION} unavailable" in result.stderr
 
 
-def test_a_kernel_built_before_loads_though_its_source_file_is_newer():
-    # A fresh clone's files are all newer than the cache's libraries: nothing may rebuild (here
-    # it could not: no compiler), and `treadle env` stays quick.
-    assert paged_decode_attention() is not None
-    source = sources()[0]
-    os.utime(source)
-    script = ("from treadle.model.kernels import paged_decode_attention\n"
-              "print(paged_decode_attention() is not None)")
-    result = run_forced(["-c", script], {"CXX": "/bin/false"}, timeout=120)
+@pytest.mark.parametrize("env", [pytest.param({}, id="this-cpu"),
+                                 pytest.param(AVX2_ENV, id="avx2")])
+def test_the_installs_variant_loads_without_a_compiler(env, tmp_path):
+    """The package's variant for this CPU (and for an AVX2 one) loads with no compiler and an
+    empty cache, though the sources are newer than the library (a fresh clone's are)."""
+    if not this_build().prebuilt:
+        pytest.skip(f"no prebuilt kernels: {this_build().not_prebuilt_because}")
+    os.utime(kernel_variants.CSRC / "sampling.cpp")
+    script = ("import json\nfrom treadle.model.kernels import kernel_status, load_kernels\n"
+              "print(load_kernels() is not None)\nprint(json.dumps(kernel_status()))\n")
+    result = run_forced(["-c", script], {**env, "TREADLE_CACHE": str(tmp_path),
+                                          "CXX": "/bin/false"}, timeout=120)
+    assert result.returncode == 0, result.stderr
+    loaded, status = result.stdout.strip().splitlines()
+    status = json.loads(status)
+    assert loaded == "True" and status["prebuilt"] and status["loads"]
+    assert status["variant"] == ("avx2" if env else this_build().variant)
+    assert not list(tmp_path.iterdir())  # nothing built
+
+
+def test_a_first_use_build_loads_though_its_sources_are_newer(tmp_path):
+    """A fresh clone's files are all newer than the cache's libraries: a build in the cache
+    loads as it is (here it could not rebuild: no compiler), and `treadle env` stays quick."""
+    if not this_build().prebuilt:
+        pytest.skip(f"no prebuilt library to stand for a cached build: "
+                    f"{this_build().not_prebuilt_because}")
+    csrc = edited_sources(tmp_path)
+    cache = tmp_path / "cache"
+    find_folder = ("import sys; from pathlib import Path\n"
+                   "from treadle.model import kernel_variants, kernels\n"
+                   "kernel_variants.CSRC = Path(sys.argv[1]); print(kernels.this_build().library)")
+    result = run_forced(["-c", find_folder, str(csrc)], {"TREADLE_CACHE": str(cache)})
+    library = Path(result.stdout.strip())
+    assert library.is_relative_to(cache), result.stderr
+    library.parent.mkdir(parents=True)
+    shutil.copy(this_build().library, library)  # the same variant, as if built here before
+    for path in csrc.iterdir():
+        os.utime(path)
+    result = run_forced(["-c", EDITED_KERNELS, str(csrc)],
+                        {"TREADLE_CACHE": str(cache), "CXX": "/bin/false"}, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True", result.stderr
+    assert "compiling" not in result.stderr
 
 
 def test_treadle_env_reports_the_forced_path():
@@ -153,12 +212,13 @@ def test_treadle_env_reports_the_forced_path():
     report = json.loads(result.stdout)
     assert report["dtype_auto"] == "float32"
     assert report["capabilities"]["isa"] == "AVX2"
-    for kernel in report["native_kernels"].values():
-        assert "-march=x86-64-v3" in kernel["cflags"] and "-mavx512vnni" not in kernel["cflags"]
+    kernel = report["native_kernels"]
+    assert kernel["variant"] == "avx2"
+    assert "-march=x86-64-v3" in kernel["cflags"] and "-mavx512vnni" not in kernel["cflags"]
     assert report["onednn_linear"] == {"float32": True, "bfloat16": False}
     assert report["environment"] == AVX2_ENV
     text = run_forced(["-m", "treadle.cli", "env"], AVX2_ENV, timeout=120).stdout
-    assert "dtype auto -> float32" in text and "build folder" in text
+    assert "dtype auto -> float32" in text and "native kernels: avx2 variant" in text
     if not torch.cuda.is_available():
         assert report["device_auto"] == "cpu" and report["gpu"] is None
         assert "gpu: none that torch sees" in text and "device auto -> cpu" in text
@@ -174,14 +234,14 @@ PARITY_TESTS = ["tests/test_model_parity.py", "tests/test_attention.py", "tests/
 
 
 def test_parity_on_the_forced_path(forced_env):
-    # Up to three kernels to build first on this forced path (about 80 s each here).
+    # The install built the AVX2 variant: nothing compiles here.
     # Not the Triton kernels' cases: Triton's interpreter runs alike on every CPU path.
     result = run_forced(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not triton",
                          *PARITY_TESTS], forced_env, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     summary = result.stdout.strip().splitlines()[-1]
     assert " passed" in summary
-    if forced_env == AVX2_ENV:  # the kernel builds for x86-64-v3: nothing skips
+    if forced_env == AVX2_ENV:  # the AVX2 variant's kernels run: nothing skips
         assert "skipped" not in summary
 
 

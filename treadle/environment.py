@@ -70,14 +70,17 @@ def collect_env() -> dict:
     }
 
 
-def kernel_lines(name: str, kernel: dict) -> list[str]:
+def kernel_lines(kernel: dict) -> list[str]:
+    origin = ("prebuilt by the install" if kernel["prebuilt"]
+              else f"compiled at first use: {kernel['not_prebuilt_because']}")
     if not kernel["allowed"]:
         state = "off (TREADLE_DISABLE)"
     elif not kernel["built"]:
         state = "not built yet (the first model load builds it)"
     else:
-        state = "built, loads" if kernel["loads"] else "built, FAILS to load (torch path)"
-    return [f"native kernel {name}: {state}", f"  build folder {kernel['folder']}",
+        state = "loads" if kernel["loads"] else "FAILS to load (torch path)"
+    return [f"native kernels: {kernel['variant']} variant, {origin}; {state}",
+            f"  library {kernel['library']}",
             f"  flags {' '.join(kernel['cflags'])} | {' '.join(kernel['ldflags'])}"]
 
 
@@ -108,8 +111,7 @@ def format_env(report: dict) -> str:
         f"dtype auto -> {report['dtype_auto']}: {report['dtype_auto_reason']}",
         f"oneDNN prepacked linear: float32 {'on' if report['onednn_linear']['float32'] else 'off'}"
         f", bfloat16 {'on' if report['onednn_linear']['bfloat16'] else 'off'}",
-        *(line for name, kernel in report["native_kernels"].items()
-          for line in kernel_lines(name, kernel)),
+        *kernel_lines(report["native_kernels"]),
         f"disabled fast paths: {', '.join(caps['disabled']) or 'none'}",
         f"cache folder {report['cache_folder']}",
         f"default model {report['default_model']}",

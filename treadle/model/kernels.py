@@ -1,18 +1,18 @@
-"""Native kernels, compiled on first use with torch's C++ extension builder and cached.
+"""Native kernels: one library of every kernel in csrc/ (the fused decoder calls the others
+directly), in the variant for this CPU that the capability probe picks (kernel_variants.py).
 
-All sources under csrc/ build into one extension, so that the fused decoder calls the other
-kernels directly. Its build folder is keyed by what the library was built for: the machine, the
-instruction-set level torch runs at (the capability probe's `isa`), the flags, the sources,
-torch's version and its install folder.
-A cache shared by two machines (a network home, an image built elsewhere) therefore never hands
-an AVX-512 build to an AVX2 CPU, where it would die with SIGILL. The level maps to a fixed
-`-march` (x86-64-v4/v3, plus VNNI where the probe finds it), not `-march=native`, so two CPUs of
-one level share one build.
+The package's build compiles the x86-64 variants into treadle/model/prebuilt/ (setup.py), so a
+start only loads one. A variant is compiled here, at first use, with torch's C++ extension
+builder, only where the package has none that fits: a CPU it carries no variant for (ARM, x86
+before AVX2), or kernel sources changed since the build (an edited kernel in an editable install
+rebuilds itself). That build's cache folder is keyed by the variant's flags, the sources, torch's
+version and its install folder, so a cache shared by two machines never hands an AVX-512 build to
+an AVX2 CPU, where it would die with SIGILL.
 
-A kernel is None where its build or load fails (no compiler, say) or the probe disables it:
-its caller then takes the pure-torch path, which gives the same results. On CUDA the decode
-attention kernel and the layers' elementwise steps are Triton's (treadle/model/triton_attention.py,
-triton_layers.py), the matrix products torch's.
+A kernel is None where the library neither loads nor builds (no compiler, say) or the probe
+disables it: its caller then takes the pure-torch path, which gives the same results. On CUDA the
+decode attention kernel and the layers' elementwise steps are Triton's
+(treadle/model/triton_attention.py, triton_layers.py), the matrix products torch's.
 """
 
 from __future__ import annotations
@@ -22,104 +22,162 @@ import fcntl
 import functools
 import hashlib
 import importlib.util
+import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from treadle.model import kernel_variants
 from treadle.model.capabilities import probe
+from treadle.model.kernel_variants import (
+    EXTENSION,
+    build_flags,
+    library_name,
+    source_files,
+    source_hash,
+    variant_for,
+)
 
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).parent / "csrc"
-EXTENSION = "treadle_kernels"
+PROGRESS_EVERY_S = 5.0  # a first-use build's progress line
 
 
-def sources() -> list[Path]:
-    return sorted(CSRC.glob("*.cpp"))
+@dataclass(frozen=True)
+class KernelBuild:
+    """The library this process loads: the package's prebuilt variant, or a first-use build."""
+    variant: str
+    library: Path
+    prebuilt: bool
+    not_prebuilt_because: str  # "" where prebuilt
+    cflags: list[str]
+    ldflags: list[str]
 
 
-def build_flags(machine: str, isa: str, vnni: bool = False) -> tuple[list[str], list[str]]:
-    """(compiler flags, linker flags) for this machine and instruction-set level."""
-    cflags = ["-O3", "-fopenmp", "-fno-math-errno"]
-    ldflags = ["-fopenmp"]
-    if machine in ("x86_64", "AMD64"):
-        march = {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3"}.get(isa)
-        if march is not None:
-            cflags.append(f"-march={march}")
-        if march == "x86-64-v4" and vnni:
-            cflags.append("-mavx512vnni")  # int8 dot products for the quantized kernels
-        ldflags.append("-lmvec")  # glibc's vector math, for the vectorized exp
-    return cflags, ldflags
+def this_build() -> KernelBuild:
+    caps = probe()
+    variant = variant_for(caps.machine, caps.isa, caps.vnni)
+    cflags, ldflags = build_flags(caps.machine, variant)
+    library, because = prebuilt_library(variant)
+    if library is None:
+        folder = build_folder(caps.machine, variant, cflags, ldflags)
+        library = folder / f"{library_name(variant)}.so"
+    return KernelBuild(variant, library, not because, because, cflags, ldflags)
 
 
-def build_folder(machine: str, isa: str, cflags: list[str], ldflags: list[str]) -> Path:
+def prebuilt_library(variant: str) -> tuple[Path | None, str]:
+    """The package's library of `variant` where it was built from these sources for this
+    torch; else None and why not."""
+    try:
+        manifest = json.loads((kernel_variants.PREBUILT_DIR / kernel_variants.MANIFEST).read_text())
+    except FileNotFoundError:
+        return None, "the package was built without native kernels"
+    name = manifest["libraries"].get(variant)
+    if name is None:
+        return None, f"the package carries no {variant} variant"
+    if manifest["sources"] != source_hash():
+        return None, "the kernel sources changed since the package was built"
+    if manifest["torch"] != torch.__version__:
+        return None, f"the package was built for torch {manifest['torch']}"
+    return kernel_variants.PREBUILT_DIR / name, ""
+
+
+def build_folder(machine: str, variant: str, cflags: list[str], ldflags: list[str]) -> Path:
+    """A first-use build's cache folder."""
     from treadle.model.source import cache_dir
 
-    key = hashlib.sha256()
-    for path in sorted(CSRC.glob("*.[ch]*")):  # sources and the header they share
-        key.update(path.name.encode() + b"\0" + path.read_bytes())
     # torch's install folder too: its build command names torch's headers by path, so two
     # environments sharing one cache rebuilt each other's kernels at every load (seen: a fresh
     # clone's venv and the dev venv, a test timing out on a rebuild it did not expect).
-    key.update(" ".join([*cflags, "|", *ldflags, "|", torch.__version__, "|",
-                         str(Path(torch.__file__).parent)]).encode())
-    return cache_dir() / "kernels" / f"{EXTENSION}-{machine}-{isa.lower()}-{key.hexdigest()[:12]}"
-
-
-def this_build() -> tuple[Path, list[str], list[str]]:
-    caps = probe()
-    cflags, ldflags = build_flags(caps.machine, caps.isa, caps.vnni)
-    return build_folder(caps.machine, caps.isa, cflags, ldflags), cflags, ldflags
+    key = hashlib.sha256(" ".join([source_hash(), *cflags, "|", *ldflags, "|", torch.__version__,
+                                   "|", str(Path(torch.__file__).parent)]).encode())
+    return cache_dir() / "kernels" / f"{library_name(variant)}-{machine}-{key.hexdigest()[:12]}"
 
 
 def kernel_status() -> dict:
-    """For `treadle env`: where the kernels are built, with which flags, whether they load.
-    Loads only a library already built: building is the first model load's job."""
-    folder, cflags, ldflags = this_build()
-    built = any(folder.glob(f"{EXTENSION}*.so"))
-    return {EXTENSION: {"folder": str(folder), "cflags": cflags, "ldflags": ldflags,
-                        "allowed": probe().native_kernels_allowed, "built": built,
-                        "loads": (load_kernels() is not None) if built else None}}
+    """For `treadle env`: the variant, where its library is and why, with which flags, whether
+    it loads. Loads only a library already built: building is the first model load's job."""
+    build = this_build()
+    built = build.library.exists()
+    return {"variant": build.variant, "prebuilt": build.prebuilt,
+            "not_prebuilt_because": build.not_prebuilt_because, "library": str(build.library),
+            "cflags": build.cflags, "ldflags": build.ldflags,
+            "allowed": probe().native_kernels_allowed, "built": built,
+            "loads": (load_kernels() is not None) if built else None}
 
 
 @functools.cache
 def load_kernels() -> ModuleType | None:
     if not probe().native_kernels_allowed:
         return None
-    folder, cflags, ldflags = this_build()
-    start = time.perf_counter()
+    build = this_build()
     try:
-        with build_lock(folder):
-            library = folder / f"{EXTENSION}.so"
-            if library.exists():
-                try:
-                    return import_library(EXTENSION, library)
-                except ImportError as e:  # a build killed while it linked
-                    logger.warning("rebuilding %s: its library fails to load: %s", EXTENSION, e)
-                    library.unlink()
-            logger.info("compiling %s for %s into %s (first start on this CPU class: a few "
-                        "minutes)", EXTENSION, probe().isa, folder)
-            from torch.utils.cpp_extension import load
-
-            module = load(name=EXTENSION, sources=[str(p) for p in sources()],
-                          extra_cflags=cflags, extra_ldflags=ldflags,
-                          build_directory=str(folder), verbose=False)
+        if build.prebuilt:
+            return import_library(library_name(build.variant), build.library)
+        return build_at_first_use(build)
     except Exception as e:  # no compiler, a library that fails to load: serve without it
         logger.warning("native kernels %s unavailable, using the torch path: %s", EXTENSION, e)
         return None
-    logger.info("%s built in %.0f s", EXTENSION, time.perf_counter() - start)
+
+
+def build_at_first_use(build: KernelBuild) -> ModuleType:
+    name = library_name(build.variant)
+    folder = build.library.parent
+    with build_lock(folder):
+        if build.library.exists():
+            try:
+                return import_library(name, build.library)
+            except ImportError as e:  # a build killed while it linked
+                logger.warning("rebuilding %s: its library fails to load: %s", name, e)
+                build.library.unlink()
+        logger.info("compiling %s into %s, as %s (under a minute on two cores)", name, folder,
+                    build.not_prebuilt_because)
+        start = time.perf_counter()
+        with progress_lines(name, folder, start):
+            from torch.utils.cpp_extension import load
+
+            module = load(name=name, sources=[str(p) for p in source_files() if p.suffix == ".cpp"],
+                          extra_cflags=build.cflags, extra_ldflags=build.ldflags,
+                          build_directory=str(folder), verbose=False)
+    logger.info("%s built in %.0f s", name, time.perf_counter() - start)
     return module
+
+
+@contextlib.contextmanager
+def progress_lines(name: str, folder: Path, start: float) -> Iterator[None]:
+    """A log line every PROGRESS_EVERY_S while a build runs: which sources are still compiling
+    and for how long so far (one line at its start said nothing for minutes)."""
+    sources = [p for p in source_files() if p.suffix == ".cpp"]
+    done = threading.Event()
+
+    def report() -> None:
+        while not done.wait(PROGRESS_EVERY_S):
+            left = [p.name for p in sources if not (folder / f"{p.stem}.o").exists()]
+            logger.info("compiling %s: %d of %d sources done, %s; %.0f s so far", name,
+                        len(sources) - len(left), len(sources),
+                        f"left: {', '.join(left)}" if left else "linking",
+                        time.perf_counter() - start)
+
+    thread = threading.Thread(target=report, name="kernel-build-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def import_library(name: str, library: Path) -> ModuleType:
     """Import a library built before. Not through torch's `load`: that reruns ninja, which
     rebuilds whenever the source file is newer than the library, and a fresh clone's files all
     are (seen: `treadle env` in a new checkout spent 135 s recompiling two kernels its cache
-    held). The folder is keyed by the source's content, so its library is that source's."""
+    held). A library is its sources' by the manifest's hash or the cache folder's key."""
     spec = importlib.util.spec_from_file_location(name, library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

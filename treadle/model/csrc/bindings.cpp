@@ -2,6 +2,8 @@
 // only names them).
 #include "kernels.h"
 
+#include <torch/csrc/utils/pybind.h>
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("rope", &rope);

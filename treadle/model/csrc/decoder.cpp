@@ -12,11 +12,11 @@ LlamaDecoder::LlamaDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head
     : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
       scale_(scale) {}
 
-void LlamaDecoder::add_layer(torch::Tensor input_norm, torch::Tensor post_norm,
-                             std::vector<torch::Tensor> qkv, std::vector<int64_t> qkv_types,
-                             c10::optional<torch::Tensor> qkv_bias, std::vector<torch::Tensor> o,
-                             std::vector<int64_t> o_types, std::vector<torch::Tensor> gate_up,
-                             std::vector<int64_t> gate_up_types, std::vector<torch::Tensor> down,
+void LlamaDecoder::add_layer(at::Tensor input_norm, at::Tensor post_norm,
+                             std::vector<at::Tensor> qkv, std::vector<int64_t> qkv_types,
+                             c10::optional<at::Tensor> qkv_bias, std::vector<at::Tensor> o,
+                             std::vector<int64_t> o_types, std::vector<at::Tensor> gate_up,
+                             std::vector<int64_t> gate_up_types, std::vector<at::Tensor> down,
                              std::vector<int64_t> down_types) {
   layers_.push_back({input_norm, post_norm, qkv, o, gate_up, down, qkv_bias, qkv_types, o_types,
                      gate_up_types, down_types});
@@ -25,7 +25,7 @@ void LlamaDecoder::add_layer(torch::Tensor input_norm, torch::Tensor post_norm,
 namespace {
 
 // Rows [tokens, width] at `src` (rows `src_stride` elements apart) into the cache's slots.
-void write_slots(const torch::Tensor& cache, const char* src, int64_t src_stride,
+void write_slots(const at::Tensor& cache, const char* src, int64_t src_stride,
                  const int64_t* slots, int64_t tokens, int64_t width) {
   const int64_t num_slots = cache.size(0) * cache.size(1), item = cache.element_size();
   char* dst = static_cast<char*>(cache.data_ptr());
@@ -37,15 +37,15 @@ void write_slots(const torch::Tensor& cache, const char* src, int64_t src_stride
 
 }  // namespace
 
-torch::Tensor LlamaDecoder::forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin,
-                                    const std::vector<torch::Tensor>& k_caches,
-                                    const std::vector<torch::Tensor>& v_caches,
-                                    torch::Tensor slots, torch::Tensor block_tables,
-                                    torch::Tensor context_lens) const {
+at::Tensor LlamaDecoder::forward(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
+                                    const std::vector<at::Tensor>& k_caches,
+                                    const std::vector<at::Tensor>& v_caches,
+                                    at::Tensor slots, at::Tensor block_tables,
+                                    at::Tensor context_lens) const {
   const int64_t layers = static_cast<int64_t>(layers_.size());
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers &&
               static_cast<int64_t>(v_caches.size()) == layers, "one cache per layer");
-  TORCH_CHECK(hidden.dim() == 2 && slots.scalar_type() == torch::kInt64 &&
+  TORCH_CHECK(hidden.dim() == 2 && slots.scalar_type() == at::kLong &&
               slots.numel() == hidden.size(0));
   const int64_t tokens = hidden.size(0), heads = num_heads_, kv_heads = num_kv_heads_,
                 dim = head_dim_;
@@ -55,26 +55,26 @@ torch::Tensor LlamaDecoder::forward(torch::Tensor hidden, torch::Tensor cos, tor
   hidden = hidden.clone();  // the residual stream, updated in place
   for (int64_t i = 0; i < layers; ++i) {
     const Layer& layer = layers_[i];
-    const torch::Tensor& k_cache = k_caches[i];
-    const torch::Tensor& v_cache = v_caches[i];
+    const at::Tensor& k_cache = k_caches[i];
+    const at::Tensor& v_cache = v_caches[i];
     TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
                 k_cache.scalar_type() == hidden.scalar_type() &&
                 k_cache.size(2) * k_cache.size(3) == kv_width && v_cache.sizes() == k_cache.sizes());
-    torch::Tensor x = rms_norm(hidden, layer.input_norm, eps_, false);
-    const torch::Tensor qkv = quant_linear_parts(x, layer.qkv, layer.qkv_types, layer.qkv_bias);
-    const torch::Tensor qk = rope(qkv.narrow(1, 0, qk_width).view({tokens, heads + kv_heads, dim}),
+    at::Tensor x = rms_norm(hidden, layer.input_norm, eps_, false);
+    const at::Tensor qkv = quant_linear_parts(x, layer.qkv, layer.qkv_types, layer.qkv_bias);
+    const at::Tensor qk = rope(qkv.narrow(1, 0, qk_width).view({tokens, heads + kv_heads, dim}),
                                   cos, sin);
     const char* qk_bytes = static_cast<const char*>(qk.data_ptr());
     const char* v_bytes = static_cast<const char*>(qkv.data_ptr()) + qk_width * qkv.element_size();
     write_slots(k_cache, qk_bytes + heads * dim * qk.element_size(), qk_width, slot, tokens,
                 kv_width);
     write_slots(v_cache, v_bytes, qkv.size(1), slot, tokens, kv_width);
-    const torch::Tensor attn = paged_decode_attention(qk.narrow(1, 0, heads), k_cache, v_cache,
+    const at::Tensor attn = paged_decode_attention(qk.narrow(1, 0, heads), k_cache, v_cache,
                                                       block_tables, context_lens, scale_, 0);
     hidden.add_(quant_linear_parts(attn.view({tokens, heads * dim}), layer.o, layer.o_types,
                                    c10::nullopt));
     x = rms_norm(hidden, layer.post_norm, eps_, false);
-    const torch::Tensor act = silu_and_mul(quant_linear_parts(x, layer.gate_up,
+    const at::Tensor act = silu_and_mul(quant_linear_parts(x, layer.gate_up,
                                                               layer.gate_up_types, c10::nullopt));
     hidden.add_(quant_linear_parts(act, layer.down, layer.down_types, c10::nullopt));
   }

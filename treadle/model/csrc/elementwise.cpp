@@ -117,29 +117,29 @@ void silu_and_mul_rows(const T* gate_up, int64_t row_stride, T* out, int64_t tok
   });
 }
 
-void check_dtype(const torch::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+void check_dtype(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "float32 or bfloat16 only, got ", x.scalar_type());
 }
 
 }  // namespace
 
 // x [..., dim]; weight [dim], x's dtype or float32. Returns x's shape, contiguous.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool scale_in_float32) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, bool scale_in_float32) {
   check_dtype(x);
   const int64_t dim = x.size(-1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim, "weight must be [", dim, "]");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat,
               "weight must be x's dtype or float32");
-  torch::Tensor rows = x.reshape({-1, dim});
+  at::Tensor rows = x.reshape({-1, dim});
   if (rows.stride(1) != 1) rows = rows.contiguous();
   weight = weight.contiguous();
-  auto out = torch::empty({rows.size(0), dim}, x.options());
+  auto out = at::empty({rows.size(0), dim}, x.options());
   const float feps = static_cast<float>(eps);
-  if (x.scalar_type() == torch::kFloat32) {
+  if (x.scalar_type() == at::kFloat) {
     rms_norm_rows(rows.data_ptr<float>(), rows.stride(0), weight.data_ptr<float>(),
                   out.data_ptr<float>(), rows.size(0), dim, feps, scale_in_float32);
-  } else if (weight.scalar_type() == torch::kFloat32) {
+  } else if (weight.scalar_type() == at::kFloat) {
     rms_norm_rows(rows.data_ptr<at::BFloat16>(), rows.stride(0), weight.data_ptr<float>(),
                   out.data_ptr<at::BFloat16>(), rows.size(0), dim, feps, scale_in_float32);
   } else {
@@ -151,7 +151,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool s
 
 // x [tokens, heads, dim] (last dim contiguous); cos, sin [tokens, 1, dim / 2] or
 // [tokens, dim / 2], x's dtype. Returns [tokens, heads, dim], contiguous.
-torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   check_dtype(x);
   TORCH_CHECK(x.dim() == 3 && x.size(2) % 2 == 0, "x must be [tokens, heads, even dim]");
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
@@ -161,8 +161,8 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   if (x.stride(2) != 1) x = x.contiguous();
   cos = cos.contiguous();
   sin = sin.contiguous();
-  auto out = torch::empty({tokens, heads, dim}, x.options());
-  if (x.scalar_type() == torch::kFloat32) {
+  auto out = at::empty({tokens, heads, dim}, x.options());
+  if (x.scalar_type() == at::kFloat) {
     rope_rows(x.data_ptr<float>(), x.stride(0), x.stride(1), cos.data_ptr<float>(),
               sin.data_ptr<float>(), out.data_ptr<float>(), tokens, heads, dim);
   } else {
@@ -173,13 +173,13 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 }
 
 // gate_up [tokens, 2 * width] (last dim contiguous). Returns silu(gate) * up, [tokens, width].
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   check_dtype(gate_up);
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [tokens, 2 * width]");
   if (gate_up.stride(1) != 1) gate_up = gate_up.contiguous();
   const int64_t tokens = gate_up.size(0), width = gate_up.size(1) / 2;
-  auto out = torch::empty({tokens, width}, gate_up.options());
-  if (gate_up.scalar_type() == torch::kFloat32) {
+  auto out = at::empty({tokens, width}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) {
     silu_and_mul_rows(gate_up.data_ptr<float>(), gate_up.stride(0), out.data_ptr<float>(), tokens,
                       width);
   } else {

@@ -59,10 +59,10 @@ inline float dot(const float* a, const float* b, int64_t n) {
 constexpr int64_t PART = 128;
 
 template <typename T>
-void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
-                   const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                   const torch::Tensor& context_lens, double scale, int64_t window,
-                   torch::Tensor& out) {
+void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
+                   const at::Tensor& v_cache, const at::Tensor& block_tables,
+                   const at::Tensor& context_lens, double scale, int64_t window,
+                   at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
@@ -188,23 +188,23 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache,
 // q [seqs, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim]; block_tables
 // [seqs, max_blocks] int64; context_lens [seqs] int64 (each >= 1); window: attend to the last
 // `window` positions only (0: all). Returns [seqs, heads, head_dim].
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens,
-                                     double scale, int64_t window) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_tables, at::Tensor context_lens,
+                                  double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.is_contiguous() &&
               v_cache.is_contiguous());
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64);
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong);
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3));
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
-  auto out = torch::empty_like(q);
-  if (q.scalar_type() == torch::kBFloat16) {
+  auto out = at::empty_like(q);
+  if (q.scalar_type() == at::kBFloat16) {
     decode_kernel<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, scale, window,
                                 out);
   } else {
-    TORCH_CHECK(q.scalar_type() == torch::kFloat32, "float32 or bfloat16 only");
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "float32 or bfloat16 only");
     decode_kernel<float>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
   }
   return out;

@@ -2,7 +2,7 @@
 // 32-wide types, the entry points) and quant_kblocks.cpp (the 256-wide K-quants).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <vector>
@@ -72,7 +72,7 @@ struct Q8KRows {
   const int8_t* q_row(int64_t r) const { return q.data() + r * k; }
 };
 
-Q8KRows quantize_rows_q8k(const torch::Tensor& x);
+Q8KRows quantize_rows_q8k(const at::Tensor& x);
 
 // out[r * ldo + o] = weight row o . activation row r, for the n rows of `w` (a K-quant) and
 // the rows of `xq`; threads split the weight rows.

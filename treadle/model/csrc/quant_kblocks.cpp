@@ -396,11 +396,11 @@ void quantize_q8k(const T* x, int64_t rows, Q8KRows& out) {
 
 }  // namespace
 
-Q8KRows quantize_rows_q8k(const torch::Tensor& x) {
+Q8KRows quantize_rows_q8k(const at::Tensor& x) {
   const int64_t rows = x.size(0), k = x.size(1), nsb = k / QK_K;
   Q8KRows out{k, nsb, std::vector<int8_t>(rows * k), std::vector<float>(rows * nsb),
               std::vector<int16_t>(rows * nsb * 16)};
-  if (x.scalar_type() == torch::kBFloat16) {
+  if (x.scalar_type() == at::kBFloat16) {
     quantize_q8k(x.data_ptr<at::BFloat16>(), rows, out);
   } else {
     quantize_q8k(x.data_ptr<float>(), rows, out);

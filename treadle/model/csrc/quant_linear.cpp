@@ -399,8 +399,8 @@ void gemv_rows(const uint8_t* w, int64_t n, int64_t k, const QuantizedRows& xq, 
   });
 }
 
-void check_weight(const torch::Tensor& weight, int64_t qtype, int64_t k) {
-  TORCH_CHECK(weight.dtype() == torch::kUInt8 && weight.dim() == 2 && weight.is_contiguous(),
+void check_weight(const at::Tensor& weight, int64_t qtype, int64_t k) {
+  TORCH_CHECK(weight.dtype() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
               "weight must be contiguous uint8 [out_features, row_bytes]");
   const int64_t width = block_weights(qtype), row_bytes = k / width * block_bytes(qtype);
   TORCH_CHECK(k % width == 0, "in_features must be a multiple of ", width);
@@ -491,13 +491,13 @@ void dequantize_block(const uint8_t* blk, int64_t qtype, float* dst) {
 // blocks [n_i, row_bytes_i] of its own type (q/k/v or gate/up kept apart: a file may store them
 // in different types, and they stay the file's bytes). Each activation row is quantized once
 // for every part of its scheme.
-torch::Tensor quant_linear_parts(torch::Tensor x, const std::vector<torch::Tensor>& weights,
+at::Tensor quant_linear_parts(at::Tensor x, const std::vector<at::Tensor>& weights,
                                  const std::vector<int64_t>& qtypes,
-                                 c10::optional<torch::Tensor> bias) {
+                                 c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features]");
   TORCH_CHECK(!weights.empty() && weights.size() == qtypes.size(), "one type per weight");
   x = x.contiguous();
-  if (x.scalar_type() != torch::kBFloat16) x = x.to(torch::kFloat32);
+  if (x.scalar_type() != at::kBFloat16) x = x.to(at::kFloat);
   const int64_t rows = x.size(0), k = x.size(1);
   int64_t total = 0;
   bool blocks32 = false, blocks256 = false;
@@ -509,11 +509,11 @@ torch::Tensor quant_linear_parts(torch::Tensor x, const std::vector<torch::Tenso
   QuantizedRows xq;
   Q8KRows xk;
   if (blocks32) {
-    xq = x.scalar_type() == torch::kBFloat16 ? quantize_rows(x.data_ptr<at::BFloat16>(), rows, k)
+    xq = x.scalar_type() == at::kBFloat16 ? quantize_rows(x.data_ptr<at::BFloat16>(), rows, k)
                                              : quantize_rows(x.data_ptr<float>(), rows, k);
   }
   if (blocks256) xk = quantize_rows_q8k(x);
-  auto out = torch::empty({rows, total}, x.options().dtype(torch::kFloat32));
+  auto out = at::empty({rows, total}, x.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   for (size_t i = 0; i < weights.size(); ++i) {
     const uint8_t* w = weights[i].data_ptr<uint8_t>();
@@ -527,20 +527,20 @@ torch::Tensor quant_linear_parts(torch::Tensor x, const std::vector<torch::Tenso
     }
     o += n;
   }
-  if (bias.has_value()) out.add_(bias->to(torch::kFloat32));
+  if (bias.has_value()) out.add_(bias->to(at::kFloat));
   return out.to(x.scalar_type());
 }
 
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor weight, int64_t qtype,
-                           c10::optional<torch::Tensor> bias) {
+at::Tensor quant_linear(at::Tensor x, at::Tensor weight, int64_t qtype,
+                           c10::optional<at::Tensor> bias) {
   return quant_linear_parts(x, {weight}, {qtype}, bias);
 }
 
 // The float weights [n, k] the blocks stand for (the large-batch path: dequantize, then GEMM).
-torch::Tensor dequantize(torch::Tensor weight, int64_t qtype, int64_t k) {
+at::Tensor dequantize(at::Tensor weight, int64_t qtype, int64_t k) {
   check_weight(weight, qtype, k);
   const int64_t n = weight.size(0), width = block_weights(qtype), bb = block_bytes(qtype);
-  auto out = torch::empty({n, k}, torch::kFloat32);
+  auto out = at::empty({n, k}, at::kFloat);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, n * (k / width), 256 * QK / width, [&](int64_t begin, int64_t end) {
@@ -551,11 +551,11 @@ torch::Tensor dequantize(torch::Tensor weight, int64_t qtype, int64_t k) {
 
 // The same weights as bfloat16 (rounded to nearest even, as .to(torch.bfloat16)): the float
 // path of a large step dequantizes a slice of rows at a time and multiplies it with oneDNN.
-torch::Tensor dequantize_bf16(torch::Tensor weight, int64_t qtype, int64_t k) {
+at::Tensor dequantize_bf16(at::Tensor weight, int64_t qtype, int64_t k) {
   weight = weight.contiguous();
   check_weight(weight, qtype, k);
   const int64_t n = weight.size(0), width = block_weights(qtype), bb = block_bytes(qtype);
-  auto out = torch::empty({n, k}, torch::kBFloat16);
+  auto out = at::empty({n, k}, at::kBFloat16);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, n * (k / width), 256 * QK / width, [&](int64_t begin, int64_t end) {

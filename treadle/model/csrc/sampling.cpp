@@ -78,17 +78,17 @@ int64_t sample_row(const float* logits, int64_t vocab, float temperature, double
 
 }  // namespace
 
-torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperatures, torch::Tensor u) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32,
+at::Tensor sample_rows(at::Tensor logits, at::Tensor temperatures, at::Tensor u) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat,
               "logits must be float32 [rows, vocab]");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  TORCH_CHECK(temperatures.scalar_type() == torch::kFloat32 && temperatures.numel() == rows &&
-              u.scalar_type() == torch::kFloat64 && u.numel() == rows,
+  TORCH_CHECK(temperatures.scalar_type() == at::kFloat && temperatures.numel() == rows &&
+              u.scalar_type() == at::kDouble && u.numel() == rows,
               "one float32 temperature and one float64 u a row");
   logits = logits.contiguous();
   temperatures = temperatures.contiguous();
   u = u.contiguous();
-  auto tokens = torch::empty({rows}, torch::kInt64);
+  auto tokens = at::empty({rows}, at::kLong);
   const float* l = logits.data_ptr<float>();
   const float* t = temperatures.data_ptr<float>();
   const double* uniform = u.data_ptr<double>();
