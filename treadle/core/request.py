@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from treadle.engine.sampling_params import SamplingParams
+from treadle.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
