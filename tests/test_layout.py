@@ -17,9 +17,11 @@ def module_name(path: Path) -> str:
 
 def treadle_imports() -> dict[str, set[str]]:
     """Each module of the package -> the package's modules it imports, anywhere in it (inside
-    functions and TYPE_CHECKING blocks too)."""
+    functions and TYPE_CHECKING blocks too). AssertionError for an import of a module of the
+    package that does not exist."""
     modules = {module_name(p): p for p in (ROOT / "treadle").rglob("*.py")}
     graph: dict[str, set[str]] = {}
+    missing = []
     for name, path in modules.items():
         found: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text())):
@@ -29,7 +31,10 @@ def treadle_imports() -> dict[str, set[str]]:
                     found.add(full if full in modules else node.module)
             elif isinstance(node, ast.Import):
                 found.update(alias.name for alias in node.names)
-        graph[name] = {m for m in found if m in modules and m != name}
+        ours = {m for m in found if m == "treadle" or m.startswith("treadle.")}
+        missing += [f"{name} imports {m}" for m in sorted(ours - modules.keys())]
+        graph[name] = {m for m in ours & modules.keys() if m != name}
+    assert not missing, "imports of modules that do not exist:\n" + "\n".join(missing)
     return graph
 
 

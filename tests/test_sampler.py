@@ -11,8 +11,8 @@ import pytest
 import torch
 from model_utils import build_tiny_model, make_runner
 
+from treadle.core import sampler as sampler_module
 from treadle.core.sampler import DRAW_BLOCK, Sampler, SamplingOptions
-from treadle.model import sampler as sampler_module
 from treadle.model.batch import ModelInput, ScheduledSequence
 from treadle.model.kernels import sampling_kernels
 
