@@ -23,6 +23,7 @@ from treadle.core.sampling_params import SamplingParams, check_max_logprobs
 from treadle.core.sched.policies import make_policy
 from treadle.core.sched.scheduler import Scheduler, SchedulerOutput
 from treadle.core.structured_output import StructuredOutputManager
+from treadle.errors import PROMPT, InvalidField
 from treadle.model.batch import ModelInput, ModelOutput, ScheduledSequence, cat_outputs
 from treadle.model.memory import gib
 from treadle.model.pooling import PooledHidden
@@ -104,19 +105,20 @@ class EngineCore:
                     cache_salt: str | None = None, *, tenant: str | None = None,
                     ttft: float | None = None, tpot: float | None = None,
                     pooling: bool = False) -> None:
-        """Queue a request; ValueError (the client's fault) if it can never run. `tenant`: whose
+        """Queue a request; InvalidField (the client's fault) if it can never run. `tenant`: whose
         share it uses under the fair policy (None: "default"); `ttft`, `tpot`: objectives in
         seconds for the deadline policy (None: none). `pooling`: an embedding request, prefill
         only, whose finishing output carries the prompt's pooled hidden states (sampling
         parameters unused)."""
         check_max_logprobs(sampling_params, self.max_logprobs)
         vocab = self.executor.facts.vocab_size
-        for field, ids in (("prompt token ids", prompt_token_ids),
-                           ("stop_token_ids", sampling_params.stop_token_ids),
-                           ("logit_bias token ids", sampling_params.logit_bias)):
+        ids_by_field = ((PROMPT, "prompt token ids", prompt_token_ids),
+                        ("stop_token_ids", "stop_token_ids", sampling_params.stop_token_ids),
+                        ("logit_bias", "logit_bias token ids", sampling_params.logit_bias))
+        for param, what, ids in ids_by_field:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"{field} must be in [0, {vocab}); got {bad[0]}")
+                raise InvalidField(param, f"{what} must be in [0, {vocab}); got {bad[0]}")
         request = Request(request_id, prompt_token_ids, sampling_params, priority=priority,
                           cache_salt=cache_salt, tenant=tenant or DEFAULT_TENANT, ttft=ttft,
                           tpot=tpot, pooling=self.pooling if pooling else None)

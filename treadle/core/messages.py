@@ -150,11 +150,13 @@ class StepOutputs:
 
 @dataclass(frozen=True, slots=True)
 class RequestRejected:
-    """The engine refused a request: `reason` invalid_request (a ValueError) or deadline."""
+    """The engine refused a request: `reason` invalid_request (a ValueError; `param` names the
+    field when it is an InvalidField) or deadline."""
 
     request_id: str
     message: str
     reason: str
+    param: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,16 +20,19 @@ from dataclasses import dataclass
 
 from treadle.config import AdmissionConfig
 from treadle.core.request import DEFAULT_TENANT
+from treadle.errors import InvalidField
 
 OTHER_TENANT = "other"  # the tenant of `user` names past max_tenants
 MAX_CACHE_SALT_CHARS = 256
 MAX_TENANT_NAME = 64  # characters of a key's name or a `user` field taken as a tenant
 
 
-def check_tenant_name(name: str, what: str = "tenant name") -> None:
+def check_tenant_name(name: str, what: str) -> None:
+    """InvalidField naming `what` (the field, or the setting, that gave the name) unless `name`
+    can be a tenant's."""
     if not name or len(name) > MAX_TENANT_NAME or not name.isprintable() or name != name.strip():
-        raise ValueError(f"{what} must be 1 to {MAX_TENANT_NAME} printable characters without "
-                         f"surrounding spaces, got {name[:80]!r}")
+        raise InvalidField(what, f"{what} must be 1 to {MAX_TENANT_NAME} printable characters "
+                           f"without surrounding spaces, got {name[:80]!r}")
 
 
 @dataclass(frozen=True)
@@ -54,11 +57,11 @@ def objective_seconds(name: str, ms: float | str | None) -> float | None:
         try:
             ms = float(ms)
         except ValueError:
-            raise ValueError(f"{name} must be a number of milliseconds, got {ms[:40]!r}") \
-                from None
+            raise InvalidField(name, f"{name} must be a number of milliseconds, got "
+                               f"{ms[:40]!r}") from None
     if isinstance(ms, bool) or not 0 < ms <= MAX_OBJECTIVE_MS:
-        raise ValueError(f"{name} must be > 0 and <= {MAX_OBJECTIVE_MS:.0f} milliseconds, "
-                         f"got {ms}")
+        raise InvalidField(name, f"{name} must be > 0 and <= {MAX_OBJECTIVE_MS:.0f} "
+                           f"milliseconds, got {ms}")
     return ms / 1e3
 
 
@@ -86,7 +89,7 @@ class Admission:
         self.queued: dict[str, int] = {}
 
     def resolve_tenant(self, key_name: str | None, user: str | None) -> str:
-        """A request's tenant: its API key's name, else the client's `user` (ValueError if
+        """A request's tenant: its API key's name, else the client's `user` (InvalidField if
         malformed), else "default". At most max_tenants distinct `user` names are tracked;
         past that, new ones are "other"."""
         if key_name:
@@ -105,7 +108,8 @@ class Admission:
         """The salt the engine gets: the client's, or with isolation by tenant, the tenant's
         joined to it (NUL cannot occur in a tenant name, so no two pairs collide)."""
         if cache_salt is not None and len(cache_salt) > MAX_CACHE_SALT_CHARS:
-            raise ValueError(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters")
+            raise InvalidField("cache_salt", f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} "
+                               f"characters")
         cache_salt = cache_salt or None
         if not self.config.isolate_prefix_cache_by_tenant:
             return cache_salt

@@ -42,6 +42,7 @@ from treadle.core.messages import (
 )
 from treadle.core.request import DEFAULT_TENANT
 from treadle.core.sampling_params import SamplingParams, check_max_logprobs
+from treadle.errors import PROMPT, InvalidField
 from treadle.frontend.admission import Admission, Admitted, EngineOverloaded, objective_seconds
 from treadle.frontend.data_parallel import ReplicaGroup, import_ray
 from treadle.frontend.engine_client import EngineClient
@@ -253,7 +254,7 @@ class AsyncEngine:
               cache_salt: str | None = None) -> Admitted:
         """What both frontends decide before any costly work: EngineUnavailable for a down
         engine, first; its tenant (the key's name, else `user`), its objectives (ms, a number or
-        a header's text) and salt (ValueError naming a bad one); EngineOverloaded when the queue
+        a header's text) and salt (InvalidField naming a bad one); EngineOverloaded when the queue
         or the tenant's limits cannot take it. `generate` checks the limits again with the
         prompt's size."""
         self.check_available()
@@ -278,33 +279,34 @@ class AsyncEngine:
             self.live.rejected(e.reason, time.monotonic())
             raise
 
-    def check_prompt_token_ids(self, prompt_token_ids: list[int]) -> None:
-        """ValueError for an id outside the vocabulary. The engine checks too, but the frontend
-        decodes prompts first (the detokenizer's context, echo), and the tokenizer overflows on a
-        negative id."""
+    def check_prompt_token_ids(self, prompt_token_ids: list[int], field: str = PROMPT) -> None:
+        """InvalidField naming `field` (the request's name of its prompt) for an id outside the
+        vocabulary. The engine checks too, but the frontend decodes prompts first (the
+        detokenizer's context, echo), and the tokenizer overflows on a negative id."""
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[0]}")
+            raise InvalidField(field, f"prompt token ids must be in [0, {self.vocab_size}); got "
+                               f"{bad[0]}")
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0, *,
                        tenant: str = DEFAULT_TENANT, cache_salt: str | None = None,
                        ttft: float | None = None, tpot: float | None = None,
-                       received: float | None = None, pooling: bool = False
-                       ) -> AsyncIterator[RequestUpdate]:
+                       received: float | None = None, pooling: bool = False,
+                       prompt_field: str = PROMPT) -> AsyncIterator[RequestUpdate]:
         """Updates as tokens arrive. `request_id` is the server's own, unique among requests in
         flight (ValueError otherwise); `received`: when the frontend received the request
         (time.monotonic(); None: now), where its breakdown starts. `tenant`, `ttft`, `tpot`
-        (seconds; None: the server's defaults): from `admit`. ValueError before any update if the
-        engine refuses the request, EngineOverloaded if the queue is full, a tenant limit is
-        reached or (deadline policy) its TTFT or TPOT cannot be met, EngineUnavailable if the
-        engine is down or dies, or the server shuts down. Leaving the iteration early (a
-        disconnect) aborts the request; one that waits past max_queue_wait finishes with
-        finish_reason "queue_timeout". `pooling`: an embedding request (prefill only, sharing
-        batches with generation; of `params` only n=1 matters): its one update finishes it, with
-        its state's `embedding`."""
+        (seconds; None: the server's defaults): from `admit`. InvalidField before any update if
+        the engine refuses the request (the prompt named `prompt_field`, the request's name of
+        it), EngineOverloaded if the queue is full, a tenant limit is reached or (deadline
+        policy) its TTFT or TPOT cannot be met, EngineUnavailable if the engine is down or dies,
+        or the server shuts down. Leaving the iteration early (a disconnect) aborts the request;
+        one that waits past max_queue_wait finishes with finish_reason "queue_timeout".
+        `pooling`: an embedding request (prefill only, sharing batches with generation; of
+        `params` only n=1 matters): its one update finishes it, with its state's `embedding`."""
         self.check_available()
-        self.check_prompt_token_ids(prompt_token_ids)
+        self.check_prompt_token_ids(prompt_token_ids, prompt_field)
         check_max_logprobs(params, self.config.engine.model.max_logprobs)
         salt = self.admission.cache_salt(tenant, cache_salt)
         num_tokens = len(prompt_token_ids) * params.n
@@ -329,6 +331,8 @@ class AsyncEngine:
         try:
             while not finished:
                 item = await queue.get()
+                if isinstance(item, InvalidField):
+                    raise item.renamed({PROMPT: prompt_field})
                 if isinstance(item, Exception):
                     raise item
                 finished = item.finished
@@ -433,7 +437,7 @@ class AsyncEngine:
                     self.loop.call_soon_threadsafe(queue.put_nowait, update)
 
     def _reject(self, message: RequestRejected) -> None:
-        """The engine refused a request: invalid (ValueError) or, under deadlines, one whose
+        """The engine refused a request: invalid (InvalidField) or, under deadlines, one whose
         TTFT or TPOT it cannot meet (EngineOverloaded, reason deadline)."""
         with self.lock:
             entry = self.processor.samples.get(message.request_id)
@@ -444,7 +448,8 @@ class AsyncEngine:
         self.live.rejected(message.reason, time.monotonic())
         if queue is not None:
             error = (EngineOverloaded(message.message, reason=message.reason)
-                     if message.reason == "deadline" else ValueError(message.message))
+                     if message.reason == "deadline"
+                     else InvalidField(message.param, message.message))
             self.loop.call_soon_threadsafe(queue.put_nowait, error)
 
     def _fail_request(self, message: RequestFailed) -> None:

@@ -36,18 +36,18 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from treadle.core.sampling_params import SamplingParams, StructuredOutputsParams
+from treadle.core.sampling_params import SamplingParams, StructuredOutputsParams, check_max_logprobs
 from treadle.core.structured_output import check_structured_outputs
+from treadle.errors import InvalidField
 from treadle.frontend.admission import Admitted, EngineOverloaded, check_tenant_name
 from treadle.frontend.async_engine import AsyncEngine, RequestUpdate
 from treadle.frontend.output_processor import RequestState, SampleDelta
 from treadle.frontend.supervisor import EngineUnavailable
 from treadle.observability.explain import e2e, timings
 from treadle.server.chat_template import apply_chat_template
-from treadle.server.openai.errors import APIError, from_value_error
+from treadle.server.openai.errors import APIError, invalid_request
 from treadle.server.openai.logprobs import TokenTable, prompt_logprobs
 from treadle.server.openai.protocol import (
-    STRUCTURED_OUTPUT_FIELDS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -55,7 +55,7 @@ from treadle.server.openai.protocol import (
     Usage,
 )
 from treadle.server.openai.tool_parsers import tool_parser
-from treadle.server.openai.tools import ChatTools, chat_tools, template_inputs
+from treadle.server.openai.tools import ChatTools, template_inputs
 from treadle.server.validation import check_prompt_text
 
 if TYPE_CHECKING:
@@ -165,13 +165,14 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-def engine_error(error: Exception, params: dict[str, str]) -> APIError:
-    """The engine refused a request: the client's fault (ValueError), a full queue, or an engine
-    that is down or died (type engine_error) or a server shutting down (server_shutdown)."""
+def engine_error(error: Exception) -> APIError:
+    """The engine refused a request: the client's fault (InvalidField, naming its field), a full
+    queue, or an engine that is down or died (type engine_error) or a server shutting down
+    (server_shutdown)."""
     if isinstance(error, EngineUnavailable):
         return APIError(503, str(error), error_type=error.kind)
     if isinstance(error, ValueError):
-        return from_value_error(error, params)
+        return invalid_request(error)
     if isinstance(error, EngineOverloaded):
         # The server-wide queue's limits keep OpenAI's code; the others name theirs.
         code = error.reason if error.reason in ("tenant_requests", "tenant_queued_tokens",
@@ -213,8 +214,7 @@ def usage(prompts: list[list[int]], states: list[RequestState]) -> Usage:
 KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it
 
 
-async def sse(chunks: AsyncIterator[BaseModel], params: dict[str, str], keepalive: float
-              ) -> AsyncIterator[str]:
+async def sse(chunks: AsyncIterator[BaseModel], keepalive: float) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's format: chunks, or chunks and an error event, then
     `[DONE]`: a client reading to `[DONE]` always sees the stream end (as vLLM's do). Each
     `keepalive` seconds without a chunk (the request still queued, text held back) send a
@@ -230,7 +230,7 @@ async def sse(chunks: AsyncIterator[BaseModel], params: dict[str, str], keepaliv
     except StopAsyncIteration:
         pass
     except Exception as e:
-        error = e if isinstance(e, APIError) else engine_error(e, params)
+        error = e if isinstance(e, APIError) else engine_error(e)
         yield f"data: {json.dumps(error.body())}\n\n"
     finally:
         if pending is not None:  # the client left: cancelling it closes the chunks' updates
@@ -250,13 +250,6 @@ async def after(first: asyncio.Future, rest: Updates) -> Updates:
         yield await first
         async for item in rest:
             yield item
-
-
-def sampling_params(fields: dict[str, Any], params: dict[str, str]) -> SamplingParams:
-    try:
-        return SamplingParams(**fields)
-    except ValueError as e:
-        raise from_value_error(e, params) from e
 
 
 def wanted(delta: SampleDelta, logprobs: bool) -> bool:
@@ -319,10 +312,7 @@ class OpenAIServing:
                 tpot_ms=body.tpot_ms if body.tpot_ms is not None else headers.get(TPOT_HEADER),
                 cache_salt=body.cache_salt)
         except (EngineUnavailable, EngineOverloaded) as e:
-            raise engine_error(e, {}) from e
-        except ValueError as e:
-            raise from_value_error(e, {name: name for name in (
-                "user", "safety_identifier", "ttft_ms", "tpot_ms", "cache_salt")}) from e
+            raise engine_error(e) from e
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options needs stream", param="stream_options")
         return request_context(admitted, request)
@@ -352,13 +342,17 @@ class OpenAIServing:
                                           add_special_tokens=add_special_tokens)
         return encoded["input_ids"]
 
-    @staticmethod
-    def chat_tools(body: ChatCompletionRequest) -> ChatTools | None:
-        """The request's tools and tool choice (None: none offered, or tool_choice "none")."""
+    def sampling_params(self, fields: dict[str, Any], names: dict[str, str] | None = None
+                        ) -> SamplingParams:
+        """SamplingParams of `fields`, within the server's max_logprobs; InvalidField naming the
+        request's field, which `names` gives where the request names a field otherwise than
+        SamplingParams does."""
         try:
-            return chat_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-        except ValueError as e:
-            raise from_value_error(e, {"tools": "tools", "tool_choice": "tool_choice"}) from e
+            params = SamplingParams(**fields)
+            check_max_logprobs(params, self.engine.config.engine.model.max_logprobs)
+        except InvalidField as e:
+            raise e.renamed(names or {}) from None
+        return params
 
     async def apply_template(self, messages: list[ChatMessage],
                              add_generation_prompt: bool = True,
@@ -366,12 +360,9 @@ class OpenAIServing:
         template = self.chat_tokenizer.chat_template
         turns, fields, template_tools = template_inputs(
             messages, tools, self.tool_parser, native=template is not None and "tools" in template)
-        try:
-            return await asyncio.to_thread(
-                apply_chat_template, self.chat_tokenizer, turns, self.engine.max_model_len,
-                add_generation_prompt, template_tools, fields)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from e
+        return await asyncio.to_thread(
+            apply_chat_template, self.chat_tokenizer, turns, self.engine.max_model_len,
+            add_generation_prompt, template_tools, fields)
 
     async def structured_output(self, body: CompletionRequest | ChatCompletionRequest,
                                 tools: ChatTools | None = None
@@ -379,10 +370,7 @@ class OpenAIServing:
         """The request's constraint (its structured-output field's, or the one enforcing a
         required or named tool choice), checked to compile (in a thread: a large grammar takes
         a while); a 400 naming its field otherwise."""
-        try:
-            found = body.structured_output()
-        except ValueError as e:
-            raise from_value_error(e, {name: name for name in STRUCTURED_OUTPUT_FIELDS}) from e
+        found = body.structured_output()
         if tools is not None and tools.constrained:
             if found is not None:
                 raise APIError(400, f"tool_choice {tools.choice!r} cannot be combined with "
@@ -399,10 +387,7 @@ class OpenAIServing:
 
     def check_prompt_texts(self, texts: list[str]) -> None:
         for text in texts:
-            try:
-                check_prompt_text("prompt", text, self.engine.max_model_len)
-            except ValueError as e:
-                raise APIError(400, str(e), param="prompt") from e
+            check_prompt_text("prompt", text, self.engine.max_model_len)
 
     def prompt_logprobs(self, body: CompletionRequest | ChatCompletionRequest,
                         state: RequestState) -> list | None:
@@ -411,12 +396,14 @@ class OpenAIServing:
         return prompt_logprobs(self.table, state.prompt_logprobs)
 
     def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                 priority: int, context: RequestContext, pooling: bool = False) -> Updates:
-        """`pooling`: embedding requests (AsyncEngine.generate's)."""
+                 priority: int, context: RequestContext, prompt_field: str,
+                 pooling: bool = False) -> Updates:
+        """`prompt_field`: the request's field the prompts came from (errors name it);
+        `pooling`: embedding requests (AsyncEngine.generate's)."""
         return merge([self.engine.generate(i, p, params, priority, tenant=context.tenant,
                                            cache_salt=context.cache_salt, ttft=context.ttft,
                                            tpot=context.tpot, received=context.received,
-                                           pooling=pooling)
+                                           pooling=pooling, prompt_field=prompt_field)
                       for i, p in zip(prompt_ids(request_id, len(prompts)), prompts,
                                       strict=True)])
 
@@ -426,20 +413,19 @@ class OpenAIServing:
         timelines = self.engine.response_finished(prompt_ids(request_id, num_prompts))
         return timings(max(timelines, key=e2e)) if timelines else None
 
-    async def run(self, request: Request, updates: Updates, num_prompts: int,
-                  params: dict[str, str]) -> list[RequestState]:
+    async def run(self, request: Request, updates: Updates, num_prompts: int
+                  ) -> list[RequestState]:
         """Run to the end (non-streaming): each prompt's final state."""
         try:
             states = await unless_disconnected(request, collect(updates, num_prompts))
         except ENGINE_ERRORS as e:
-            raise engine_error(e, params) from e
+            raise engine_error(e) from e
         for state in states:
             for sample in state.samples:
                 check_finish(sample.finish_reason)
         return states
 
-    async def start_stream(self, request: Request, updates: Updates,
-                           params: dict[str, str]) -> Updates:
+    async def start_stream(self, request: Request, updates: Updates) -> Updates:
         """Wait for the first update, so that a request the engine refuses is still a 4xx; one
         still queued after the keep-alive interval starts its stream anyway (keep-alives then
         hold it open, and a later refusal is its last SSE event)."""
@@ -455,7 +441,7 @@ class OpenAIServing:
         try:
             first = pending.result()
         except ENGINE_ERRORS as e:
-            raise engine_error(e, params) from e
+            raise engine_error(e) from e
         if any(d.finish_reason == "queue_timeout" for d in first[1].deltas):
             await updates.aclose()  # aborts the request's other prompts and samples
             raise queue_timeout_error()
