@@ -7,6 +7,7 @@ auth on every route; and the gRPC edge cases REST already refused."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import http.client
 import json
 import threading
@@ -565,3 +566,30 @@ def test_metrics_without_auth_opens_metrics_only():
     assert asyncio.run(statuses(False)) == [401, 401, 200]
     assert asyncio.run(statuses(True)) == [200, 401, 200]
     assert build_parser().parse_args(["serve", "--metrics-without-auth"]).metrics_without_auth
+
+
+# Round three (issue 33).
+
+def test_many_embedding_inputs_are_one_request_in_the_queue(port, engine):
+    """300 inputs (OpenAI allows 2,048) on an idle server with the default queue of 256."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0,
+                           timeout=120)
+    out = client.embeddings.create(model=engine.model_name, input=["a b"] * 300)
+    assert len(out.data) == 300
+    assert_healthy_and_idle(port, engine)
+
+
+def test_a_batch_larger_than_a_tenant_may_have_in_flight_is_400(port, engine):
+    config = engine.admission.config
+    engine.admission.config = dataclasses.replace(config, max_requests_per_tenant=4)
+    try:
+        for path, body, field in (("/v1/completions", {**COMPLETION, "prompt": ["a"] * 8},
+                                   "prompt"),
+                                  ("/v1/embeddings", {"input": ["a"] * 8}, "input")):
+            error = assert_openai_error(*post(port, path, body))
+            assert error["param"] == field and "max_requests_per_tenant" in error["message"]
+        status, _ = post(port, "/v1/completions", {**COMPLETION, "prompt": ["a"] * 4})
+        assert status == 200  # at the limit
+    finally:
+        engine.admission.config = config
+    assert_healthy_and_idle(port, engine)

@@ -166,8 +166,8 @@ def add_serve_settings(srv: argparse.ArgumentParser) -> None:
                      help="a tenant's weight under --policy fair (default 1; repeatable; "
                           "overrides the key file's)")
     admission = srv.add_argument_group("admission")
-    add_setting(admission, "max_queued_requests", "requests waiting for their first token; past "
-                "it: 429")
+    add_setting(admission, "max_queued_requests", "requests waiting for their first token (a "
+                "batch of prompts is one); past it: 429")
     add_setting(admission, "max_queued_tokens", "prompt tokens waiting for their first token; "
                 "past it: 429", none="no limit")
     add_setting(admission, "max_requests_per_tenant", "requests in flight per tenant; past it: "

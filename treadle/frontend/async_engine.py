@@ -27,7 +27,9 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Any
 
 from treadle.config import AsyncEngineConfig
 from treadle.core.generation_defaults import sampling_defaults
@@ -70,6 +72,18 @@ class RequestUpdate:
     finished: bool  # whether this update ends the request, fixed when it was made
 
 
+@dataclass(frozen=True)
+class Stream:
+    """Where one engine request's updates go: its client request's queue, with its prompt's
+    index there."""
+
+    queue: asyncio.Queue
+    index: int
+
+    def put(self, item: RequestUpdate | Exception) -> None:
+        self.queue.put_nowait((self.index, item))
+
+
 @dataclass
 class LoadState:
     """The engine's last reported load, and when it last made progress (frontend clock)."""
@@ -98,7 +112,7 @@ class AsyncEngine:
         self.processor = OutputProcessor(self.tokenizer)
         # The processor, admission, observer, request ids and the client: shared with the reader.
         self.lock = threading.Lock()
-        self.streams: dict[str, asyncio.Queue] = {}
+        self.streams: dict[str, Stream] = {}
         self.request_ids = RequestIds(self.lock, self._holds_id)
         self.metrics = ServerMetrics(self.model_name, config.observability.max_tenant_labels)
         self.admission = Admission(config.admission)
@@ -210,14 +224,14 @@ class AsyncEngine:
 
     def _fail_streams(self, error: Exception, engine_gone: bool) -> None:
         with self.lock:
-            queues = list(self.streams.values())
+            streams = list(self.streams.values())
             if engine_gone:  # nothing to abort: forget every request here at once
                 for request_id in list(self.processor.requests):
                     self.processor.remove(request_id)
                 self.streams.clear()
-                self.admission.queued.clear()
-        for queue in queues:
-            queue.put_nowait(error)
+                self.admission.drop_queued()
+        for stream in streams:
+            stream.put(error)
 
     def timeline(self, request_id: str) -> dict | None:
         """A recently finished request's timeline (`id/index` for one of n samples), by its id
@@ -251,28 +265,36 @@ class AsyncEngine:
 
     def admit(self, key_name: str | None = None, user: str | None = None, *,
               ttft_ms: float | str | None = None, tpot_ms: float | str | None = None,
-              cache_salt: str | None = None) -> Admitted:
+              cache_salt: str | None = None, num_prompts: int = 1,
+              prompt_field: str = PROMPT) -> Admitted:
         """What both frontends decide before any costly work: EngineUnavailable for a down
         engine, first; its tenant (the key's name, else `user`), its objectives (ms, a number or
-        a header's text) and salt (InvalidField naming a bad one); EngineOverloaded when the queue
-        or the tenant's limits cannot take it. `generate` checks the limits again with the
-        prompt's size."""
+        a header's text) and salt (InvalidField naming a bad one); InvalidField naming
+        `prompt_field` for more prompts than a tenant may ever have in flight; EngineOverloaded
+        when the queue or the tenant's limits cannot take it now. `generate_batch` checks the
+        limits again with the prompts' size."""
         self.check_available()
         with self.lock:
             tenant = self.admission.resolve_tenant(key_name, user)
         admitted = Admitted(tenant, cache_salt or None, objective_seconds("ttft_ms", ttft_ms),
                             objective_seconds("tpot_ms", tpot_ms))
         self.admission.cache_salt(tenant, cache_salt)  # its length
-        self.check_capacity(tenant=tenant)
+        try:
+            self.check_capacity(tenant=tenant, num_requests=num_prompts)
+        except InvalidField as e:
+            raise e.renamed({PROMPT: prompt_field}) from None
         return admitted
 
-    def check_capacity(self, num_prompt_tokens: int = 0, tenant: str = DEFAULT_TENANT) -> None:
-        """Raise EngineOverloaded if a request of that many prompt tokens would overfill the
-        queue, or pass its tenant's limits; counted in the rejection metrics. Cheap: frontends
-        call it before tokenizing, and generate() again with the count."""
+    def check_capacity(self, num_prompt_tokens: int = 0, tenant: str = DEFAULT_TENANT,
+                       num_requests: int = 1) -> None:
+        """Raise EngineOverloaded if a client request of `num_requests` prompts and that many
+        prompt tokens would overfill the queue, or pass its tenant's limits now (counted in
+        the rejection metrics); InvalidField if it has more prompts than its tenant may ever
+        have in flight. Cheap: frontends call it before tokenizing, and generate_batch() again
+        with the counts."""
         try:
             with self.lock:
-                self.admission.check_capacity(num_prompt_tokens, tenant)
+                self.admission.check_capacity(num_prompt_tokens, tenant, num_requests)
         except EngineOverloaded as e:
             self.metrics.labels(self.metrics.rejections, reason=e.reason,
                                 tenant=self.metrics.tenant_label(tenant)).inc()
@@ -289,65 +311,98 @@ class AsyncEngine:
                                f"{bad[0]}")
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, priority: int = 0, *,
-                       tenant: str = DEFAULT_TENANT, cache_salt: str | None = None,
-                       ttft: float | None = None, tpot: float | None = None,
-                       received: float | None = None, pooling: bool = False,
-                       prompt_field: str = PROMPT) -> AsyncIterator[RequestUpdate]:
-        """Updates as tokens arrive. `request_id` is the server's own, unique among requests in
-        flight (ValueError otherwise); `received`: when the frontend received the request
-        (time.monotonic(); None: now), where its breakdown starts. `tenant`, `ttft`, `tpot`
-        (seconds; None: the server's defaults): from `admit`. InvalidField before any update if
-        the engine refuses the request (the prompt named `prompt_field`, the request's name of
-        it), EngineOverloaded if the queue is full, a tenant limit is reached or (deadline
-        policy) its TTFT or TPOT cannot be met, EngineUnavailable if the engine is down or dies,
-        or the server shuts down. Leaving the iteration early (a disconnect) aborts the request;
-        one that waits past max_queue_wait finishes with finish_reason "queue_timeout".
-        `pooling`: an embedding request (prefill only, sharing batches with generation; of
-        `params` only n=1 matters): its one update finishes it, with its state's `embedding`."""
-        self.check_available()
-        self.check_prompt_token_ids(prompt_token_ids, prompt_field)
-        check_max_logprobs(params, self.config.engine.model.max_logprobs)
-        salt = self.admission.cache_salt(tenant, cache_salt)
-        num_tokens = len(prompt_token_ids) * params.n
-        self.check_capacity(num_tokens, tenant)
-        ttft, tpot = self.admission.objectives(ttft, tpot)
-        admit_deadline = self.config.engine.policy == "deadline"
-        queue: asyncio.Queue = asyncio.Queue()
-        with self.lock:
-            engine_requests = self.processor.add_request(request_id, prompt_token_ids, params)
-            self.streams[request_id] = queue
-            self.admission.admit(request_id, tenant, num_tokens)
-            self.observer.start(request_id, tenant, ttft, tpot, received)
-            self.live.start(request_id, params.n, tenant, priority, len(prompt_token_ids),
-                            time.monotonic() if received is None else received)
-            # To a dead engine they are dropped: the reader has seen its end, or is about to,
-            # and then fails this stream with the others.
-            for engine_id, engine_params in engine_requests:
-                self._send(AddRequest(
-                    engine_id, prompt_token_ids, engine_params, priority, tenant, salt,
-                    ttft, tpot, admit_deadline, pooling))
-        finished = False
+                       params: SamplingParams, priority: int = 0, **options: Any
+                       ) -> AsyncIterator[RequestUpdate]:
+        """One prompt's updates as tokens arrive: `generate_batch` of that prompt alone
+        (`options`: its keywords)."""
+        async with aclosing(self.generate_batch([request_id], [prompt_token_ids], params,
+                                                priority, **options)) as updates:
+            async for _, update in updates:
+                yield update
+
+    async def generate_batch(self, request_ids: list[str], prompts: list[list[int]],
+                             params: SamplingParams, priority: int = 0, *,
+                             tenant: str = DEFAULT_TENANT, cache_salt: str | None = None,
+                             ttft: float | None = None, tpot: float | None = None,
+                             received: float | None = None, pooling: bool = False,
+                             prompt_field: str = PROMPT
+                             ) -> AsyncIterator[tuple[int, RequestUpdate]]:
+        """A client request's prompts (a completions batch, embedding inputs; each its own
+        engine request under `request_ids`, the server's own, unique among requests in flight),
+        admitted together, and their updates as tokens arrive: (prompt index, update).
+        `received`: when the frontend received the request (time.monotonic(); None: now), where
+        its breakdown starts. `tenant`, `ttft`, `tpot` (seconds; None: the server's defaults):
+        from `admit`. Before any update: InvalidField if the engine refuses the request (the
+        prompt named `prompt_field`, the request's name of it) or it has more prompts than a
+        tenant may ever have in flight, EngineOverloaded if the queue or a tenant limit cannot
+        take it now or (deadline policy) its TTFT or TPOT cannot be met; EngineUnavailable if
+        the engine is down or dies, or the server shuts down. Leaving the iteration early (a
+        disconnect) aborts every prompt; one that waits past max_queue_wait finishes with
+        finish_reason "queue_timeout". `pooling`: embedding requests (prefill only, sharing
+        batches with generation; of `params` only n=1 matters): each one's single update
+        finishes it, with its state's `embedding`."""
+        names = {PROMPT: prompt_field}
         try:
-            while not finished:
-                item = await queue.get()
+            queue = self._start(request_ids, prompts, params, priority, tenant, cache_salt, ttft,
+                                tpot, received, pooling)
+        except InvalidField as e:
+            raise e.renamed(names) from None
+        unfinished = set(range(len(request_ids)))
+        try:
+            while unfinished:
+                index, item = await queue.get()
                 if isinstance(item, InvalidField):
-                    raise item.renamed({PROMPT: prompt_field})
+                    raise item.renamed(names)
                 if isinstance(item, Exception):
                     raise item
-                finished = item.finished
+                if item.finished:
+                    unfinished.discard(index)
                 with self.lock:
-                    self.admission.started(request_id)
-                yield item
+                    self.admission.started(request_ids[index])
+                yield index, item
         finally:
-            self._forget(request_id, abort=not finished)
+            for index, request_id in enumerate(request_ids):
+                self._forget(request_id, abort=index in unfinished)
+
+    def _start(self, request_ids: list[str], prompts: list[list[int]], params: SamplingParams,
+               priority: int, tenant: str, cache_salt: str | None, ttft: float | None,
+               tpot: float | None, received: float | None, pooling: bool) -> asyncio.Queue:
+        """Check a client request's prompts, admit them as one and send them to the engine;
+        the queue their updates arrive on."""
+        self.check_available()
+        for prompt in prompts:
+            self.check_prompt_token_ids(prompt)
+        check_max_logprobs(params, self.config.engine.model.max_logprobs)
+        salt = self.admission.cache_salt(tenant, cache_salt)
+        num_tokens = [len(prompt) * params.n for prompt in prompts]
+        self.check_capacity(sum(num_tokens), tenant, len(prompts))
+        ttft, tpot = self.admission.objectives(ttft, tpot)
+        admit_deadline = self.config.engine.policy == "deadline"
+        arrival = time.monotonic() if received is None else received
+        queue: asyncio.Queue = asyncio.Queue()
+        with self.lock:
+            taken = [r for r in request_ids if r in self.processor.requests]
+            if taken:
+                raise ValueError(f"request id {taken[0]!r} is already in use")
+            for index, (request_id, prompt) in enumerate(zip(request_ids, prompts, strict=True)):
+                engine_requests = self.processor.add_request(request_id, prompt, params)
+                self.streams[request_id] = Stream(queue, index)
+                self.observer.start(request_id, tenant, ttft, tpot, received)
+                self.live.start(request_id, params.n, tenant, priority, len(prompt), arrival)
+                # To a dead engine they are dropped: the reader has seen its end, or is about
+                # to, and then fails this stream with the others.
+                for engine_id, engine_params in engine_requests:
+                    self._send(AddRequest(engine_id, prompt, engine_params, priority, tenant,
+                                          salt, ttft, tpot, admit_deadline, pooling))
+            self.admission.admit(request_ids[0], request_ids, tenant, num_tokens)
+        return queue
 
     async def abort(self, request_id: str) -> bool:
         """End a request now: its stream's last update finishes each unfinished sample with
         finish_reason "abort". False if no such request is in flight."""
         with self.lock:
-            state, queue = self.processor.requests.get(request_id), self.streams.get(request_id)
-            if state is None or queue is None or state.finished:
+            state, stream = self.processor.requests.get(request_id), self.streams.get(request_id)
+            if state is None or stream is None or state.finished:
                 return False
             deltas = []
             for sample in state.samples:
@@ -358,7 +413,7 @@ class AsyncEngine:
                 deltas.append(SampleDelta(request_id, sample.index, "", [], None, True, "abort"))
                 self.observer.observe(deltas[-1], state)
         # call_soon, not put_nowait: after the updates the reader has already scheduled.
-        self.loop.call_soon(queue.put_nowait, RequestUpdate(deltas, state, True))
+        self.loop.call_soon(stream.put, RequestUpdate(deltas, state, True))
         return True
 
     def _forget(self, request_id: str, abort: bool) -> None:
@@ -430,11 +485,11 @@ class AsyncEngine:
                 self.observer.observe(delta, self.processor.requests[delta.request_id])
                 self.live.observe(delta, now)
             for request_id, request_deltas in updates.items():
-                queue = self.streams.get(request_id)
-                if queue is not None:
+                stream = self.streams.get(request_id)
+                if stream is not None:
                     state = self.processor.requests[request_id]
                     update = RequestUpdate(request_deltas, state, state.finished)
-                    self.loop.call_soon_threadsafe(queue.put_nowait, update)
+                    self.loop.call_soon_threadsafe(stream.put, update)
 
     def _reject(self, message: RequestRejected) -> None:
         """The engine refused a request: invalid (InvalidField) or, under deadlines, one whose
@@ -443,21 +498,21 @@ class AsyncEngine:
             entry = self.processor.samples.get(message.request_id)
             request_id = entry[0].request_id if entry is not None else None
             label = self.observer.tenant_label(request_id)
-            queue = self.streams.get(request_id) if request_id is not None else None
+            stream = self.streams.get(request_id) if request_id is not None else None
         self.metrics.labels(self.metrics.rejections, reason=message.reason, tenant=label).inc()
         self.live.rejected(message.reason, time.monotonic())
-        if queue is not None:
+        if stream is not None:
             error = (EngineOverloaded(message.message, reason=message.reason)
                      if message.reason == "deadline"
                      else InvalidField(message.param, message.message))
-            self.loop.call_soon_threadsafe(queue.put_nowait, error)
+            self.loop.call_soon_threadsafe(stream.put, error)
 
     def _fail_request(self, message: RequestFailed) -> None:
         """The replica running one of a request's samples died: the request ends with
         EngineUnavailable (its other samples are aborted as it ends)."""
         with self.lock:
             entry = self.processor.samples.get(message.request_id)
-            queue = self.streams.get(entry[0].request_id) if entry is not None else None
-        if queue is not None:
-            self.loop.call_soon_threadsafe(queue.put_nowait, EngineUnavailable(message.message))
+            stream = self.streams.get(entry[0].request_id) if entry is not None else None
+        if stream is not None:
+            self.loop.call_soon_threadsafe(stream.put, EngineUnavailable(message.message))
 

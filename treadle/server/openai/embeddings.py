@@ -31,6 +31,7 @@ from treadle.server.openai.protocol import (
 from treadle.server.openai.serving import (
     OpenAIServing,
     RequestContext,
+    count_prompts,
     engine_error,
     request_context,
 )
@@ -50,7 +51,9 @@ def admit(serving: OpenAIServing, body: EmbeddingRequest, request: Request) -> R
                        f"representation, changing output dimensions will lead to poor results.",
                        param="dimensions", code="unsupported_value")
     try:
-        admitted = serving.engine.admit(getattr(request.state, "api_key_name", None), body.user)
+        admitted = serving.engine.admit(getattr(request.state, "api_key_name", None), body.user,
+                                        num_prompts=count_prompts(body.input),
+                                        prompt_field="input")
     except (EngineUnavailable, EngineOverloaded) as e:
         raise engine_error(e) from e
     return request_context(admitted, request)

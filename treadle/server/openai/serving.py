@@ -1,12 +1,12 @@
 """What every generating route shares: admission, context checks, tokenizing and chat prompts off
-the event loop, one engine request per prompt merged into one stream, running to the end or
-streaming (SSE), and the engine's refusals as OpenAI errors.
+the event loop, one engine request per prompt in one stream, running to the end or streaming
+(SSE), and the engine's refusals as OpenAI errors.
 
 A client request becomes one engine request per prompt (a completions batch has several; each
-runs its n samples), whose updates merge into one stream. A request is refused (4xx) before the
-response starts when the frontend or the engine rejects it; an error after a stream began is its
-last SSE event, then `[DONE]`. A client that disconnects, streaming or not, has its requests
-aborted.
+runs its n samples), admitted together, whose updates come as one stream
+(AsyncEngine.generate_batch). A request is refused (4xx) before the response starts when the
+frontend or the engine rejects it; an error after a stream began is its last SSE event, then
+`[DONE]`. A client that disconnects, streaming or not, has its requests aborted.
 
 Every request field is honoured or refused: a field of OpenAI's API that Treadle does not implement
 yet is accepted at its default only, else a 400 (code unsupported_value) naming it (protocol's
@@ -17,9 +17,10 @@ its `safety_identifier` (OpenAI's successor of `user`), else "default"
 (AsyncEngine.admit); `cache_salt` is vLLM's field; TTFT and TPOT objectives
 come from the `ttft_ms` / `tpot_ms` fields, else the `X-Treadle-TTFT-Ms` / `X-Treadle-TPOT-Ms`
 headers. A tenant over its limits, or (deadline policy) a TTFT the engine cannot meet, is a 429
-whose code names the limit (tenant_requests, tenant_queued_tokens, deadline). A request that
-waits past --max-queue-wait is a 503 of type queue_timeout before its stream starts, else that
-error as its last SSE event, then `[DONE]`.
+whose code names the limit (tenant_requests, tenant_queued_tokens, deadline); a batch of more
+prompts than a tenant may ever have in flight is a 400 naming max_requests_per_tenant. A request
+that waits past --max-queue-wait is a 503 of type queue_timeout before its stream starts, else
+that error as its last SSE event, then `[DONE]`.
 """
 
 from __future__ import annotations
@@ -67,10 +68,17 @@ Updates = AsyncIterator[tuple[int, RequestUpdate]]  # (prompt index, update)
 
 TTFT_HEADER = "x-treadle-ttft-ms"
 TPOT_HEADER = "x-treadle-tpot-ms"
-# What AsyncEngine.generate raises when it refuses a request.
+# What AsyncEngine.generate_batch raises when it refuses a request.
 ENGINE_ERRORS = (ValueError, EngineOverloaded, RuntimeError)
 QUEUE_TIMEOUT_MESSAGE = ("the request waited longer than the server's queue time limit "
                          "(max_queue_wait) without being scheduled; retry later")
+
+
+def count_prompts(prompt: str | list) -> int:
+    """How many prompts a completions `prompt` (or an embeddings `input`) holds: one text or
+    list of token ids, or a list of them."""
+    return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) \
+        else len(prompt)
 
 
 def prompt_ids(request_id: str, num_prompts: int) -> list[str]:
@@ -98,37 +106,6 @@ class RequestContext:
 def request_context(admitted: Admitted, request: Request) -> RequestContext:
     return RequestContext(admitted.tenant, admitted.cache_salt, admitted.ttft, admitted.tpot,
                           request.state.request_id, request.state.received)
-
-
-async def merge(streams: list[AsyncIterator[RequestUpdate]]) -> Updates:
-    """The updates of several engine requests as one stream; leaving it early closes them all,
-    which aborts their requests."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncIterator[RequestUpdate]) -> None:
-        try:
-            async with aclosing(stream):
-                async for update in stream:
-                    queue.put_nowait((index, update))
-            queue.put_nowait((index, None))
-        except Exception as e:
-            queue.put_nowait((index, e))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def prepend(first: tuple[int, RequestUpdate], rest: Updates) -> Updates:
@@ -293,8 +270,8 @@ class OpenAIServing:
     def admit(self, body: CompletionRequest | ChatCompletionRequest, request: Request
               ) -> RequestContext:
         """Refuse a request for another model, or one the full queue or its tenant's limits
-        cannot take, or one asking for what Treadle does not support yet, before any costly
-        work; its tenant, salt and objectives."""
+        cannot take (its prompts counted), or one asking for what Treadle does not support yet,
+        before any costly work; its tenant, salt and objectives."""
         self.check_model(body.model)
         unsupported = body.unsupported()
         if unsupported is not None:
@@ -310,7 +287,8 @@ class OpenAIServing:
                 getattr(request.state, "api_key_name", None), user,
                 ttft_ms=body.ttft_ms if body.ttft_ms is not None else headers.get(TTFT_HEADER),
                 tpot_ms=body.tpot_ms if body.tpot_ms is not None else headers.get(TPOT_HEADER),
-                cache_salt=body.cache_salt)
+                cache_salt=body.cache_salt, num_prompts=count_prompts(body.prompt)
+                if isinstance(body, CompletionRequest) else 1)
         except (EngineUnavailable, EngineOverloaded) as e:
             raise engine_error(e) from e
         if body.stream_options is not None and not body.stream:
@@ -400,12 +378,11 @@ class OpenAIServing:
                  pooling: bool = False) -> Updates:
         """`prompt_field`: the request's field the prompts came from (errors name it);
         `pooling`: embedding requests (AsyncEngine.generate's)."""
-        return merge([self.engine.generate(i, p, params, priority, tenant=context.tenant,
-                                           cache_salt=context.cache_salt, ttft=context.ttft,
-                                           tpot=context.tpot, received=context.received,
-                                           pooling=pooling, prompt_field=prompt_field)
-                      for i, p in zip(prompt_ids(request_id, len(prompts)), prompts,
-                                      strict=True)])
+        return self.engine.generate_batch(
+            prompt_ids(request_id, len(prompts)), prompts, params, priority,
+            tenant=context.tenant, cache_salt=context.cache_salt, ttft=context.ttft,
+            tpot=context.tpot, received=context.received, pooling=pooling,
+            prompt_field=prompt_field)
 
     def finish_response(self, request_id: str, num_prompts: int) -> dict[str, float] | None:
         """The response is written, all but its last bytes: mark its samples' timelines; the
