@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import http.client
 import json
 import threading
@@ -44,6 +45,8 @@ from treadle.server.grpc import treadle_pb2_grpc as pb_grpc
 from treadle.server.openai.middleware import APIKeyMiddleware
 
 KEY = "sekrit"
+# Keys of two tenants and the admin (who sees every tenant's records), beside KEY (key-1).
+TENANT_KEYS = {"alice": "alice-key", "bob": "bob-key", "admin": "admin-key"}
 MAX_MODEL_LEN = TINY["max_position_embeddings"]
 MAX_PROMPT_CHARS = MAX_MODEL_LEN * MAX_PROMPT_CHARS_PER_TOKEN
 IDLE = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0}
@@ -55,8 +58,8 @@ def server(tiny_folder):
     engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
         model=str(tiny_folder), dtype="float32", kv_cache_memory_bytes=16 << 20,
         max_model_len=MAX_MODEL_LEN)))
-    config = ServerConfig(port=0, grpc_port=0, api_keys=tuple(parse_api_keys([KEY])),
-                          enable_debug_endpoints=True)
+    keys = parse_api_keys([KEY], [f"{name}:{key}" for name, key in TENANT_KEYS.items()])
+    config = ServerConfig(port=0, grpc_port=0, api_keys=tuple(keys), enable_debug_endpoints=True)
     frontends, thread = start_frontends(engine, config)
     wait_started(frontends, thread)
     yield frontends.port, engine, frontends.grpc_port
@@ -570,6 +573,10 @@ def test_metrics_without_auth_opens_metrics_only():
 
 # Round three (issue 33).
 
+def as_tenant(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {TENANT_KEYS[name]}"}
+
+
 def test_many_embedding_inputs_are_one_request_in_the_queue(port, engine):
     """300 inputs (OpenAI allows 2,048) on an idle server with the default queue of 256."""
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0,
@@ -593,3 +600,61 @@ def test_a_batch_larger_than_a_tenant_may_have_in_flight_is_400(port, engine):
     finally:
         engine.admission.config = config
     assert_healthy_and_idle(port, engine)
+
+
+def test_request_records_are_scoped_to_the_tenant(port, engine):
+    """explain, debug and the dashboard's request panel: a key sees its tenant's requests, the
+    admin key every tenant's; a finished request's id reused by another tenant stays its own."""
+    headers = {**as_tenant("alice"), "X-Request-Id": "alice-1"}
+    assert post(port, "/v1/completions", COMPLETION, headers=headers)[0] == 200
+    paths = ("/v1/requests/alice-1/explain", "/debug/requests/alice-1",
+             "/dashboard/requests/alice-1")
+    for path in paths:
+        assert request(port, "GET", path, headers=as_tenant("alice"))[0] == 200, path
+        assert request(port, "GET", path, headers=as_tenant("admin"))[0] == 200, path
+        error = assert_openai_error(*request(port, "GET", path, headers=as_tenant("bob")), 404)
+        assert error["code"] == "request_not_found"
+    status, _ = post(port, "/v1/completions", {**COMPLETION, "max_tokens": 2},
+                     headers={**as_tenant("bob"), "X-Request-Id": "alice-1"})
+    assert status == 200
+    status, timeline = request(port, "GET", "/debug/requests/alice-1", headers=as_tenant("alice"))
+    assert status == 200 and timeline["tenant"] == "alice" and timeline["output_tokens"] == 1
+
+
+def test_the_dashboard_feed_shows_a_tenant_only_its_own_requests(port, engine):
+    for tenant in ("alice", "bob"):
+        assert post(port, "/v1/completions", COMPLETION, headers=as_tenant(tenant))[0] == 200
+
+    def tenants_in_feed(tenant: str) -> set[str]:
+        with httpx.stream("GET", f"http://127.0.0.1:{port}/dashboard/feed",
+                          headers=as_tenant(tenant), timeout=10) as response:
+            assert response.status_code == 200
+            line = next(line for line in response.iter_lines() if line.startswith("data: "))
+        snapshot = json.loads(line[6:])
+        census = snapshot["now"]["waiting_by"] + snapshot["now"]["running_by"]
+        return {row["tenant"] for row in snapshot["requests"] + census}
+
+    assert tenants_in_feed("bob") == {"bob"}
+    assert {"alice", "bob"} <= tenants_in_feed("admin")
+
+
+def test_a_closed_dashboard_feed_frees_its_slot_at_once(port, engine):
+    """Each feed is one of at most 16; a closed one's slot is free again without waiting for
+    the garbage collector (off here, as between its passes)."""
+    gc.disable()
+    try:
+        for _ in range(17):
+            deadline = time.monotonic() + 10
+            while True:
+                with httpx.stream("GET", f"http://127.0.0.1:{port}/dashboard/feed",
+                                  headers={"Authorization": f"Bearer {KEY}"},
+                                  timeout=10) as response:
+                    if response.status_code == 200:
+                        next(line for line in response.iter_lines() if line.startswith("data: "))
+                        break
+                    response.read()
+                assert response.status_code == 429 and time.monotonic() < deadline, \
+                    "a closed feed still holds its slot"
+                time.sleep(0.05)
+    finally:
+        gc.enable()

@@ -194,7 +194,9 @@ def add_serve_settings(srv: argparse.ArgumentParser) -> None:
     server.add_argument("--api-key-file", default=argparse.SUPPRESS,
                      help="API keys, one per line: KEY, NAME:KEY or NAME:KEY:WEIGHT; NAME is "
                           "the tenant of the key's requests (default key-N), WEIGHT its weight "
-                          "under --policy fair")
+                          "under --policy fair; a key reads its own tenant's request records "
+                          "(explain, timelines, the dashboard's rows), keys named admin every "
+                          "tenant's")
     add_setting(server, "metrics_without_auth", "serve /metrics without a key, for scrapers "
                 "that cannot send one")
     add_setting(server, "allowed_origins", "an origin browsers may call from (CORS; "

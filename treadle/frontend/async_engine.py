@@ -233,11 +233,11 @@ class AsyncEngine:
         for stream in streams:
             stream.put(error)
 
-    def timeline(self, request_id: str) -> dict | None:
+    def timeline(self, request_id: str, tenant: str | None = None) -> dict | None:
         """A recently finished request's timeline (`id/index` for one of n samples), by its id
-        or its response's (`cmpl-`, `chatcmpl-`)."""
+        or its response's (`cmpl-`, `chatcmpl-`); only `tenant`'s (None: anyone's)."""
         with self.lock:
-            return self.observer.find(request_id)
+            return self.observer.find(request_id, tenant)
 
     def response_finished(self, request_ids: list[str]) -> list[dict]:
         """A REST response is written: its engine requests' sample timelines, marked so."""
@@ -246,9 +246,11 @@ class AsyncEngine:
                     for t in self.observer.response_finished(request_id)]
 
     def _holds_id(self, request_id: str) -> bool:
-        """A request in flight is keyed by `request_id` (the lock held)."""
+        """A request in flight, or a recently finished one's timeline, is keyed by `request_id`
+        (the lock held): a client reusing a finished request's id gets another, so that the
+        first request's records stay its own."""
         return request_id in self.processor.requests or \
-            f"{request_id}/0" in self.processor.requests
+            f"{request_id}/0" in self.processor.requests or self.observer.holds(request_id)
 
     def load(self) -> dict:
         return {"running": self.load_state.running, "waiting": self.load_state.waiting,
