@@ -577,6 +577,54 @@ def as_tenant(name: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {TENANT_KEYS[name]}"}
 
 
+def prefill_tokens_since(engine: AsyncEngine, cursor: int) -> int:
+    """Prompt tokens the engine computed in the steps after `cursor` (LiveFeed's step count)."""
+    with engine.live.lock:
+        return sum(step.num_prefill_tokens for seq, step in engine.live.steps if seq > cursor)
+
+
+def test_prompt_logprobs_prefill_the_prompt_once_for_all_samples(port, engine):
+    """Only one sample computes the prompt's logprobs (a request asking for them gets no prefix
+    hit); the others share its KV through the prefix cache, and every choice carries them."""
+    prompt = list(range(1000, 1200))
+    cursor = engine.live.num_steps
+    status, reply = post(port, "/v1/completions", {
+        "prompt": prompt, "n": 8, "temperature": 1.0, "max_tokens": 1, "prompt_logprobs": 2})
+    assert status == 200, reply
+    assert prefill_tokens_since(engine, cursor) < 2 * len(prompt)
+    first = reply["choices"][0]["prompt_logprobs"]
+    assert len(first) == len(prompt) and first[0] is None and len(first[1]) >= 2
+    assert all(choice["prompt_logprobs"] == first for choice in reply["choices"])
+    # Streamed with echo, each sample's first chunk carries the prompt's logprobs.
+    status, events = post(port, "/v1/completions", {
+        "prompt": prompt, "n": 8, "temperature": 1.0, "max_tokens": 2, "echo": True,
+        "logprobs": 1, "stream": True})
+    assert status == 200
+    chunks = [json.loads(line[6:]) for line in events.decode().splitlines()
+              if line.startswith("data: {")]
+    firsts = {}
+    for chunk in chunks:
+        assert "error" not in chunk, chunk
+        for choice in chunk["choices"]:
+            firsts.setdefault(choice["index"], choice)
+    assert sorted(firsts) == list(range(8))
+    assert all(len(c["logprobs"]["tokens"]) >= len(prompt) for c in firsts.values())
+    assert_healthy_and_idle(port, engine)
+
+
+def test_prompt_logprobs_past_the_response_limit_are_refused(port, engine):
+    """128 samples x 250 prompt tokens x 21 entries: a response of hundreds of megabytes."""
+    error = assert_openai_error(*post(port, "/v1/completions", {
+        "prompt": [7] * 250, "n": MAX_N, "temperature": 1.0, "max_tokens": 1,
+        "prompt_logprobs": 20}))
+    assert error["param"] == "prompt_logprobs" and "limit" in error["message"]
+    error = assert_openai_error(*post(port, "/v1/completions", {
+        "prompt": [7] * 250, "n": MAX_N, "temperature": 1.0, "max_tokens": 1, "echo": True,
+        "logprobs": 20}))
+    assert error["param"] == "logprobs" and "limit" in error["message"]
+    assert_healthy_and_idle(port, engine)
+
+
 def test_many_embedding_inputs_are_one_request_in_the_queue(port, engine):
     """300 inputs (OpenAI allows 2,048) on an idle server with the default queue of 256."""
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0,

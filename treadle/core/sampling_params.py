@@ -39,6 +39,10 @@ MAX_PROMPT_CHARS_PER_TOKEN = 32
 # loop but still in its process: its size bounds that work and the compiled grammar's memory.
 MAX_GRAMMAR_CHARS = 65536
 MAX_CHOICES = 1024
+# Each sample of a response carries its prompt's logprobs (the top prompt_logprobs of every
+# prompt token, and its own): entries a response may hold in all, a few tens of megabytes of
+# JSON. One sample over a full 8K context at the most logprobs (172K entries) stays within.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 19
 
 
 @dataclass

@@ -13,6 +13,7 @@ from treadle.core.sampling_params import (
     MAX_N,
     MAX_N_STOP_CHARS,
     MAX_PROMPT_CHARS_PER_TOKEN,
+    MAX_PROMPT_LOGPROB_ENTRIES,
     SamplingParams,
 )
 from treadle.errors import PROMPT, InvalidField
@@ -60,6 +61,22 @@ def check_batch(num_prompts: int, params: SamplingParams) -> None:
         raise InvalidField("stop", f"stop must be at most {MAX_N_STOP_CHARS} characters times "
                            f"the samples (prompts times n), got {stop_chars} characters and "
                            f"{samples} samples")
+
+
+def check_prompt_logprobs(num_prompt_tokens: int, params: SamplingParams, param: str) -> None:
+    """The prompt logprobs a response would carry (each sample its prompt's: the top
+    `prompt_logprobs` of each token and the token's own), `num_prompt_tokens` the prompts' in
+    all, bounded: InvalidField naming `param`, the field that asked for them, past the limit."""
+    if params.prompt_logprobs is None:
+        return
+    per_token = params.prompt_logprobs + 1
+    entries = params.n * num_prompt_tokens * per_token
+    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise InvalidField(param, f"{param}: the response would carry {entries} prompt logprob "
+                           f"entries ({params.n} samples x {num_prompt_tokens} prompt tokens x "
+                           f"{per_token}), past the limit of {MAX_PROMPT_LOGPROB_ENTRIES} "
+                           f"(MAX_PROMPT_LOGPROB_ENTRIES): ask for fewer samples or logprobs, "
+                           f"or a shorter prompt")
 
 
 def chat_conversation(messages: Sequence[tuple[str, str] | tuple[str, str, str | None]],

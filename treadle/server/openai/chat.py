@@ -34,6 +34,7 @@ from treadle.server.openai.serving import (
     wanted,
 )
 from treadle.server.openai.tools import ChatTools, ToolCallStream, chat_tools, tool_message
+from treadle.server.validation import check_prompt_logprobs
 
 
 def chat_response(serving: OpenAIServing, body: ChatCompletionRequest, request_id: str,
@@ -119,6 +120,7 @@ def chat_router(serving: OpenAIServing) -> APIRouter:
         prompt = await serving.apply_template(body.messages, tools=tools)
         fields["max_tokens"] = serving.check_context(len(prompt), max_tokens, "messages")
         params = serving.sampling_params(fields, names)
+        check_prompt_logprobs(len(prompt), params, "prompt_logprobs")
         updates = serving.generate(context.request_id, [prompt], params, body.priority, context,
                                    "messages")
         if body.stream:

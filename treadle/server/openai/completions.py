@@ -24,7 +24,7 @@ from treadle.server.openai.serving import (
     usage,
     wanted,
 )
-from treadle.server.validation import check_batch
+from treadle.server.validation import check_batch, check_prompt_logprobs
 
 
 async def completion_prompts(serving: OpenAIServing, body: CompletionRequest,
@@ -130,6 +130,9 @@ def completions_router(serving: OpenAIServing) -> APIRouter:
         prompts, texts = await completion_prompts(serving, body, params)
         for prompt in prompts:
             serving.check_context(len(prompt), body.max_tokens, "prompt")
+        # Echo with logprobs asks for them as `logprobs`.
+        check_prompt_logprobs(sum(map(len, prompts)), params, "prompt_logprobs"
+                              if body.prompt_logprobs is not None else "logprobs")
         updates = serving.generate(context.request_id, prompts, params, body.priority, context,
                                    "prompt")
         if body.stream:
