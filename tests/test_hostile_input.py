@@ -29,6 +29,7 @@ from starlette.routing import Route
 from treadle.cli import build_parser
 from treadle.config import AsyncEngineConfig, ServerConfig, build_config
 from treadle.core.sampling_params import (
+    MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_N,
     MAX_N_STOP_CHARS,
@@ -622,6 +623,17 @@ def test_prompt_logprobs_past_the_response_limit_are_refused(port, engine):
         "prompt": [7] * 250, "n": MAX_N, "temperature": 1.0, "max_tokens": 1, "echo": True,
         "logprobs": 20}))
     assert error["param"] == "logprobs" and "limit" in error["message"]
+    assert_healthy_and_idle(port, engine)
+
+
+def test_a_required_tool_choice_whose_constraint_is_too_large_is_400(port, engine):
+    """The tools pass their own limit; the constraint built from them would not."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "description": "x" * (MAX_GRAMMAR_CHARS - 150)}}}]
+    assert len(json.dumps(tools)) <= MAX_GRAMMAR_CHARS
+    error = assert_openai_error(*post(port, "/v1/chat/completions", {
+        **CHAT, "tools": tools, "tool_choice": "required"}))
+    assert error["param"] == "tools" and str(MAX_GRAMMAR_CHARS) in error["message"]
     assert_healthy_and_idle(port, engine)
 
 

@@ -55,10 +55,12 @@ class ChatTools:
         return self.choice != "auto"
 
     def constraint(self) -> StructuredOutputsParams | None:
-        """The structured output that enforces "required" or a named function."""
+        """The structured output that enforces "required" or a named function; InvalidField
+        (tools) when it is past the structured-output limit, as tools within their own limit
+        may make it."""
         if self.named is not None:
             function = next(f for f in self.functions if f["name"] == self.named)
-            return StructuredOutputsParams(json=function.get("parameters") or ANY_OBJECT)
+            return tool_constraint(function.get("parameters") or ANY_OBJECT)
         if self.choice != "required":
             return None
         calls = {"anyOf": [{"type": "object", "properties": {
@@ -68,7 +70,7 @@ class ChatTools:
         array: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
         if not self.parallel:
             array["maxItems"] = 1
-        return StructuredOutputsParams(json=array)
+        return tool_constraint(array)
 
     def constrained_calls(self, text: str) -> list[ParsedToolCall]:
         """The calls in an output made under `constraint()` (one cut short by max_tokens: what
@@ -81,6 +83,14 @@ class ChatTools:
             return [ParsedToolCall(self.named, json.dumps(value, ensure_ascii=False))]
         return [ParsedToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False))
                 for c in value]
+
+
+def tool_constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(json=schema)
+    except InvalidField as e:
+        raise InvalidField("tools", f"tools: the constraint enforcing the tool choice: {e}") \
+            from None
 
 
 def chat_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
