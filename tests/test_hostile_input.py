@@ -637,6 +637,33 @@ def test_a_required_tool_choice_whose_constraint_is_too_large_is_400(port, engin
     assert_healthy_and_idle(port, engine)
 
 
+# Constraints llguidance compiles but cannot follow: its lexer gives up on the first token.
+UNFOLLOWABLE = [("guided_regex", "(x{1000}){1000}"), ("guided_regex", "a{1000000}"),
+                ("guided_json", {"$ref": "#"}),
+                ("guided_json", {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})]
+
+
+@pytest.mark.parametrize(("field", "value"), UNFOLLOWABLE)
+def test_a_constraint_that_cannot_be_followed_is_refused_up_front(port, engine, field, value):
+    error = assert_openai_error(*post(port, "/v1/completions", {
+        **COMPLETION, "max_tokens": 8, field: value}))
+    assert error["param"] == field, error
+    assert_healthy_and_idle(port, engine)
+
+
+def test_a_constraint_that_fails_midway_ends_with_an_error(port, engine):
+    """The model's first choice hides the failure from any check before generation: the
+    request ends with an error, never as a normal stop with output that breaks it."""
+    body = {**COMPLETION, "max_tokens": 8, "guided_regex": "(a|b)(x{1000}){1000}"}
+    status, reply = post(port, "/v1/completions", body)
+    assert status != 200, reply
+    assert_openai_error(status, reply, status)
+    status, events = post(port, "/v1/completions", {**body, "stream": True})
+    assert status == 200 and events.decode().rstrip().endswith("data: [DONE]")
+    assert '"error"' in events.decode() and '"finish_reason":"stop"' not in events.decode()
+    assert_healthy_and_idle(port, engine)
+
+
 def test_many_embedding_inputs_are_one_request_in_the_queue(port, engine):
     """300 inputs (OpenAI allows 2,048) on an idle server with the default queue of 256."""
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0,

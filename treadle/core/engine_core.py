@@ -22,7 +22,11 @@ from treadle.core.sampler import Sampler, SamplingOptions, gather_logprobs
 from treadle.core.sampling_params import SamplingParams, check_max_logprobs
 from treadle.core.sched.policies import make_policy
 from treadle.core.sched.scheduler import Scheduler, SchedulerOutput
-from treadle.core.structured_output import StructuredOutputManager
+from treadle.core.structured_output import (
+    StructuredOutputManager,
+    grammar_error,
+    grammar_failed,
+)
 from treadle.errors import PROMPT, InvalidField
 from treadle.model.batch import ModelInput, ModelOutput, ScheduledSequence, cat_outputs
 from treadle.model.memory import gib
@@ -281,10 +285,13 @@ class EngineCore:
             token_bitmask=bitmask)
         sampled = {r.request_id: t
                    for r, t in zip(requests, sampler_output.token_ids, strict=True)}
-        grammar_complete = advance_matchers(requests, sampler_output.token_ids)
+        grammar_complete, grammar_failed = advance_matchers(requests, sampler_output.token_ids)
+        failed = {r.request_id for r in grammar_failed}
+        for request_id in failed:  # ended before its token is appended: the token breaks it
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_GRAMMAR_ERROR)
         first_tokens = {r.request_id for r in requests if r.num_output_tokens == 0}
         finished_requests = self.scheduler.update_from_output(scheduler_output, sampled)
-        finished = {r.request_id for r in finished_requests}
+        finished = {r.request_id for r in finished_requests} | failed
         for request in grammar_complete:  # its grammar admits nothing more: it stops here
             if not request.is_finished:
                 self.scheduler.finish_request(request.request_id,
@@ -303,7 +310,9 @@ class EngineCore:
             logprobs = sampler_output.logprobs and sampler_output.logprobs[i]
             first = request.request_id in first_tokens
             outputs.append(EngineCoreOutput(
-                request.request_id, [sampled[request.request_id]], done, request.finish_reason,
+                request.request_id,
+                [] if request.request_id in failed else [sampled[request.request_id]], done,
+                request.finish_reason,
                 request.num_cached_tokens, logprobs=[logprobs] if logprobs else None,
                 prompt_logprobs=[None, *request.prompt_logprobs]
                 if first and request.sampling_params.prompt_logprobs is not None else None,
@@ -352,21 +361,23 @@ class EngineCore:
         return EngineCoreOutput(request.request_id, [], True, "error", request.num_cached_tokens)
 
 
-def advance_matchers(requests: list[Request], token_ids: list[int]) -> list[Request]:
-    """Feed each constrained request its sampled token; the requests whose grammar is now
-    complete (or broken: a token the mask allowed but the matcher refused, logged)."""
-    complete = []
+def advance_matchers(requests: list[Request], token_ids: list[int]
+                     ) -> tuple[list[Request], list[Request]]:
+    """Feed each constrained request its sampled token: the requests whose grammar is now
+    complete, and those whose grammar failed (its matcher refused the token its mask allowed,
+    or gave up computing the mask: a grammar it compiled but cannot follow; logged)."""
+    complete, failed = [], []
     for request, token in zip(requests, token_ids, strict=True):
         matcher = request.grammar
         if matcher is None:
             continue
-        if not matcher.consume_token(token):
-            logger.warning("request %s: its grammar refused token %d: %s", request.request_id,
-                           token, matcher.get_error())
-            complete.append(request)
+        if not matcher.consume_token(token) or grammar_failed(matcher):
+            logger.warning("request %s: its grammar failed at token %d: %s", request.request_id,
+                           token, grammar_error(matcher))
+            failed.append(request)
         elif matcher.is_stopped():
             complete.append(request)
-    return complete
+    return complete, failed
 
 
 def num_hidden_rows(request: Request, start: int, num_new: int) -> int | None:

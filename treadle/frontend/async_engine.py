@@ -104,6 +104,7 @@ class AsyncEngine:
         source = resolve_model(config.engine.model.model)
         self.model_name = source.name
         self.tokenizer = Tokenizer.from_folder(source.folder)
+        self.tokenizer_file = source.folder / "tokenizer.json"  # for the frontend's grammars
         if config.data_parallel.data_parallel_size > 1:
             import_ray()  # ValueError now, saying how to install it, if it is missing
         # For requests that leave them out (--generation-config).

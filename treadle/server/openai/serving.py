@@ -26,6 +26,7 @@ that error as its last SSE event, then `[DONE]`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -38,7 +39,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from treadle.core.sampling_params import SamplingParams, StructuredOutputsParams, check_max_logprobs
-from treadle.core.structured_output import check_structured_outputs
+from treadle.core.structured_output import ConstraintChecker
 from treadle.errors import InvalidField
 from treadle.frontend.admission import Admitted, EngineOverloaded, check_tenant_name
 from treadle.frontend.async_engine import AsyncEngine, RequestUpdate
@@ -70,6 +71,9 @@ TTFT_HEADER = "x-treadle-ttft-ms"
 TPOT_HEADER = "x-treadle-tpot-ms"
 # What AsyncEngine.generate_batch raises when it refuses a request.
 ENGINE_ERRORS = (ValueError, EngineOverloaded, RuntimeError)
+GRAMMAR_ERROR_MESSAGE = ("the output's constraint could not be followed: its grammar failed "
+                         "after the output's start (too complex for the grammar engine); "
+                         "simplify it")
 QUEUE_TIMEOUT_MESSAGE = ("the request waited longer than the server's queue time limit "
                          "(max_queue_wait) without being scheduled; retry later")
 
@@ -169,10 +173,12 @@ def queue_timeout_error() -> APIError:
 
 
 def check_finish(finish_reason: str | None) -> None:
-    """Only stop and length reach a client; an engine failure, abort or queue timeout becomes an
-    error."""
+    """Only stop and length reach a client; an engine failure, abort, queue timeout or a
+    constraint whose grammar failed midway becomes an error."""
     if finish_reason == "error":
         raise APIError(500, "the engine failed while running this request")
+    if finish_reason == "grammar_error":
+        raise APIError(400, GRAMMAR_ERROR_MESSAGE, code="grammar_error")
     if finish_reason == "abort":
         raise APIError(503, "the request was aborted", error_type="service_unavailable")
     if finish_reason == "queue_timeout":
@@ -257,6 +263,12 @@ class OpenAIServing:
     @property
     def model_name(self) -> str:
         return self.model_names[0]
+
+    @functools.cached_property
+    def constraints(self) -> ConstraintChecker:
+        """Made at the first constraint, the engine started: its vocabulary's size is known."""
+        return ConstraintChecker(self.engine.tokenizer_file, self.engine.vocab_size,
+                                 self.engine.tokenizer.eos_token_id)
 
     def sampling_fields(self, body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
         """The SamplingParams fields the client set, over the model's generation config's."""
@@ -358,7 +370,7 @@ class OpenAIServing:
             return None
         name, params = found
         try:
-            await asyncio.to_thread(check_structured_outputs, params)
+            await asyncio.to_thread(self.constraints.check, params)
         except ValueError as e:
             raise APIError(400, f"{name}: {e}", param=name) from e
         return params
