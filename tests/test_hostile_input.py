@@ -11,6 +11,7 @@ import dataclasses
 import gc
 import http.client
 import json
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -745,3 +746,23 @@ def test_a_closed_dashboard_feed_frees_its_slot_at_once(port, engine):
                 time.sleep(0.05)
     finally:
         gc.enable()
+
+
+def test_a_key_in_the_query_string_is_not_logged(port):
+    """The dashboard's page link carries the key (?key=); the access log does not."""
+    lines: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    access = logging.getLogger("uvicorn.access")
+    handler = Capture()
+    access.addHandler(handler)
+    try:
+        request(port, "GET", f"/dashboard?key={KEY}&x=1", headers={"Authorization": ""})
+        request(port, "GET", f"/v1/models?api_key={KEY}")
+    finally:
+        access.removeHandler(handler)
+    assert len(lines) == 2 and all(KEY not in line for line in lines), lines
+    assert "/dashboard?key=" in lines[0]
