@@ -766,3 +766,21 @@ def test_a_key_in_the_query_string_is_not_logged(port):
         access.removeHandler(handler)
     assert len(lines) == 2 and all(KEY not in line for line in lines), lines
     assert "/dashboard?key=" in lines[0]
+
+
+def test_tool_results_must_answer_an_earlier_call(port, engine):
+    """As OpenAI: a tool message needs a tool_call_id naming a call of an earlier assistant
+    message."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turns = [{"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": None, "tool_calls": [call]}]
+    for result, param in (({"role": "tool", "content": "42"}, "messages[2].tool_call_id"),
+                          ({"role": "tool", "content": "42", "tool_call_id": "call_9"},
+                           "messages[2].tool_call_id")):
+        error = assert_openai_error(*post(port, "/v1/chat/completions", {
+            **CHAT, "messages": [*turns, result]}))
+        assert error["param"] == param, error
+    status, _ = post(port, "/v1/chat/completions", {
+        **CHAT, "messages": [*turns, {"role": "tool", "content": "42", "tool_call_id": "call_1"}]})
+    assert status == 200
+    assert_healthy_and_idle(port, engine)

@@ -57,7 +57,7 @@ from treadle.server.openai.protocol import (
     Usage,
 )
 from treadle.server.openai.tool_parsers import tool_parser
-from treadle.server.openai.tools import ChatTools, template_inputs
+from treadle.server.openai.tools import ChatTools, check_tool_results, template_inputs
 from treadle.server.validation import check_prompt_text
 
 if TYPE_CHECKING:
@@ -347,6 +347,7 @@ class OpenAIServing:
     async def apply_template(self, messages: list[ChatMessage],
                              add_generation_prompt: bool = True,
                              tools: ChatTools | None = None) -> list[int]:
+        check_tool_results(messages)
         template = self.chat_tokenizer.chat_template
         turns, fields, template_tools = template_inputs(
             messages, tools, self.tool_parser, native=template is not None and "tools" in template)

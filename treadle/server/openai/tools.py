@@ -152,6 +152,24 @@ def check_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return functions
 
 
+def check_tool_results(messages: list[ChatMessage]) -> None:
+    """As OpenAI: each tool message answers a call of an earlier assistant message, named by
+    its `tool_call_id` (a template renders a result beside its call; one that answers nothing
+    would reach the model silently). InvalidField naming the message's field otherwise."""
+    calls: set[str] = set()
+    for i, message in enumerate(messages):
+        calls.update(call.id for call in message.tool_calls or () if call.id)
+        if message.role != "tool":
+            continue
+        param = f"messages[{i}].tool_call_id"
+        if message.tool_call_id is None:
+            raise InvalidField(param, f"{param} is required: a tool message answers a call of "
+                               f"an earlier assistant message")
+        if message.tool_call_id not in calls:
+            raise InvalidField(param, f"{param} {message.tool_call_id[:64]!r} names no call of "
+                               f"an earlier assistant message")
+
+
 def template_inputs(messages: list[ChatMessage], tools: ChatTools | None, parser: ToolParser,
                     native: bool) -> tuple[list[tuple[str, str, str | None]],
                                            list[dict[str, Any]], list[dict[str, Any]] | None]:
