@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from treadle.config import SchedulerConfig
+from treadle.config import EngineConfig, build_config
 from treadle.core.kv_cache import KVCacheManager
 from treadle.core.request import Request
 from treadle.core.sampling_params import SamplingParams
-from treadle.core.sched.policies import SchedulingPolicy, make_policy
+from treadle.core.sched.policy import SchedulingPolicy, make_policy
 from treadle.core.sched.scheduler import Scheduler, SchedulerOutput
 
 VOCAB = 32
@@ -73,15 +73,17 @@ def make_scheduler(num_blocks: int, block_size: int, *, max_num_batched_tokens: 
                    policy: str | SchedulingPolicy = "fcfs", max_model_len: int = 4096,
                    enable_prefix_caching: bool = True, clock: Callable[[], float] | None = None,
                    **config: Any) -> Scheduler:
-    """A scheduler over a fresh cache; `policy` by name or object, `config` more
-    SchedulerConfig fields. The default clock reads 0.0: arrival times in tests are small."""
-    config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                             max_num_seqs=max_num_seqs,
-                             long_prefill_token_threshold=long_prefill_token_threshold, **config)
+    """A scheduler over a fresh cache; `policy` by name or object, `config` more settings of
+    the scheduler or the policies, by name. The default clock reads 0.0: arrival times in tests
+    are small."""
+    engine = build_config(EngineConfig, dict(
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        **({"policy": policy} if isinstance(policy, str) else {}), **config))
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
     if isinstance(policy, str):
-        policy = make_policy(policy, config)
-    return Scheduler(config, kv, policy, max_model_len, eos_token_ids=[EOS],
+        policy = make_policy(policy, engine.scheduler, engine.policy_settings)
+    return Scheduler(engine.scheduler, kv, policy, max_model_len, eos_token_ids=[EOS],
                      clock=clock or (lambda: 0.0))
 
 

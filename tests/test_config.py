@@ -15,7 +15,7 @@ from conftest import ROOT
 
 from treadle.cli import build_parser, serve_config
 from treadle.config import (
-    POLICY_NAMES,
+    POLICIES,
     AdmissionConfig,
     APIKey,
     AsyncEngineConfig,
@@ -33,7 +33,7 @@ from treadle.config import (
     parse_bytes,
     setting_fields,
 )
-from treadle.core.sched.policies import POLICIES
+from treadle.core.sched.policy import POLICIES as POLICY_CLASSES
 from treadle.llm import LLM
 
 
@@ -53,6 +53,8 @@ def test_every_setting_is_a_flag_and_names_are_unique():
                                 DataParallelConfig, ServerConfig)
              for f in dataclasses.fields(cls)]
     names += ["policy", "trace_file"]
+    names += [f.name for policy in POLICIES.values() if policy.settings
+              for f in dataclasses.fields(policy.settings)]
     assert len(names) == len(set(names)) == len(setting_fields(ServeConfig))
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
     # Settings given otherwise: tenant_weights by --tenant-weight, api_keys by --api-key(-file).
@@ -170,7 +172,7 @@ def test_llm_takes_the_same_names_and_refuses_bad_ones_before_loading():
 
 
 def test_the_policy_names_are_the_registry():
-    assert set(POLICY_NAMES) == set(POLICIES)
+    assert set(POLICIES) == set(POLICY_CLASSES)
 
 
 def test_the_frontend_never_imports_torch():

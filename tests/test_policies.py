@@ -23,16 +23,10 @@ from treadle.core.engine_process import add_request
 from treadle.core.messages import AddRequest, RequestRejected
 from treadle.core.request import Request, RequestStatus
 from treadle.core.sampling_params import SamplingParams
-from treadle.core.sched.policies import (
-    POLICIES,
-    FairPolicy,
-    StepFit,
-    StepTimeModel,
-    make_policy,
-    predict_tpot,
-    predict_ttft,
-)
+from treadle.core.sched.fair import FairPolicy
+from treadle.core.sched.policy import POLICIES, make_policy
 from treadle.core.sched.scheduler import Scheduler
+from treadle.core.sched.step_time import StepFit, StepTimeModel, predict_tpot, predict_ttft
 from treadle.sim.profile import StepProfile
 from treadle.sim.settings import SimSettings
 from treadle.sim.simulator import simulate
@@ -373,18 +367,18 @@ def test_admission_prediction_counts_the_queue_ahead():
     s = make_scheduler(num_blocks=256, block_size=4, max_num_batched_tokens=100,
                        policy="deadline")
     probe = req("probe", 100, arrival=0, ttft=1.5)
-    assert s.objective_out_of_reach(probe) is None  # nothing measured yet: admit
+    assert s.refusal(probe) is None  # nothing measured yet: admit
     s.step_time.fit = StepFit(0.0, 0.01)  # 100 tokens a second
-    assert s.objective_out_of_reach(probe) is None  # 100 tokens: 1 s
+    assert s.refusal(probe) is None  # 100 tokens: 1 s
     s.add_request(req("later", 200, arrival=0, ttft=10.0))  # its deadline is after probe's
     s.add_request(req("none", 200, arrival=0))
-    assert s.objective_out_of_reach(probe) is None  # EDF: neither is ahead of it
+    assert s.refusal(probe) is None  # EDF: neither is ahead of it
     s.add_request(req("sooner", 100, arrival=0, ttft=1.0))
-    why = s.objective_out_of_reach(probe)  # 200 tokens: 2 s > 1.5 s
+    why = s.refusal(probe)  # 200 tokens: 2 s > 1.5 s
     assert why is not None and "TTFT objective of 1500 ms" in why and "2000 ms" in why
-    assert s.objective_out_of_reach(req("patient", 100, arrival=0, ttft=2.5)) is None
+    assert s.refusal(req("patient", 100, arrival=0, ttft=2.5)) is None
     s.step_time.fit = StepFit(0.3, 0.01)  # two steps, each 0.3 s more: 2.6 s
-    assert s.objective_out_of_reach(req("patient", 100, arrival=0, ttft=2.5)) is not None
+    assert s.refusal(req("patient", 100, arrival=0, ttft=2.5)) is not None
 
 
 def test_admission_never_refuses_a_request_with_nothing_ahead():
@@ -392,10 +386,10 @@ def test_admission_never_refuses_a_request_with_nothing_ahead():
     cannot serve it sooner, and an idle engine would never measure a better estimate."""
     s = make_scheduler(num_blocks=256, block_size=4, policy="deadline")
     s.step_time.fit = StepFit(0.0, 10.0)
-    assert s.objective_out_of_reach(req("alone", 200, arrival=0, ttft=0.001)) is None
-    assert s.objective_out_of_reach(req("alone", 200, arrival=0, tpot=0.001)) is None
+    assert s.refusal(req("alone", 200, arrival=0, ttft=0.001)) is None
+    assert s.refusal(req("alone", 200, arrival=0, tpot=0.001)) is None
     s.add_request(req("first", 50, arrival=0, ttft=0.5))
-    assert s.objective_out_of_reach(req("second", 200, arrival=1, ttft=0.001)) is not None
+    assert s.refusal(req("second", 200, arrival=1, ttft=0.001)) is not None
 
 
 def test_tpot_admission_counts_the_requests_decoding_with_it():
@@ -410,18 +404,18 @@ def test_tpot_admission_counts_the_requests_decoding_with_it():
     step(s, model)
     step(s, model)  # all six decode
     probe = req("probe", 4, arrival=1, tpot=0.020)
-    assert s.objective_out_of_reach(probe) is None  # nothing measured: admit
+    assert s.refusal(probe) is None  # nothing measured: admit
     s.step_time.fit = StepFit(0.010, 0.001)
-    assert s.objective_out_of_reach(probe) is None  # 7 decodes: 17 ms <= 20 ms
-    assert s.objective_out_of_reach(req("probe", 4, arrival=1, tpot=0.016)) is not None
+    assert s.refusal(probe) is None  # 7 decodes: 17 ms <= 20 ms
+    assert s.refusal(req("probe", 4, arrival=1, tpot=0.016)) is not None
     s.add_request(req("d6", 4, max_tokens=100, arrival=0))
     s.add_request(req("d7", 4, max_tokens=100, arrival=0))
     step(s, model)
     s.add_request(req("long", 200, arrival=0, ttft=60.0))  # ahead of a TPOT-only request
-    why = s.objective_out_of_reach(req("probe", 4, arrival=1, tpot=0.050))
+    why = s.refusal(req("probe", 4, arrival=1, tpot=0.050))
     assert why == ("the TPOT objective of 50 ms cannot be met: predicted 74.0 ms per token "
                    "with 8 requests decoding; retry later")
-    assert s.objective_out_of_reach(req("probe", 4, arrival=1, tpot=0.080)) is None
+    assert s.refusal(req("probe", 4, arrival=1, tpot=0.080)) is None
 
 
 def test_tpot_admission_weighs_the_recent_steps_and_running_objectives():
@@ -438,14 +432,14 @@ def test_tpot_admission_weighs_the_recent_steps_and_running_objectives():
     for tokens in (8, 64):  # a 10 ms + 1 ms per token fit ...
         for _ in range(20):
             s.step_time.update(0.010 + 0.001 * tokens, tokens)
-    assert s.objective_out_of_reach(req("probe", 4, arrival=1, tpot=0.2)) is None
+    assert s.refusal(req("probe", 4, arrival=1, tpot=0.2)) is None
     for _ in range(60):  # ... then steps of 64 tokens at 300 ms
         s.step_time.update(0.300, 64)
-    why = s.objective_out_of_reach(req("probe", 4, arrival=1, tpot=0.2))
+    why = s.refusal(req("probe", 4, arrival=1, tpot=0.2))
     assert why is not None and why.startswith("a running request's TPOT objective of 100 ms")
     s.finish_request("d0", RequestStatus.FINISHED_ABORTED)  # the tight one leaves
-    assert s.objective_out_of_reach(req("probe", 4, arrival=1, tpot=0.4)) is None
-    assert s.objective_out_of_reach(req("probe", 4, arrival=1, tpot=0.2)).startswith(
+    assert s.refusal(req("probe", 4, arrival=1, tpot=0.4)) is None
+    assert s.refusal(req("probe", 4, arrival=1, tpot=0.2)).startswith(
         "the TPOT objective of 200 ms")
 
 
@@ -733,7 +727,7 @@ def test_engine_core_tenants_objectives_queue_timeout_and_admission(tiny_model):
     assert (second.tenant, second.ttft, second.tpot) == ("default", None, None)
     with pytest.raises(ValueError, match="ttft must be > 0"):
         engine.add_request("bad", [5], params, ttft=0.0)
-    assert engine.objective_out_of_reach(10, ttft=1e-9, tpot=1e-9) is None  # nothing measured
+    assert engine.refusal([0] * 10, ttft=1e-9, tpot=1e-9) is None  # nothing measured
     engine.step()  # first runs; second waits for the one batch slot
     time.sleep(0.2)
     outputs = engine.step()
@@ -743,11 +737,11 @@ def test_engine_core_tenants_objectives_queue_timeout_and_admission(tiny_model):
     assert engine.num_queue_timeouts == 1
     assert engine.scheduler.step_time.seconds_per_token(16) > 0
     # Nothing ahead (first is decoding): refusing could not serve it sooner.
-    assert engine.objective_out_of_reach(10, ttft=60.0) is None
-    assert engine.objective_out_of_reach(10, ttft=1e-9) is None
+    assert engine.refusal([0] * 10, ttft=60.0) is None
+    assert engine.refusal([0] * 10, ttft=1e-9) is None
     engine.add_request("queued", list(range(3, 40)), params, ttft=1e-6)  # its deadline first
-    assert engine.objective_out_of_reach(10, ttft=60.0) is None
-    assert "TTFT objective" in engine.objective_out_of_reach(10, ttft=1e-9)
+    assert engine.refusal([0] * 10, ttft=60.0) is None
+    assert "TTFT objective" in engine.refusal([0] * 10, ttft=1e-9)
     while engine.has_unfinished_requests():
         engine.step()
     assert_engine_empty(engine)
@@ -770,7 +764,7 @@ def test_engine_process_refuses_an_unreachable_tpot_with_reason_deadline(tiny_mo
 
     def message(request_id: str, tpot: float) -> AddRequest:
         return AddRequest(request_id, [3, 4, 5], params, priority=0, tenant="t",
-                          cache_salt=None, ttft=None, tpot=tpot, admit_deadline=True)
+                          cache_salt=None, ttft=None, tpot=tpot)
 
     add_request(engine, message("hopeless", 1e-9), sending)
     assert receiving.poll(5)

@@ -4,13 +4,20 @@ against the same model's dequantized float weights."""
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
-from model_utils import build_tiny_model, greedy_decode, make_runner, write_tiny_gguf
+from model_utils import (
+    build_tiny_model,
+    greedy_decode,
+    make_runner,
+    permute_like_llama_cpp,
+    write_tiny_gguf,
+)
 
 from treadle.config import CacheConfig, ModelConfig
 from treadle.model import linear
@@ -18,8 +25,14 @@ from treadle.model.batch import ModelInput, ScheduledSequence
 from treadle.model.gguf_file import read_gguf
 from treadle.model.kernels import quant_linear_kernels
 from treadle.model.linear import QuantizedLinear, make_linear
-from treadle.model.loader import LoadedModel, load_model, read_gguf_weights, read_spec
-from treadle.model.models.llama import LlamaModel
+from treadle.model.loader import (
+    LoadedModel,
+    gguf_weight,
+    load_model,
+    read_gguf_weights,
+    read_spec,
+)
+from treadle.model.models.llama import FAMILY, LlamaModel
 from treadle.model.parallel import slice_columns
 from treadle.model.quantization import (
     BLOCK_BYTES,
@@ -30,10 +43,12 @@ from treadle.model.quantization import (
     resolve_quantization,
 )
 from treadle.model.runner import ModelRunner
+from treadle.model.source import ModelLoadError
 
 QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 # Served as stored but not quantized to at load; the gguf package quantizes only Q5_0 of them.
-GGUF_ONLY_QTYPES = [Q.Q5_0, Q.Q4_K, Q.Q6_K]
+GGUF_ONLY_QTYPES = [Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
 def integer_form(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -51,20 +66,23 @@ def integer_form(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, t
     def low_high(qs: np.ndarray) -> np.ndarray:
         return np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float64)
 
-    if weight.qtype in (Q.Q4_K, Q.Q6_K):
+    if weight.qtype in K_QUANTS:
         q = np.empty((rows, nblocks, 8, 32))
         scale = np.empty_like(q)
         offset = np.zeros((rows, nblocks, 8))
         for j in range(8):
-            if weight.qtype == Q.Q4_K:
+            if weight.qtype in (Q.Q4_K, Q.Q5_K):
                 sc = b[..., 4:16].astype(np.int64)
                 if j < 4:
                     scale_j, min_j = sc[..., j] & 63, sc[..., j + 4] & 63
                 else:
                     scale_j = (sc[..., j + 4] & 0xF) | ((sc[..., j - 4] >> 6) << 4)
                     min_j = (sc[..., j + 4] >> 4) | ((sc[..., j] >> 6) << 4)
-                qs = b[..., 16 + 32 * (j // 2):16 + 32 * (j // 2) + 32]
+                start = 16 if weight.qtype == Q.Q4_K else 48  # Q5_K: 32 bytes of qh first
+                qs = b[..., start + 32 * (j // 2):start + 32 * (j // 2) + 32]
                 q[:, :, j] = (qs >> 4) if j % 2 else (qs & 0x0F)
+                if weight.qtype == Q.Q5_K:
+                    q[:, :, j] += 16 * ((b[..., 16:48] >> j) & 1)
                 scale[:, :, j] = (f16(0) * scale_j[..., None])
                 offset[:, :, j] = -f16(2)[..., 0] * min_j
             else:
@@ -92,19 +110,23 @@ def integer_form(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def reference_quant_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """The kernel's scheme in float64: each activation block of 32 quantized to int8 (scale
-    amax / 127, rounded half to even), dot products with the weight's integers (times their
-    scales), scaled by the activation's scale, plus each weight block's offset times the
-    activation block's exact sum."""
+    """The kernel's scheme in float64: the activations quantized to int8 (scale amax / 127,
+    rounded half to even) per block of 32, or per 256 for the K-quants (llama.cpp's Q8_K); dot
+    products with the weight's integers (times their scales), scaled by the activation's scale,
+    plus each weight block's offset times the activation block's sum: exact for the 32-wide
+    types, the sum of its integers times their scale for the K-quants (as llama.cpp's)."""
     rows, k = x.shape
-    nb = k // 32
-    xb = x.float().view(rows, nb, 32)
-    scale = xb.abs().amax(-1) / 127
+    nb, group = k // 32, weight.block_weights
+    xg = x.float().view(rows, k // group, group)
+    scale = xg.abs().amax(-1) / 127
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-    xq = torch.round(xb * inverse[..., None]).double()
+    xq = torch.round(xg * inverse[..., None]).double().view(rows, nb, 32)
+    scale = scale.double().repeat_interleave(group // 32, dim=-1)  # [rows, nb]
+    sums = (xq.sum(-1) * scale if group == 256
+            else x.float().view(rows, nb, 32).double().sum(-1))
     q, q_scale, offset = integer_form(weight)
     dots = torch.einsum("rbj,nbj->rnb", xq, q * q_scale)
-    return (dots * scale.double()[:, None] + offset[None] * xb.double().sum(-1)[:, None]).sum(-1)
+    return (dots * scale[:, None] + offset[None] * sums[:, None]).sum(-1)
 
 
 def random_weight(qtype: int, out_features: int = 80, in_features: int = 160,
@@ -117,13 +139,13 @@ def random_blocks(qtype: int, out_features: int = 48, in_features: int = 512,
                   seed: int = 0) -> QuantizedWeight:
     """Valid random blocks: the gguf package's quantizer where it has one, else random bytes
     with fp16 scales (d, and dmin for Q4_K) set to finite values of a weight's size."""
-    if qtype not in (Q.Q4_K, Q.Q6_K):
+    if qtype not in K_QUANTS:
         return random_weight(qtype, out_features, in_features, seed)[1]
     rng = np.random.default_rng(seed)
     nblocks = in_features // 256
     blocks = rng.integers(0, 256, (out_features, nblocks, BLOCK_BYTES[qtype]), dtype=np.uint8)
     scales = rng.uniform(1e-3, 3e-3, (out_features, nblocks, 2)).astype(np.float16)
-    if qtype == Q.Q4_K:
+    if qtype in (Q.Q4_K, Q.Q5_K):
         blocks[..., 0:4] = scales.view(np.uint8)  # d, dmin
     else:
         blocks[..., 208:210] = scales[..., :1].view(np.uint8)  # d
@@ -176,16 +198,46 @@ def test_kernel_matches_its_reference(qtype, rows, dtype, kernels):
 
 @pytest.mark.parametrize("qtype, in_features", [(Q.Q4_0, 224), (Q.Q4_1, 288), (Q.Q8_0, 224),
                                                 (Q.Q8_0, 288), (Q.Q5_0, 288), (Q.Q4_K, 768),
-                                                (Q.Q6_K, 768)])
+                                                (Q.Q5_K, 768), (Q.Q6_K, 768)])
 def test_kernel_matches_its_reference_for_every_row_tile(qtype, in_features, kernels):
     """The kernel unpacks each weight block once for a tile of up to 4 activation rows (8 with
-    AVX-512) and converts the scales of 8 blocks at a time: 1-9 rows give every partial tile,
-    7 and 9 blocks a row (224, 288 weights) a partial group of scales, and 37 output rows are
-    no multiple of the threads' chunks of 16."""
+    AVX-512; the K-quants 2 or 4 rows by 2 weight rows, 4 weight rows for one activation row)
+    and converts the scales of 8 blocks at a time: 1-9 rows give every partial tile, 7 and 9
+    blocks a row (224, 288 weights) a partial group of scales, and 37 output rows are no
+    multiple of the threads' chunks of 16 nor of the weight tiles."""
     weight = random_blocks(qtype, out_features=37, in_features=in_features, seed=in_features)
     x = torch.randn(9, in_features, generator=torch.Generator().manual_seed(5))
     for rows in range(1, 10):
         assert_kernel_matches_its_reference(weight, x[:rows], kernels)
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS)
+def test_k_quant_rows_do_not_depend_on_the_batch(qtype, kernels):
+    """A row's output is the same bits alone as in a batch of any size (a decode step against a
+    prefill chunk): every tile runs the same arithmetic for each (row, output) pair. 70 rows
+    span two of the GEMM's blocks of 64 rows."""
+    weight = random_blocks(qtype, out_features=37, in_features=512, seed=3)
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(11))
+    batch = kernels.quant_linear(x, weight.data, int(qtype), None)
+    for r in (0, 5, 63, 64, 69):
+        alone = kernels.quant_linear(x[r:r + 1], weight.data, int(qtype), None)
+        assert torch.equal(alone[0], batch[r]), r
+
+
+def test_parts_of_different_types_stack_along_the_output_axis(kernels):
+    """q/k/v stored in different types (a Q4_K_M file's Q6_K v_proj beside Q4_K q and k) stay
+    apart, each read as stored, and the outputs come back side by side."""
+    parts = [random_blocks(Q.Q4_K, 48, seed=1), random_blocks(Q.Q6_K, 16, seed=2),
+             random_blocks(Q.Q8_0, 8, seed=3)]
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(72)
+    got = kernels.quant_linear_parts(x, [p.data for p in parts], [p.qtype for p in parts], bias)
+    expected = torch.cat([kernels.quant_linear(x, p.data, p.qtype, None) for p in parts], 1)
+    assert torch.equal(got, expected + bias)
+    layer = make_linear(parts)
+    assert isinstance(layer, QuantizedLinear) and layer.shape == (72, 512)
+    assert layer.type_name == "Q4_K+Q6_K+Q8_0" and layer.nbytes == sum(p.nbytes for p in parts)
+    assert torch.equal(layer(x), kernels.quant_linear_parts(x, layer.data, layer.qtypes, None))
 
 
 def test_kernel_refuses_misshaped_weights(kernels):
@@ -193,7 +245,7 @@ def test_kernel_refuses_misshaped_weights(kernels):
     with pytest.raises(RuntimeError, match="bytes"):
         kernels.quant_linear(torch.randn(2, 128), weight.data, int(Q.Q4_1), None)
     with pytest.raises(RuntimeError, match="unsupported"):
-        kernels.quant_linear(torch.randn(2, 160), weight.data, int(Q.Q5_K), None)
+        kernels.quant_linear(torch.randn(2, 160), weight.data, int(Q.Q2_K), None)
     k_quant = random_blocks(Q.Q4_K)  # 256 weights a super-block
     with pytest.raises(RuntimeError, match="multiple of 256"):
         kernels.quant_linear(torch.randn(2, 480), k_quant.data[:, :-144].contiguous(),
@@ -205,27 +257,36 @@ def test_layer_stays_close_to_its_float_weights_on_every_path(qtype, monkeypatch
     weight = random_blocks(qtype)
     dense = dequantize_torch(weight)
     layer = QuantizedLinear(weight)
+    # The float path's slices: 16 rows (of 48 or 80) at a time.
+    monkeypatch.setattr(linear, "DEQUANTIZED_SLICE_BYTES", 16 * 4 * weight.in_features)
     torch.manual_seed(qtype)  # the activations: the same draw whatever ran before
-    for rows in (1, linear.QUANT_GEMV_MAX_ROWS + 5):
+    for rows in (1, 9, 70):  # a decode step, a GEMM's partial tiles, two blocks of rows
         x = torch.randn(rows, weight.in_features)
         expected = F.linear(x, dense)
-        # int8 activations cost about 1% of the output's scale (worst of 100 draws: 2.4%, Q5_0);
-        # dequantize + GEMM nothing.
-        tolerance = 3e-2 if rows <= linear.QUANT_GEMV_MAX_ROWS else 1e-5
-        assert (layer(x) - expected).abs().max() <= tolerance * expected.abs().max()
+        # int8 activations cost about 1% of the output's scale (worst of 100 draws: 2.4%, Q5_0)
+        integer = layer.integer_path(x) if layer.kernels is not None else expected
+        assert (integer - expected).abs().max() <= 3e-2 * expected.abs().max()
+        # dequantized slices + GEMM: nothing (in float32)
+        assert (layer.float_path(x) - expected).abs().max() <= 1e-5 * expected.abs().max()
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        x = torch.randn(5, weight.in_features).to(dtype)
+        got = layer.float_path(x).float()
+        expected = F.linear(x, dense.to(dtype)).float()
+        assert (got - expected).abs().max() <= tolerance * expected.abs().max()
     monkeypatch.setattr(layer, "kernels", None)  # no compiler: the torch path, same weights
     x = torch.randn(2, weight.in_features)
     assert torch.allclose(layer(x), F.linear(x, dense), atol=1e-5)
 
 
-def test_stacked_weights_of_one_type_stay_blocks_and_mixed_ones_go_dense():
+def test_stacked_quantized_weights_stay_blocks_and_a_mix_with_floats_goes_dense():
     (_, a), (wb, b) = random_weight(Q.Q4_1, seed=1), random_weight(Q.Q4_1, seed=2)
     stacked = make_linear([a, b])
-    assert isinstance(stacked, QuantizedLinear) and stacked.weight.shape == (160, 160)
+    assert isinstance(stacked, QuantizedLinear) and stacked.shape == (160, 160)
+    assert stacked.data[0] is a.data and stacked.data[1] is b.data  # no copy
     x = torch.randn(linear.QUANT_GEMV_MAX_ROWS + 1, 160)
-    assert torch.allclose(stacked(x), torch.cat([F.linear(x, dequantize_torch(w))
-                                                 for w in (a, b)], dim=1), atol=1e-4)
-    mixed = make_linear([a, quantize(wb, Q.Q8_0)])
+    assert torch.allclose(stacked.float_path(x), torch.cat([F.linear(x, dequantize_torch(w))
+                                                            for w in (a, b)], dim=1), atol=1e-4)
+    mixed = make_linear([a, wb])
     assert isinstance(mixed, linear.Linear)
 
 
@@ -449,3 +510,31 @@ def test_real_gemma3_served_as_stored_stays_close_to_its_dequantized_weights(gem
     confident = (top2[:, 0] - top2[:, 1]) > 0.5
     assert confident.sum() >= 6
     assert torch.equal(have[picks].argmax(-1)[confident], want[picks].argmax(-1)[confident])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K, Q.IQ4_XS, Q.Q5_1])
+def test_types_not_served_as_stored_load_as_the_gguf_package_dequantizes_them(qtype, tmp_path):
+    """A matrix in a type the kernels do not serve (random bytes: every pattern is a block)
+    loads as the gguf package dequantizes it, its q rows un-permuted after; a type nothing
+    dequantizes is a ModelLoadError naming it."""
+    build_tiny_model("llama", tmp_path)
+    spec = read_spec(tmp_path)
+    rows = spec.num_heads * spec.head_dim
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    stored = np.random.default_rng(qtype).integers(0, 256, (rows, 256 // block * size),
+                                                   dtype=np.uint8)
+    writer = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "llama")
+    writer.add_tensor("blk.0.attn_q.weight", stored, raw_dtype=qtype)
+    unserved = np.zeros((8, 256 // 32 * gguf.GGML_QUANT_SIZES[Q.Q8_1][1]), dtype=np.uint8)
+    writer.add_tensor("blk.0.attn_k.weight", unserved, raw_dtype=Q.Q8_1)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                  writer.write_tensors_to_file, writer.close):
+        write()
+    q, k = read_gguf(tmp_path / "q.gguf").tensors
+    fix = FAMILY.gguf_fix
+    got = gguf_weight(q, "model.layers.0.self_attn.q_proj.weight", spec, fix, True)
+    assert got.dtype == torch.float32 and got.shape == (rows, 256)
+    np.testing.assert_array_equal(permute_like_llama_cpp(got.numpy(), spec.num_heads),
+                                  gguf_dequantize(stored, qtype))
+    with pytest.raises(ModelLoadError, match="uses Q8_1, which Treadle cannot serve"):
+        gguf_weight(k, "model.layers.0.self_attn.k_proj.weight", spec, fix, True)

@@ -17,7 +17,8 @@ from engine_sim import (
 
 from treadle.core.request import Request, RequestStatus
 from treadle.core.sampling_params import SamplingParams
-from treadle.core.sched.policies import FCFSPolicy, PriorityPolicy
+from treadle.core.sched.fcfs import FCFSPolicy
+from treadle.core.sched.priority import PriorityPolicy
 from treadle.core.sched.scheduler import MAX_SKIPS, Scheduler
 
 

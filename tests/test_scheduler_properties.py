@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 from treadle.core.kv_cache import cdiv
 from treadle.core.request import Request, RequestStatus
 from treadle.core.sampling_params import SamplingParams
-from treadle.core.sched.policies import POLICIES, StepFit
+from treadle.core.sched.policy import POLICIES
 from treadle.core.sched.scheduler import Scheduler
+from treadle.core.sched.step_time import StepFit
 
 # Prompts cut from a few shared stems, so prefix hits are frequent.
 STEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [1, 2, 3, 4, 20, 21]]

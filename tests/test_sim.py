@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from conftest import assert_engine_empty
+from conftest import ROOT, assert_engine_empty
 from model_utils import build_tiny_model
 
 from treadle.bench.metrics import RequestRecord
@@ -90,7 +92,7 @@ def test_sim_forms_the_engines_batches(tiny_model, policy):
                            block_size=4, num_blocks=40, max_model_len=256)
     engine = EngineCore(EngineConfig(ModelConfig(model=str(tiny_model), dtype="float32"),
                                      CacheConfig(block_size=4, num_blocks=40),
-                                     settings.scheduler_config(), policy=policy))
+                                     settings.engine.scheduler, policy=policy))
     engine_batches = []
     schedule = engine.scheduler.schedule
 
@@ -165,7 +167,7 @@ def test_requests_the_engine_would_refuse_fail_alone():
 def test_deadline_admission_refuses_an_unreachable_tpot_as_the_engine_does():
     """Sixty requests decoding: a step costs 10 ms + 60 * 0.5 ms (and context) in the profile,
     so a newcomer's 20 ms TPOT is out of reach and refused at arrival, by the scheduler's own
-    objective_out_of_reach; a 1 s TPOT is admitted, and under fcfs nothing is refused."""
+    refusal; a 1 s TPOT is admitted, and under fcfs nothing is refused."""
     requests = [SimRequest(0.0, unique_prompt(i, 8), 200) for i in range(60)]
     requests += [SimRequest(1.0, unique_prompt(60, 8), 10, tpot=0.020),
                  SimRequest(1.0, unique_prompt(61, 8), 10, tpot=1.0)]
@@ -338,6 +340,18 @@ def test_cli_sweeps_a_setting(tmp_path, capsys):
         assert (tmp_path / "plots" / name).read_bytes().startswith(b"\x89PNG")
     assert main(["sim", "--workload", "trace", "--trace", str(tmp_path / "t.jsonl"),
                  "--sweep", "nope=1"]) == 2
+
+
+def test_the_sim_and_the_parser_never_import_torch():
+    """`treadle sim` (the parser of every command built, and a run) and serve's config stay
+    torch-free: `bench steps`, which times the model, keeps torch to itself."""
+    code = ("import sys; from treadle.cli import build_parser, main, serve_config; "
+            "assert main(['sim', '--num-prompts', '5']) == 0; "
+            "serve_config(build_parser().parse_args(['serve'])); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
 
 
 def test_jain_index():

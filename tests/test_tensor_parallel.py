@@ -60,8 +60,8 @@ def live_workers() -> list[psutil.Process]:
     workers = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if "executor.tensor_parallel" in " ".join(p.cmdline()) and \
-                    p.status() != psutil.STATUS_ZOMBIE:
+            command = " ".join(p.cmdline())
+            if "executor.tensor_parallel" in command and p.status() != psutil.STATUS_ZOMBIE:
                 workers.append(p)
         except psutil.NoSuchProcess:
             pass

@@ -7,6 +7,10 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+# The built-in queue policies register their names and settings with treadle.config as they are
+# imported (config, below them, cannot import them): here, so that every config knows them.
+import treadle.core.sched  # noqa: F401
+
 if TYPE_CHECKING:
     from treadle.async_llm import AsyncLLM
     from treadle.core.sampling_params import SamplingParams

@@ -19,6 +19,7 @@ from treadle.config import AsyncEngineConfig, build_config
 from treadle.core.sampling_params import SamplingParams
 from treadle.frontend.async_engine import AsyncEngine
 from treadle.outputs import RequestOutput, request_output
+from treadle.plugins import load_plugins
 from treadle.tokenizer import Tokenizer
 
 
@@ -28,6 +29,7 @@ class AsyncLLM:
         setting of `AsyncEngineConfig`'s sections by its flat name, as `LLM(...)` takes them
         (plus the frontend's: max_queued_requests, ...). ValueError naming a bad one. The
         engine starts on `start()` or `async with`."""
+        load_plugins()  # first: a plugin's policy and its settings may be among `settings`
         self.engine = AsyncEngine(build_config(AsyncEngineConfig, {"model": model, **settings}))
         self.request_ids = itertools.count()
 

@@ -11,21 +11,21 @@ from collections.abc import Mapping
 from typing import Any
 
 from treadle.config import (
-    DEFAULT_DTYPE,
-    DEVICES,
-    DTYPES,
-    POLICY_NAMES,
-    POOLING_TYPES,
+    OPERATIONS,
     QUANTIZATION_CHOICES,
-    ROUTER_NAMES,
-    UVICORN_LOG_LEVELS,
+    SCHEDULING,
+    SERVER,
+    EngineConfig,
+    ModelConfig,
     ServeConfig,
     build_config,
-    parse_bytes,
+    field_default,
+    grouped_settings,
     read_settings_file,
-    setting_default,
     setting_fields,
 )
+from treadle.flags import add_setting_flag, has_flag
+from treadle.plugins import load_plugins
 
 ENV_PREFIX = "TREADLE_"
 BOOLEANS = {"1": True, "true": True, "yes": True, "on": True,
@@ -52,211 +52,66 @@ def quantization_list(text: str) -> list[str]:
 def add_model_args(parser: argparse.ArgumentParser, several_quantizations: bool = False,
                    device: bool = True) -> None:
     """`device`: whether the command takes --device (the CPU-only benches do not)."""
-    parser.add_argument("--model", default=None,
-                        help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    if device:
-        parser.add_argument("--device", choices=DEVICES, default="auto",
-                            help="auto (default): cuda where torch sees a GPU, else cpu")
-    parser.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE,
-                        help="auto (default): bfloat16 on CUDA and where the CPU computes it "
-                             "natively (AVX-512 BF16, AMX), else float32")
-    quantization_help = ("auto (default): a GGUF's Q4_0/Q4_1/Q8_0 matrices served as stored; "
-                         "none: dequantized to --dtype; int8/int4: quantized at load")
-    if several_quantizations:
-        parser.add_argument("--quantization", type=quantization_list, default=["none", "auto"],
-                            help="comma-separated, each measured in turn; " + quantization_help)
-    else:
-        parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto",
-                            help=quantization_help)
+    settings = setting_fields(ModelConfig)
+    for name in ("model", "device", "dtype", "quantization", "load_format"):
+        f = settings[name]
+        if name == "device" and not device:
+            continue
+        if name == "quantization" and several_quantizations:
+            parser.add_argument("--quantization", type=quantization_list,
+                                default=["none", "auto"], help="comma-separated, each measured "
+                                "in turn; " + f.metadata["help"])
+        else:
+            add_setting_flag(parser, f, default=field_default(f))
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
 
 
-def add_setting(parser: argparse._ActionsContainer, name: str, help: str, *aliases: str,
-                none: str = "none", **kwargs: object) -> None:
-    """A `treadle serve` flag for the setting `name`: `--name-with-dashes`, its type and default
-    (shown in the help) from the config's dataclasses. Absent flags stay out of the namespace, so
-    a --config file's value stands unless a flag overrides it. `none`: what a default of None
-    means."""
-    field_ = setting_fields(ServeConfig)[name]
-    default = setting_default(ServeConfig, name)
-    if "action" not in kwargs:
-        if "bool" in field_.type:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif "type" not in kwargs:
-            kwargs["type"] = (parse_bytes if name.endswith("_bytes") else
-                              float if "float" in field_.type else
-                              int if "int" in field_.type else str)
-    shown = none if default is None else default
-    parser.add_argument(f"--{name.replace('_', '-')}", *aliases, dest=name,
-                        default=argparse.SUPPRESS, help=f"{help} (default: {shown})", **kwargs)
-
-
 def add_serve_settings(srv: argparse.ArgumentParser) -> None:
-    """Every engine and server setting as a flag named after it, and --config FILE."""
+    """Every engine and server setting as a flag named after it (the registered policies'
+    too), grouped as config.py titles them, and --config FILE."""
     srv.add_argument("--config", default=None, metavar="FILE",
                      help="settings from a YAML (.yaml), TOML (.toml) or JSON (.json) file, "
                           "keyed by the flags' names with underscores (block_size: 32)")
-    model = srv.add_argument_group("model")
-    add_setting(model, "model", "Hugging Face folder or .gguf file",
-                none="SmolLM2-135M-Instruct")
-    add_setting(model, "device", "auto: cuda where torch sees a GPU, else cpu", choices=DEVICES)
-    add_setting(model, "dtype", "auto: bfloat16 on CUDA and where the CPU computes it natively "
-                "(AVX-512 BF16, AMX), else float32", choices=DTYPES)
-    add_setting(model, "quantization", "auto: a GGUF's Q4_0/Q4_1/Q8_0 matrices served as stored; "
-                "none: dequantized to --dtype; int8/int4: quantized at load",
-                choices=QUANTIZATION_CHOICES)
-    add_setting(model, "max_model_len", "context length", none="the model's own")
-    add_setting(model, "dense_batch_weights", "with quantization, also keep each quantized "
-                "matrix dequantized for steps of many rows (more memory, faster large steps)")
-    add_setting(model, "quant_gemv_max_rows", "most rows a step may have for a quantized layer "
-                "to take the integer kernel", none="measured at load")
-    add_setting(model, "pooling", "how /v1/embeddings pools a prompt's final hidden states: "
-                "the last token's (vLLM's default for decoder LLMs) or their mean; normalised",
-                choices=POOLING_TYPES)
-    add_setting(model, "generation_config", "sampling defaults for requests that leave them "
-                "out: auto, the model's generation_config.json (temperature, top_p, top_k, "
-                "min_p, repetition_penalty); vllm, none; or a folder holding one")
-    add_setting(model, "max_logprobs", "most logprobs and prompt_logprobs a request may ask for "
-                "per token; more: 400")
-    add_setting(model, "seed", "seed of the engine's random generator, for requests without a "
-                "seed of their own", none="not seeded")
-    add_setting(model, "enforce_eager", "CUDA: run decode steps eagerly, not as captured "
-                "CUDA graphs")
-    add_setting(model, "engine_threads", "torch threads of the engine process; this process "
-                "keeps to HTTP and tokenizing", "--threads", none="one per core")
-    add_setting(model, "tensor_parallel_size", "split the model's layers across this many "
-                "processes (torch.distributed), each on engine_threads / N threads")
-    cache = srv.add_argument_group("KV cache")
-    add_setting(cache, "block_size", "token slots per KV cache block")
-    add_setting(cache, "num_blocks", "KV cache blocks",
-                none="as many as --kv-cache-memory-bytes holds")
-    add_setting(cache, "kv_cache_memory_bytes", "memory of the KV cache: bytes, or 512MiB, 2GiB",
-                none="max_num_seqs requests of max_model_len, at most half the memory free "
-                "after the weights")
-    add_setting(cache, "gpu_memory_utilization", "CUDA: the share of GPU memory for weights, "
-                "activations and KV cache; the cache takes what is left")
-    add_setting(cache, "enable_prefix_caching", "reuse the KV blocks of prompts' shared prefixes")
-    sched = srv.add_argument_group("scheduling")
-    add_setting(sched, "policy", "queue order: fcfs; priority (each request's `priority` field, "
-                "lower first, may preempt); fair (fair share between tenants); deadline "
-                "(earliest deadline first, refusing TTFTs it cannot meet with 429)",
-                choices=POLICY_NAMES)
-    add_setting(sched, "max_num_batched_tokens", "most tokens in one model pass")
-    add_setting(sched, "max_num_seqs", "most sequences in one model pass")
-    add_setting(sched, "max_num_partial_prefills", "most requests mid-prefill that get a chunk "
-                "in one step")
-    add_setting(sched, "long_prefill_token_threshold", "most prompt tokens one request "
-                "computes in one step")
-    add_setting(sched, "max_queue_wait", "seconds a request may wait without being scheduled; "
-                "then it ends with 503 / an SSE queue_timeout error / gRPC DEADLINE_EXCEEDED",
-                metavar="SECONDS", none="no limit")
-    add_setting(sched, "max_policy_preemptions", "preemptions after which a request is no "
-                "longer displaced by the priority or fair policy")
-    add_setting(sched, "fair_prompt_token_weight", "under --policy fair, the service a prompt "
-                "token costs")
-    add_setting(sched, "fair_output_token_weight", "under --policy fair, the service an output "
-                "token costs")
-    add_setting(sched, "fair_chunk_tokens", "under --policy fair, while more than one tenant "
-                "is known, the most prompt tokens per step of a long prompt, so steps stay "
-                "short for the others' arrivals", none="--long-prefill-token-threshold")
-    add_setting(sched, "max_kv_blocks_per_tenant", "KV cache blocks one tenant's running "
-                "requests may hold when another of its requests is admitted", none="no cap")
-    sched.add_argument("--tenant-weight", action="append", metavar="NAME=WEIGHT",
-                     default=argparse.SUPPRESS,
-                     help="a tenant's weight under --policy fair (default 1; repeatable; "
-                          "overrides the key file's)")
-    admission = srv.add_argument_group("admission")
-    add_setting(admission, "max_queued_requests", "requests waiting for their first token (a "
-                "batch of prompts is one); past it: 429")
-    add_setting(admission, "max_queued_tokens", "prompt tokens waiting for their first token; "
-                "past it: 429", none="no limit")
-    add_setting(admission, "max_requests_per_tenant", "requests in flight per tenant; past it: "
-                "429 tenant_requests", none="no limit")
-    add_setting(admission, "max_queued_tokens_per_tenant", "prompt tokens waiting for their "
-                "first token, per tenant; past it: 429 tenant_queued_tokens", none="no limit")
-    add_setting(admission, "max_tenants", "distinct tenants named by clients' `user` fields that "
-                "are tracked; later ones share the tenant 'other'")
-    add_setting(admission, "isolate_prefix_cache_by_tenant", "tenants never share prefix-cache "
-                "blocks (the cache salt includes the tenant), so none can probe another's "
-                "prompts through timing")
-    add_setting(admission, "default_ttft_ms", "TTFT objective of requests that set none")
-    add_setting(admission, "default_tpot_ms", "TPOT objective of requests that set none")
-    server = srv.add_argument_group("server")
-    add_setting(server, "host", "address of both frontends")
-    add_setting(server, "port", "the REST frontend's port")
-    add_setting(server, "grpc_port", "serve gRPC too, on this port", none="no gRPC")
-    add_setting(server, "served_model_name", "the names a request's `model` may be (one or "
-                "more); the first is the one responses give", nargs="+",
-                none="the model's own name")
-    server.add_argument("--api-key", action="append", default=argparse.SUPPRESS,
-                     help="require `Authorization: Bearer KEY` on every route but /health and "
-                          "/ready, and on gRPC (repeatable)")
-    server.add_argument("--api-key-file", default=argparse.SUPPRESS,
-                     help="API keys, one per line: KEY, NAME:KEY or NAME:KEY:WEIGHT; NAME is "
-                          "the tenant of the key's requests (default key-N), WEIGHT its weight "
-                          "under --policy fair; a key reads its own tenant's request records "
-                          "(explain, timelines, the dashboard's rows), keys named admin every "
-                          "tenant's")
-    add_setting(server, "metrics_without_auth", "serve /metrics without a key, for scrapers "
-                "that cannot send one")
-    add_setting(server, "allowed_origins", "an origin browsers may call from (CORS; "
-                "repeatable)", action="append")
-    add_setting(server, "max_request_bytes", "larger request bodies get 413 (bytes, or 8MiB)")
-    add_setting(server, "chat_template", "a Jinja chat template, its text or a file holding it, "
-                "replacing the model's own (a base model has none)")
-    add_setting(server, "tool_call_parser", "how the model writes tool calls: hermes "
-                "(<tool_call> JSON) or llama3_json")
-    add_setting(server, "enable_debug_endpoints", "GET /debug/requests/{id}: a recent request's "
-                "timeline")
-    add_setting(server, "shutdown_timeout", "on SIGTERM, seconds in-flight requests may take "
-                "to finish before they end with a server_shutdown error")
-    add_setting(server, "sse_keepalive_interval", "seconds a streamed response may stay silent "
-                "(queued, or holding text back) before it gets a `: keep-alive` comment")
-    add_setting(server, "uvicorn_log_level", "uvicorn's log level", choices=UVICORN_LOG_LEVELS)
-    add_setting(server, "disable_uvicorn_access_log", "no log line per HTTP request")
-    add_setting(server, "root_path", "the path prefix a proxy serves the API under (ASGI "
-                "root_path)")
-    add_setting(server, "ssl_keyfile", "serve REST over HTTPS with this private key (PEM)")
-    add_setting(server, "ssl_certfile", "... and this certificate (PEM)")
-    replicas = srv.add_argument_group("data parallelism (Ray; pip install -e \".[ray]\")")
-    add_setting(replicas, "data_parallel_size", "engine replicas, each a Ray actor with its own "
-                "KV cache and --engine-threads, on the cluster RAY_ADDRESS names or a local one")
-    add_setting(replicas, "router", "how a request's replica is picked: round-robin; least-load "
-                "(fewest outstanding tokens); prefix (where its first blocks were last sent, "
-                "unless that replica is overloaded)", choices=ROUTER_NAMES)
-    ops = srv.add_argument_group("observability and supervision")
-    add_setting(ops, "otlp_traces_endpoint", "send one OpenTelemetry span per request (queue, "
-                "prefill, decode inside) to this OTLP endpoint, http://host:4317 (gRPC) or "
-                "http://host:4318/v1/traces (HTTP); needs pip install 'treadle[otlp]'",
-                none="no tracing")
-    add_setting(ops, "trace_file", "write every engine step to this Chrome-trace/Perfetto "
-                "JSON file")
-    add_setting(ops, "log_prompts", "include the prompt text in each finished request's log "
-                "line")
-    add_setting(ops, "max_timelines", "finished requests' timelines kept for the debug endpoint")
-    add_setting(ops, "max_tenant_labels", "distinct `tenant` label values in the metrics; later "
-                "tenants are labelled 'other'")
-    add_setting(ops, "max_engine_restarts", "restarts of a dead engine in a row (backing off "
-                "0.5 s, 1 s, 2 s, ...) before the server exits with status 1")
-    ops.add_argument("--no-restart-engine", dest="max_engine_restarts", action="store_const",
-                     const=0, default=argparse.SUPPRESS,
-                     help="exit (status 1) when the engine dies, for an orchestrator to restart")
-    add_setting(ops, "engine_stall_timeout", "seconds a busy engine may go without finishing a "
-                "step before /ready and /health turn 503 (status stalled)")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for title, f in grouped_settings(ServeConfig):
+        if title not in groups:
+            groups[title] = srv.add_argument_group(title)
+        if has_flag(f):
+            add_setting_flag(groups[title], f)
+    # The settings given otherwise: tenant_weights, api_keys (serve_config reads these).
+    groups[SCHEDULING].add_argument(
+        "--tenant-weight", action="append", metavar="NAME=WEIGHT", default=argparse.SUPPRESS,
+        help="a tenant's weight under policies that share by tenant (default 1; repeatable; "
+             "overrides the key file's)")
+    groups[SERVER].add_argument(
+        "--api-key", action="append", default=argparse.SUPPRESS,
+        help="require `Authorization: Bearer KEY` on every route but /health and /ready, and "
+             "on gRPC (repeatable)")
+    groups[SERVER].add_argument(
+        "--api-key-file", default=argparse.SUPPRESS,
+        help="API keys, one per line: KEY, NAME:KEY or NAME:KEY:WEIGHT; NAME is the tenant of "
+             "the key's requests (default key-N), WEIGHT its weight; a key reads its own "
+             "tenant's request records (explain, timelines, the dashboard's rows), keys named "
+             "admin every tenant's")
+    groups[OPERATIONS].add_argument(
+        "--no-restart-engine", dest="max_engine_restarts", action="store_const", const=0,
+        default=argparse.SUPPRESS,
+        help="exit (status 1) when the engine dies, for an orchestrator to restart")
 
 
 def add_plan_args(plan: argparse.ArgumentParser) -> None:
     """`treadle plan`: the serve settings that change memory, under the same flags."""
-    for name, help in (("model", "Hugging Face folder or .gguf file"),
+    settings = setting_fields(EngineConfig)
+    for name, help in (("model", None),
                        ("dtype", "auto: what the engine would pick on this CPU"),
                        ("quantization", "auto: a GGUF's matrices as stored"),
                        ("max_model_len", "tokens per request"),
                        ("dense_batch_weights", "with quantization, also a dense copy"),
-                       ("block_size", "token slots per KV cache block"),
-                       ("max_num_batched_tokens", "most tokens in one model pass"),
+                       ("block_size", None),
+                       ("max_num_batched_tokens", None),
                        ("long_prefill_token_threshold", "most prompt tokens of one request per "
                         "step")):
-        add_setting(plan, name, help)
+        add_setting_flag(plan, settings[name], help=help)
     plan.add_argument("--concurrency", type=int, default=None,
                       help="requests of max_model_len tokens at once (default: --max-num-seqs's "
                            "default)")
@@ -264,7 +119,6 @@ def add_plan_args(plan: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from treadle.config import EngineConfig
     from treadle.model.memory import format_plan, plan
 
     settings = {k: v for k, v in vars(args).items() if k not in ("command", "concurrency", "json")}
@@ -338,21 +192,23 @@ def build_parser() -> argparse.ArgumentParser:
     roof = bench.add_parser("roofline", help="memory bandwidth, matmul rate, decode-step floor")
     add_model_args(roof, device=False)
     add_roofline_args(roof)
-    from treadle.sim.steps import add_steps_args
+    from treadle.sim.commands import add_sim_args, add_steps_args
 
     steps = bench.add_parser("steps", help="time mixed prefill+decode steps; fit the step-time "
                                            "profile `treadle sim` uses")
     add_model_args(steps, device=False)
     add_steps_args(steps)
-
-    from treadle.sim.commands import add_sim_args
-
     add_sim_args(commands.add_parser("sim", help="replay a workload through the real scheduler "
                                                  "in virtual time (no model)"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        load_plugins()  # first: the policies they register bring flags
+    except ImportError as e:
+        print(f"treadle: {e}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
@@ -391,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
 
         report = bench_forward(args.model, args.dtype, args.batch_sizes, args.thread_counts,
                                context_len=args.context_len,
-                               quantizations=tuple(args.quantization), device=args.device)
+                               quantizations=tuple(args.quantization), device=args.device,
+                               load_format=args.load_format)
         print(json.dumps(report, indent=2) if args.json else format_forward(report))
         return 0
     if args.bench in ("serve", "roofline"):
@@ -404,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                                     max_output_len=args.max_output_len,
                                     hf_batch_size=args.hf_batch_size).items() if v is not None}
     report = bench_offline(args.model, args.dtype, num_prompts=args.num_prompts, seed=args.seed,
-                           device=args.device, **kwargs)
+                           device=args.device, load_format=args.load_format, **kwargs)
     print(json.dumps(report, indent=2) if args.json else format_offline(report))
     return 0
 
@@ -501,8 +358,8 @@ def serve(args: argparse.Namespace) -> int:
         print(f"treadle: {e}", file=sys.stderr)
         return 2
     code = serve_frontends(engine, config.server)
-    # Nothing is left to save: skip the interpreter's teardown of the server's modules (0.6 s
-    # measured), so the process ends within its shutdown timeout.
+    # Nothing is left to save: skip the interpreter's teardown of the server's modules, so the
+    # process ends within its shutdown timeout.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -517,7 +374,7 @@ def generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
-                  device=args.device)
+                  device=args.device, load_format=args.load_format)
         prompt = args.prompt if args.raw or not llm.tokenizer.chat_template \
             else llm.chat_prompt(args.prompt)
         output = llm.generate([prompt], params, use_tqdm=False)[0]

@@ -4,8 +4,15 @@ Sections nest: `EngineConfig` (what the engine process needs: model, cache, sche
 parallelism, policy) inside `AsyncEngineConfig` (plus the frontend's admission, supervision and
 observability), inside `ServeConfig` (plus the servers' `ServerConfig`). Every setting has one
 flat name, unique across sections: the field's name, which is also its `treadle serve` flag
-(`--block-size`), its `LLM(...)` keyword and its key in a `--config` file; `build_config` puts
-flat settings into their sections.
+(`--block-size`), its `TREADLE_BLOCK_SIZE` variable, its `LLM(...)` keyword, its key in a
+`--config` file and, for the engine settings a simulation can act on, its `treadle sim` option;
+`build_config` puts flat settings into their sections. Each is declared once, with `setting`:
+its default and its help (the flag's) travel together.
+
+Queue policies bring their own settings: each registered policy's section (a dataclass of
+`setting`s, in its own module under treadle/core/sched/) joins `EngineConfig.policies`, so its
+settings get flat names, flags and checks as the others do. Config sits below the policies and
+cannot import them: they register here (`register_policy`) when imported.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -27,41 +34,84 @@ DEVICES = ("auto", "cpu", "cuda")
 # (treadle/model/capabilities.py) decides, at load.
 DEFAULT_DTYPE = "auto"
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
+# auto: the weights in the model's files; dummy: random weights of the shapes its config.json
+# gives (vLLM's), for measuring a model nobody can download here.
+LOAD_FORMATS = ("auto", "dummy")
 # How /v1/embeddings pools a prompt's final hidden states (treadle/model/pooling.py): the last
 # token's, vLLM's default for decoder LLMs, or the mean of all.
 POOLING_TYPES = ("last", "mean")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+# The titles the settings' flags are grouped under in `treadle serve --help`.
+MODEL, CACHE, SCHEDULING, ADMISSION, SERVER = "model", "KV cache", "scheduling", "admission", \
+    "server"
+OPERATIONS = "observability and supervision"
+DATA_PARALLEL = 'data parallelism (Ray; pip install -e ".[ray]")'
+
+
+def setting(default: Any, help: str | Callable[[], str], *, none: str = "none",
+            choices: Any = None, group: str | None = None,
+            flag: Mapping[str, Any] | None = None) -> Any:
+    """A setting's field: its default and help. `none`: what a default of None means (shown in
+    the help); `choices`: the values it takes (a container, checked by its flag); `group`: the
+    help's group when not its section's; `flag`: argparse options of its flag beyond its name,
+    type, default and help (`aliases`, `nargs`, `action`, `metavar`), or `{"skip": True}` for a
+    setting given by other flags."""
+    metadata = {"help": help, "none": none, "choices": choices, "group": group,
+                "flag": flag or {}}
+    if isinstance(default, dict):  # mutable: each config gets its own
+        return field(default_factory=lambda: dict(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def section(cls: type, title: str | None = None) -> Any:
+    """A field holding a section (`cls`, with its defaults); `title`: its settings' group in
+    the help (None: each setting's own, or its parent section's)."""
+    return field(default_factory=cls, metadata={"title": title})
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Which weights to serve and how. `model` None means the default model."""
 
-    model: str | None = None
-    device: str = "auto"  # one of DEVICES
-    dtype: str = DEFAULT_DTYPE
-    max_model_len: int | None = None  # None: the model's own context length
-    # auto: a GGUF's quantized matrices served as stored; see treadle/model/quantization.py.
-    quantization: str = "auto"
-    # With quantization: also keep each quantized matrix dequantized and prepacked, for steps of
-    # many rows (a float GEMM beats the row-by-row integer kernel there). False: the least
-    # memory, and such steps dequantize their weights each time.
-    dense_batch_weights: bool = True
-    # Most rows a step may have for a quantized layer to take the integer kernel; None: measured
-    # per layer shape when the model loads (the crossover depends on the CPU).
-    quant_gemv_max_rows: int | None = None
-    pooling: str = "last"  # embeddings: one of POOLING_TYPES
-    # Sampling defaults for requests that omit them: "auto", the model's generation_config.json
-    # (temperature, top_p, top_k, min_p, repetition_penalty), as vLLM does; "vllm": none (the
-    # API's own defaults); or a folder holding a generation_config.json.
-    generation_config: str = "auto"
-    # Most logprobs (and prompt_logprobs) one request may ask for per token (vLLM's default).
-    max_logprobs: int = 20
-    # Seeds the engine process's random generator, so requests without a seed of their own
-    # sample the same across restarts (given the same batches). None: not seeded.
-    seed: int | None = None
-    # CUDA: run every step eagerly, without capturing decode steps as CUDA graphs (vLLM's flag).
-    enforce_eager: bool = False
+    model: str | None = setting(None, "Hugging Face folder or .gguf file",
+                                none="SmolLM2-135M-Instruct")
+    device: str = setting("auto", "auto: cuda where torch sees a GPU, else cpu", choices=DEVICES)
+    dtype: str = setting(DEFAULT_DTYPE, "auto: bfloat16 on CUDA and where the CPU computes it "
+                         "natively (AVX-512 BF16, AMX), else float32", choices=DTYPES)
+    # See treadle/model/quantization.py.
+    quantization: str = setting("auto", "auto: a GGUF's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K "
+                                "matrices served as stored; none: dequantized to --dtype; "
+                                "int8/int4: quantized at load", choices=QUANTIZATION_CHOICES)
+    load_format: str = setting("auto", "auto: the weights in the model's files; dummy: random "
+                               "weights of the shapes its config.json gives (bench/configs/)",
+                               choices=LOAD_FORMATS)
+    max_model_len: int | None = setting(None, "context length", none="the model's own")
+    # Memory for speed where a float GEMM over a dense copy beats dequantizing slices of the
+    # weights for each large step. False: the weights' memory is the file's.
+    dense_batch_weights: bool = setting(False, "with quantization, also keep each quantized "
+                                        "matrix dequantized and prepacked for steps of many "
+                                        "rows (more memory, faster large steps)")
+    # None: measured per layer shape when the model loads (the crossover depends on the CPU).
+    quant_gemv_max_rows: int | None = setting(None, "most rows a step may have for a quantized "
+                                              "layer to take the integer kernel",
+                                              none="measured at load")
+    pooling: str = setting("last", "how /v1/embeddings pools a prompt's final hidden states: "
+                           "the last token's (vLLM's default for decoder LLMs) or their mean; "
+                           "normalised", choices=POOLING_TYPES)
+    # "vllm": the API's own defaults, as vLLM's flag.
+    generation_config: str = setting("auto", "sampling defaults for requests that leave them "
+                                     "out: auto, the model's generation_config.json "
+                                     "(temperature, top_p, top_k, min_p, repetition_penalty); "
+                                     "vllm, none; or a folder holding one")
+    max_logprobs: int = setting(20, "most logprobs and prompt_logprobs a request may ask for "
+                                "per token; more: 400")  # vLLM's default
+    # So that requests without a seed of their own sample the same across restarts (given the
+    # same batches).
+    seed: int | None = setting(None, "seed of the engine's random generator, for requests "
+                               "without a seed of their own", none="not seeded")
+    enforce_eager: bool = setting(False, "CUDA: run decode steps eagerly, not as captured CUDA "
+                                  "graphs")  # vLLM's flag
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -74,6 +124,9 @@ class ModelConfig:
             raise ValueError(f"pooling must be one of {POOLING_TYPES}, got {self.pooling!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, "
+                             f"got {self.load_format!r}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, "
                              f"got {self.quantization!r}")
@@ -85,14 +138,18 @@ class ModelConfig:
 class CacheConfig:
     """The paged KV cache: `num_blocks` blocks of `block_size` token slots per layer."""
 
-    block_size: int = 16
-    num_blocks: int | None = None  # None: sized from kv_cache_memory_bytes
-    # None: sized from free memory; the rule and why: treadle/model/memory.py size_kv_cache.
-    kv_cache_memory_bytes: int | None = None
-    # CUDA: the share of the GPU's memory this engine may take, weights, activations and the
-    # KV cache together; the cache gets what the rest leaves (vLLM's flag and default).
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
+    block_size: int = setting(16, "token slots per KV cache block")
+    num_blocks: int | None = setting(None, "KV cache blocks",
+                                     none="as many as --kv-cache-memory-bytes holds")
+    # The rule and why: treadle/model/memory.py size_kv_cache.
+    kv_cache_memory_bytes: int | None = setting(
+        None, "memory of the KV cache: bytes, or 512MiB, 2GiB", none="max_num_seqs requests of "
+        "max_model_len, at most half the memory free after the weights")
+    gpu_memory_utilization: float = setting(0.9, "CUDA: the share of GPU memory for weights, "
+                                            "activations and KV cache; the cache takes what is "
+                                            "left")  # vLLM's flag and default
+    enable_prefix_caching: bool = setting(True, "reuse the KV blocks of prompts' shared "
+                                          "prefixes")
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -109,33 +166,31 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Per-step limits (tokens and sequences in one pass, prefill per request and at once), the
-    queue time limit, and the queue policies' settings."""
+    queue time limit, and what every policy shares: the preemption guard, tenants' weights and
+    KV caps. A policy's own settings are in its section (`EngineConfig.policies`)."""
 
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 128
-    # Cap on one request's prefill tokens per step, so a long prompt cannot starve short ones.
-    long_prefill_token_threshold: int = 256
-    # Requests mid-prefill (more than one token left to compute) that get a chunk in one step:
-    # long prompts cannot hold every prefill slot (vLLM's name).
-    max_num_partial_prefills: int = 4
-    # Seconds a request may wait without ever being scheduled; then it finishes with
-    # finish_reason "queue_timeout". None: no limit.
-    max_queue_wait: float | None = None
-    # A request preempted this many times (for any reason) is no longer displaced by a waiting
-    # request under the priority or fair policy; running short of blocks may still preempt it.
-    max_policy_preemptions: int = 2
-    # Fair share (the Virtual Token Counter): a tenant's service is w_p per prompt token plus
-    # w_q per output token, divided by its weight (tenant -> weight; absent: 1).
-    tenant_weights: Mapping[str, float] = field(default_factory=dict)
-    fair_prompt_token_weight: float = 1.0
-    fair_output_token_weight: float = 2.0
-    # Under fair share, while more than one tenant is known, the most prompt tokens per step of
-    # a prompt longer than long_prefill_token_threshold, so that steps stay short for the
-    # others' arrivals. None: long_prefill_token_threshold.
-    fair_chunk_tokens: int | None = None
-    # The most KV cache blocks one tenant's running requests may hold when another of its
-    # requests is admitted (under every policy). None: no cap.
-    max_kv_blocks_per_tenant: int | None = None
+    max_num_batched_tokens: int = setting(512, "most tokens in one model pass")
+    max_num_seqs: int = setting(128, "most sequences in one model pass")
+    # So a long prompt cannot starve short ones.
+    long_prefill_token_threshold: int = setting(256, "most prompt tokens one request computes "
+                                                "in one step")
+    # Long prompts cannot hold every prefill slot (vLLM's name).
+    max_num_partial_prefills: int = setting(4, "most requests mid-prefill that get a chunk in "
+                                            "one step")
+    # Then it finishes with finish_reason "queue_timeout".
+    max_queue_wait: float | None = setting(
+        None, "seconds a request may wait without being scheduled; then it ends with 503 / an "
+        "SSE queue_timeout error / gRPC DEADLINE_EXCEEDED", none="no limit",
+        flag={"metavar": "SECONDS"})
+    # Counting preemptions of any reason; running short of blocks may still preempt it.
+    max_policy_preemptions: int = setting(2, "preemptions after which a request is no longer "
+                                          "displaced by a waiting one its policy ranks higher")
+    # Set by --tenant-weight and the API keys' weights (absent: 1).
+    tenant_weights: Mapping[str, float] = setting({}, "each tenant's weight, for policies that "
+                                                  "share by tenant", flag={"skip": True})
+    max_kv_blocks_per_tenant: int | None = setting(
+        None, "KV cache blocks one tenant's running requests may hold when another of its "
+        "requests is admitted", none="no cap")
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -153,10 +208,6 @@ class SchedulerConfig:
         bad = {t: w for t, w in self.tenant_weights.items() if not w > 0}
         if bad:
             raise ValueError(f"tenant weights must be > 0, got {bad}")
-        if not (self.fair_prompt_token_weight >= 0 and self.fair_output_token_weight >= 0):
-            raise ValueError("fair token weights must be >= 0")
-        if self.fair_chunk_tokens is not None and self.fair_chunk_tokens < 1:
-            raise ValueError("fair_chunk_tokens must be >= 1 (or None: no cap)")
         if self.max_kv_blocks_per_tenant is not None and self.max_kv_blocks_per_tenant < 1:
             raise ValueError("max_kv_blocks_per_tenant must be >= 1 (or None: no cap)")
 
@@ -176,34 +227,40 @@ class ServerConfig:
     """The frontends `treadle serve` runs over one engine: REST always, gRPC only when
     `grpc_port` is set (as vLLM's gRPC server is opt-in)."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    grpc_port: int | None = None
-    # Names clients may give as `model`, the first in responses; empty: the model's own name.
-    served_model_name: tuple[str, ...] = ()
-    # Bearer keys; empty: no auth. Each key's name is the tenant of its requests.
-    api_keys: tuple[APIKey, ...] = ()
-    metrics_without_auth: bool = False
-    allowed_origins: tuple[str, ...] = ()  # CORS
-    max_request_bytes: int = 4 << 20  # larger bodies get 413
-    enable_debug_endpoints: bool = False
-    # A Jinja chat template (the text, or a path to a file holding it) replacing the model's own;
-    # a model with none (a base model) answers chat requests with 400 unless one is given.
-    chat_template: str | None = None
-    # How the model writes tool calls, read back into OpenAI's tool_calls (as vLLM's flag):
-    # hermes (Hermes, Qwen 2.5/3) or llama3_json (server/openai/tool_parsers.py).
-    tool_call_parser: str = "hermes"
-    # On SIGTERM, seconds in-flight requests may take before they end with server_shutdown.
-    shutdown_timeout: float = 30.0
-    # A streamed response silent this long (queued, or holding text back) gets an SSE comment,
-    # so that proxies with idle timeouts (nginx's 60 s by default) keep it open.
-    sse_keepalive_interval: float = 15.0
-    uvicorn_log_level: str = "info"
-    disable_uvicorn_access_log: bool = False
-    # The path prefix a proxy serves the API under (ASGI root_path), for its docs' links.
-    root_path: str = ""
-    ssl_keyfile: str | None = None  # both: serve REST over HTTPS
-    ssl_certfile: str | None = None
+    host: str = setting("127.0.0.1", "address of both frontends")
+    port: int = setting(8000, "the REST frontend's port")
+    grpc_port: int | None = setting(None, "serve gRPC too, on this port", none="no gRPC")
+    served_model_name: tuple[str, ...] = setting(
+        (), "the names a request's `model` may be (one or more); the first is the one "
+        "responses give", none="the model's own name", flag={"nargs": "+"})
+    # Given by --api-key and --api-key-file; empty: no auth.
+    api_keys: tuple[APIKey, ...] = setting((), "bearer keys; each key's name is the tenant of "
+                                           "its requests", flag={"skip": True})
+    metrics_without_auth: bool = setting(False, "serve /metrics without a key, for scrapers "
+                                         "that cannot send one")
+    allowed_origins: tuple[str, ...] = setting((), "an origin browsers may call from (CORS; "
+                                               "repeatable)", flag={"action": "append"})
+    max_request_bytes: int = setting(4 << 20, "larger request bodies get 413 (bytes, or 8MiB)")
+    enable_debug_endpoints: bool = setting(False, "GET /debug/requests/{id}: a recent request's "
+                                           "timeline")
+    chat_template: str | None = setting(None, "a Jinja chat template, its text or a file "
+                                        "holding it, replacing the model's own (a base model "
+                                        "has none)")
+    # As vLLM's flag; the parsers: server/openai/tool_parsers.py.
+    tool_call_parser: str = setting("hermes", "how the model writes tool calls: hermes "
+                                    "(<tool_call> JSON) or llama3_json")
+    shutdown_timeout: float = setting(30.0, "on SIGTERM, seconds in-flight requests may take to "
+                                      "finish before they end with a server_shutdown error")
+    # So that proxies with idle timeouts (nginx's 60 s by default) keep the response open.
+    sse_keepalive_interval: float = setting(15.0, "seconds a streamed response may stay silent "
+                                            "(queued, or holding text back) before it gets a "
+                                            "`: keep-alive` comment")
+    uvicorn_log_level: str = setting("info", "uvicorn's log level", choices=UVICORN_LOG_LEVELS)
+    disable_uvicorn_access_log: bool = setting(False, "no log line per HTTP request")
+    root_path: str = setting("", "the path prefix a proxy serves the API under (ASGI "
+                             "root_path)")  # for its docs' links
+    ssl_keyfile: str | None = setting(None, "serve REST over HTTPS with this private key (PEM)")
+    ssl_certfile: str | None = setting(None, "... and this certificate (PEM)")
 
     def __post_init__(self) -> None:
         if not self.sse_keepalive_interval > 0:
@@ -228,11 +285,14 @@ class ServerConfig:
 class ParallelConfig:
     """How the engine process computes."""
 
-    engine_threads: int | None = None  # torch intra-op threads; None: torch's, one per core
-    # Ranks the model is split across (treadle/core/executor/tensor_parallel.py), each on
-    # engine_threads // tensor_parallel_size threads; whether the model's heads allow it is
-    # checked when its config is read, before any worker starts.
-    tensor_parallel_size: int = 1
+    engine_threads: int | None = setting(None, "torch threads of the engine process; this "
+                                         "process keeps to HTTP and tokenizing",
+                                         none="one per core", flag={"aliases": ("--threads",)})
+    # treadle/core/executor/tensor_parallel.py; whether the model's heads allow it is checked
+    # when its config is read, before any worker starts.
+    tensor_parallel_size: int = setting(1, "split the model's layers across this many "
+                                        "processes (torch.distributed), each on engine_threads "
+                                        "/ N threads")
 
     def __post_init__(self) -> None:
         if self.engine_threads is not None and self.engine_threads < 1:
@@ -242,25 +302,66 @@ class ParallelConfig:
                              f"{self.tensor_parallel_size}")
 
 
-# The queue orderings of treadle/core/sched/policies.py (its POLICIES registry; a test keeps the two
-# equal), named here so that a bad name fails before any process starts.
-POLICY_NAMES = ("fcfs", "priority", "fair", "deadline")
+@dataclass(frozen=True)
+class RegisteredPolicy:
+    """What configuration knows of a queue policy: its part of --policy's help, and its
+    settings section (a frozen dataclass of `setting`s; None: it has no settings)."""
+
+    summary: str
+    settings: type | None
+
+
+# Every queue policy by name, in the order registered (treadle/core/sched/policy.py's
+# register_policy adds each; the package's own are registered as `treadle` is imported).
+POLICIES: dict[str, RegisteredPolicy] = {}
+
+
+def register_policy(name: str, summary: str, settings: type | None) -> None:
+    """Make `name` a valid `policy`, and the fields of `settings` settings of every config built
+    from now on. ValueError if the name or one of the settings' names is taken."""
+    if name in POLICIES:
+        raise ValueError(f"policy {name!r} is already registered")
+    taken = setting_fields(ServeConfig)
+    clash = [f.name for f in fields(settings) if f.name in taken] if settings else []
+    if clash:
+        raise ValueError(f"policy {name!r}: a setting named {clash[0]!r} already exists")
+    POLICIES[name] = RegisteredPolicy(summary, settings)
+
+
+def policy_help() -> str:
+    return "queue order: " + "; ".join(f"{name} ({p.summary})" if p.summary else name
+                                       for name, p in POLICIES.items())
+
+
+def policy_sections() -> dict[str, Any]:
+    """Each registered policy's settings section, at its defaults, by policy name."""
+    return {name: p.settings() for name, p in POLICIES.items() if p.settings}
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine process needs, built once and passed whole."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    policy: str = "fcfs"
-    trace_file: str | None = None  # a Chrome-trace/Perfetto JSON file of every engine step
+    model: ModelConfig = section(ModelConfig, MODEL)
+    cache: CacheConfig = section(CacheConfig, CACHE)
+    scheduler: SchedulerConfig = section(SchedulerConfig, SCHEDULING)
+    parallel: ParallelConfig = section(ParallelConfig, MODEL)
+    policy: str = setting("fcfs", policy_help, choices=POLICIES, group=SCHEDULING)
+    # Every registered policy's section, not only the chosen one's: a config file may set
+    # several, and each is checked.
+    policies: Mapping[str, Any] = field(default_factory=policy_sections,
+                                        metadata={"title": SCHEDULING, "policies": True})
+    trace_file: str | None = setting(None, "write every engine step to this Chrome-trace/"
+                                     "Perfetto JSON file", group=OPERATIONS)
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICY_NAMES:
-            raise ValueError(f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {tuple(POLICIES)}, got {self.policy!r}")
+
+    @property
+    def policy_settings(self) -> Any:
+        """The chosen policy's settings section (None: it has none)."""
+        return self.policies.get(self.policy)
 
 
 @dataclass(frozen=True)
@@ -268,17 +369,25 @@ class AdmissionConfig:
     """What the frontend checks before a request reaches the engine: queue and tenant limits,
     tenants, cache isolation, default objectives. See treadle/frontend/admission.py."""
 
-    # Requests waiting for their first token; past it: 429. None: no limit.
-    max_queued_requests: int | None = 256
-    max_queued_tokens: int | None = None  # prompt tokens waiting for their first token
-    max_requests_per_tenant: int | None = None  # requests in flight per tenant
-    max_queued_tokens_per_tenant: int | None = None
-    # Distinct tenants named by clients' `user` fields that are tracked; later ones are "other".
-    max_tenants: int = 1024
-    isolate_prefix_cache_by_tenant: bool = False
-    # Objectives of requests that set none (milliseconds; None: none).
-    default_ttft_ms: float | None = None
-    default_tpot_ms: float | None = None
+    # None: no limit.
+    max_queued_requests: int | None = setting(256, "requests waiting for their first token "
+                                              "(a batch of prompts is one); past it: 429")
+    max_queued_tokens: int | None = setting(None, "prompt tokens waiting for their first "
+                                            "token; past it: 429", none="no limit")
+    max_requests_per_tenant: int | None = setting(None, "requests in flight per tenant; past "
+                                                  "it: 429 tenant_requests", none="no limit")
+    max_queued_tokens_per_tenant: int | None = setting(
+        None, "prompt tokens waiting for their first token, per tenant; past it: 429 "
+        "tenant_queued_tokens", none="no limit")
+    # Bounded, as each tenant is a metrics label and an entry in the admission's tables.
+    max_tenants: int = setting(1024, "distinct tenants named by clients' `user` fields that "
+                               "are tracked; later ones share the tenant 'other'")
+    isolate_prefix_cache_by_tenant: bool = setting(
+        False, "tenants never share prefix-cache blocks (the cache salt includes the tenant), "
+        "so none can probe another's prompts through timing")
+    # Milliseconds.
+    default_ttft_ms: float | None = setting(None, "TTFT objective of requests that set none")
+    default_tpot_ms: float | None = setting(None, "TPOT objective of requests that set none")
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_queued_tokens", "max_requests_per_tenant",
@@ -298,11 +407,13 @@ class AdmissionConfig:
 class SupervisionConfig:
     """How the frontend watches its engine process."""
 
-    # Restarts of a dead engine in a row (backing off 0.5 s, 1 s, 2 s, ...) before its status is
-    # "dead"; 0: never restart.
-    max_engine_restarts: int = 5
-    # Seconds a busy engine may go without finishing a step before it counts as stalled.
-    engine_stall_timeout: float = 30.0
+    # 0: never restart (--no-restart-engine).
+    max_engine_restarts: int = setting(5, "restarts of a dead engine in a row (backing off "
+                                       "0.5 s, 1 s, 2 s, ...) before the server exits with "
+                                       "status 1")
+    engine_stall_timeout: float = setting(30.0, "seconds a busy engine may go without "
+                                          "finishing a step before /ready and /health turn 503 "
+                                          "(status stalled)")
 
     def __post_init__(self) -> None:
         if self.max_engine_restarts < 0:
@@ -316,11 +427,17 @@ class SupervisionConfig:
 class ObservabilityConfig:
     """Metrics labels, request timelines and the request log."""
 
-    log_prompts: bool = False  # the prompt's text in each finished request's log line
-    max_timelines: int = 1000  # the last finished samples' timelines kept for /debug/requests
-    max_tenant_labels: int = 32  # distinct `tenant` label values; later tenants are "other"
-    # Where to send one OpenTelemetry span per request (vLLM's flag); None: no tracing.
-    otlp_traces_endpoint: str | None = None
+    log_prompts: bool = setting(False, "include the prompt text in each finished request's log "
+                                "line")
+    # Of the last finished samples, for /debug/requests.
+    max_timelines: int = setting(1000, "finished requests' timelines kept for the debug "
+                                 "endpoint")
+    max_tenant_labels: int = setting(32, "distinct `tenant` label values in the metrics; later "
+                                     "tenants are labelled 'other'")
+    otlp_traces_endpoint: str | None = setting(  # vLLM's flag
+        None, "send one OpenTelemetry span per request (queue, prefill, decode inside) to this "
+        "OTLP endpoint, http://host:4317 (gRPC) or http://host:4318/v1/traces (HTTP); needs "
+        "pip install 'treadle[otlp]'", none="no tracing")
 
     def __post_init__(self) -> None:
         if self.max_timelines < 0:
@@ -338,8 +455,13 @@ class DataParallelConfig:
     """Engine replicas as Ray actors behind the frontend's router (treadle/frontend/
     data_parallel.py); 1: one engine process, no Ray."""
 
-    data_parallel_size: int = 1
-    router: str = "prefix"
+    data_parallel_size: int = setting(1, "engine replicas, each a Ray actor with its own KV "
+                                      "cache and --engine-threads, on the cluster RAY_ADDRESS "
+                                      "names or a local one")
+    router: str = setting("prefix", "how a request's replica is picked: round-robin; "
+                          "least-load (fewest outstanding tokens); prefix (where its first "
+                          "blocks were last sent, unless that replica is overloaded)",
+                          choices=ROUTER_NAMES)
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
@@ -352,19 +474,19 @@ class DataParallelConfig:
 class AsyncEngineConfig:
     """What `AsyncEngine` needs: the engine process's config and the frontend's side of it."""
 
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
-    supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
-    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
-    data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
+    engine: EngineConfig = section(EngineConfig)
+    admission: AdmissionConfig = section(AdmissionConfig, ADMISSION)
+    supervision: SupervisionConfig = section(SupervisionConfig, OPERATIONS)
+    observability: ObservabilityConfig = section(ObservabilityConfig, OPERATIONS)
+    data_parallel: DataParallelConfig = section(DataParallelConfig, DATA_PARALLEL)
 
 
 @dataclass(frozen=True)
 class ServeConfig:
     """What `treadle serve` runs: one engine and the frontends over it."""
 
-    engine: AsyncEngineConfig = field(default_factory=AsyncEngineConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
+    engine: AsyncEngineConfig = section(AsyncEngineConfig)
+    server: ServerConfig = section(ServerConfig, SERVER)
 
 
 Config = TypeVar("Config")
@@ -374,17 +496,41 @@ def is_section(f: Field) -> bool:
     return f.default_factory is not MISSING and is_dataclass(f.default_factory)
 
 
+def is_policy_sections(f: Field) -> bool:
+    return bool(f.metadata.get("policies"))
+
+
+def grouped_settings(cls: type, title: str | None = None) -> Iterator[tuple[str | None, Field]]:
+    """Every flat setting of `cls` and its sections (the registered policies' too), in order,
+    with the title of its group in the help."""
+    for f in fields(cls):
+        if is_section(f):
+            yield from grouped_settings(f.default_factory, f.metadata["title"] or title)
+        elif is_policy_sections(f):
+            for policy in POLICIES.values():
+                if policy.settings:
+                    yield from grouped_settings(policy.settings, f.metadata["title"])
+        else:
+            yield f.metadata.get("group") or title, f
+
+
 def setting_fields(cls: type) -> dict[str, Field]:
     """Every flat setting of `cls` and its sections, by name."""
-    found: dict[str, Field] = {}
-    for f in fields(cls):
-        found.update(setting_fields(f.default_factory) if is_section(f) else {f.name: f})
-    return found
+    return {f.name: f for _, f in grouped_settings(cls)}
+
+
+def field_default(f: Field) -> Any:
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def policy_setting_fields() -> dict[str, Field]:
+    """The registered policies' settings, by name."""
+    return {f.name: f for policy in POLICIES.values() if policy.settings
+            for f in fields(policy.settings)}
 
 
 def setting_default(cls: type, name: str) -> Any:
-    f = setting_fields(cls)[name]
-    return f.default_factory() if f.default is MISSING else f.default
+    return field_default(setting_fields(cls)[name])
 
 
 def build_config(cls: type[Config], settings: Mapping[str, Any]) -> Config:
@@ -400,9 +546,16 @@ def build_config(cls: type[Config], settings: Mapping[str, Any]) -> Config:
 
 
 def _build(cls: type[Config], settings: Mapping[str, Any]) -> Config:
-    return cls(**{f.name: _build(f.default_factory, settings) if is_section(f)
-                  else settings[f.name] for f in fields(cls)
-                  if is_section(f) or f.name in settings})
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        if is_section(f):
+            values[f.name] = _build(f.default_factory, settings)
+        elif is_policy_sections(f):
+            values[f.name] = {name: _build(policy.settings, settings)
+                              for name, policy in POLICIES.items() if policy.settings}
+        elif f.name in settings:
+            values[f.name] = settings[f.name]
+    return cls(**values)
 
 
 def checked_value(name: str, value: Any, annotation: str) -> Any:

@@ -15,6 +15,7 @@ from treadle.core.sampling_params import SamplingParams
 from treadle.frontend.output_processor import OutputProcessor, RequestState
 from treadle.model.source import resolve_model
 from treadle.outputs import RequestOutput, request_output
+from treadle.plugins import load_plugins
 from treadle.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class LLM:
         setting of `EngineConfig`'s sections by its flat name (dtype, quantization,
         max_model_len, block_size, kv_cache_memory_bytes, max_num_seqs, policy, ...).
         ValueError naming the setting for an unknown or bad one."""
+        load_plugins()  # first: a plugin's policy and its settings may be among `settings`
         config = build_config(EngineConfig, {"model": model, **settings})
         source = resolve_model(model)
         self.model_name = source.name

@@ -151,6 +151,6 @@ def run_roofline(args: argparse.Namespace) -> int:
     from treadle.bench.roofline import bench_roofline, format_roofline
 
     report = bench_roofline(args.model, args.dtype, args.batch_sizes, args.context_len,
-                            args.quantization)
+                            args.quantization, args.load_format)
     print(json.dumps(report, indent=2) if args.json else format_roofline(report))
     return 0

@@ -22,8 +22,8 @@ from treadle.model.source import resolve_model
 
 def bench_forward(model: str | None, dtype: str, batch_sizes: list[int], threads: list[int],
                   context_len: int = 128, block_size: int = 16, steps: int = 10,
-                  quantizations: tuple[str, ...] = ("none", "auto"), device: str = "auto"
-                  ) -> dict:
+                  quantizations: tuple[str, ...] = ("none", "auto"), device: str = "auto",
+                  load_format: str = "auto") -> dict:
     """Each quantization's runner in turn, in this one run, so their rows compare. On CUDA
     every quantization is served as `none` (one runner), torch's thread count does not apply,
     and decode steps replay CUDA graphs captured up to the largest batch."""
@@ -36,9 +36,10 @@ def bench_forward(model: str | None, dtype: str, batch_sizes: list[int], threads
     try:
         for quantization in quantizations:
             model_config = ModelConfig(model=model, dtype=dtype, quantization=quantization,
-                                       device=device)
+                                       device=device, load_format=load_format)
             runner = ModelRunner(
-                load_model(model, torch_dtype(dtype, device), quantization, device=device),
+                load_model(model, torch_dtype(dtype, device), quantization, device=device,
+                           load_format=load_format),
                 model_config, CacheConfig(block_size=block_size, num_blocks=num_blocks),
                 SchedulerConfig(max_num_seqs=max(batch_sizes)))
             cost = DecodeCost.of(runner.model)

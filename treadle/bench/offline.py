@@ -11,9 +11,7 @@ oracle. Like that baseline it counts only each request's requested tokens as out
 batch computes past a request's end (reported as `computed_tokens`).
 
 `hf_batch_size` 8 is Hugging Face's best of 1, 4, 8, 16, 32 on the 2-core development machine
-(SmolLM2-135M, bfloat16: decode steps of 42, 51, 64, 296 and 2905 ms at a 128-token context);
-with these output lengths, static batches of 1, 4, 8, 16, 32 spend 100, 44, 34, 27, 23% of their
-decode tokens on requested output. Pass another size where the machine differs.
+(docs/decisions.md); pass another size where the machine differs.
 
 Only generation is timed (not loading); each side first runs one small untimed request.
 """
@@ -36,15 +34,19 @@ TARGET_RATIO = {"cpu": 3.0, "cuda": 5.0}
 WARMUP = BenchRequest(prompt_token_ids=[100 + i for i in range(16)], output_len=4)
 
 
-def load_hf_model(model: str | None, dtype: str, device: str = "cpu"):
+def load_hf_model(model: str | None, dtype: str, device: str = "cpu", random: bool = False):
     """The same weights as Treadle loads, through transformers, as dense `dtype` tensors (a GGUF
     file is dequantized, as Treadle does, rather than kept in blocks for transformers' GGUF
-    kernels), with EOS never ending generation (Treadle's `ignore_eos`)."""
-    from transformers import AutoModelForCausalLM, GgufConfig
+    kernels), with EOS never ending generation (Treadle's `ignore_eos`). `random`: transformers'
+    own random initialisation of the model's config (speed does not depend on the values)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig
 
     source = resolve_model(model)
     folder, gguf = source.folder, source.gguf
-    if gguf is not None:
+    if random:
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)),
+                                              dtype=torch_dtype(dtype, device))
+    elif gguf is not None:
         hf = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, dtype=torch_dtype(dtype, device),
             quantization_config=GgufConfig(dequantize=True))
@@ -113,7 +115,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def bench_offline(model: str | None = None, dtype: str = "auto", num_prompts: int = 200,
                   seed: int = 0, max_input_len: int | None = None,
                   max_output_len: int | None = None, hf_batch_size: int = 8,
-                  threads: int | None = None, device: str = "auto") -> dict:
+                  threads: int | None = None, device: str = "auto",
+                  load_format: str = "auto") -> dict:
     from treadle.llm import LLM
     from treadle.tokenizer import Tokenizer
 
@@ -140,7 +143,7 @@ def bench_offline(model: str | None = None, dtype: str = "auto", num_prompts: in
         n_threads = torch.get_num_threads()
 
         device = resolve_device(device)
-        llm = LLM(model=model, dtype=dtype, device=device)
+        llm = LLM(model=model, dtype=dtype, device=device, load_format=load_format)
         model_name, platform = llm.model_name, llm.engine.executor.platform_info()
         dtype = platform["dtype"]  # the HF baseline runs the dtype Treadle resolved
         run_treadle(llm, [WARMUP])
@@ -148,7 +151,7 @@ def bench_offline(model: str | None = None, dtype: str = "auto", num_prompts: in
         del llm
         gc.collect()
 
-        hf_model = load_hf_model(model, dtype, device)
+        hf_model = load_hf_model(model, dtype, device, random=load_format == "dummy")
         run_hf_static(hf_model, [WARMUP], 1, pad)
         hf_s, hf_out, hf_computed = run_hf_static(hf_model, requests, hf_batch_size, pad)
         del hf_model

@@ -89,14 +89,15 @@ class DecodeCost:
 
 
 def bench_roofline(model: str | None, dtype: str, batch_sizes: list[int],
-                   context_len: int = 128, quantization: str = "auto") -> dict:
+                   context_len: int = 128, quantization: str = "auto",
+                   load_format: str = "auto") -> dict:
     """The machine's measured bandwidth and matmul rate (current torch thread count), and the
     model's decode-step floor at each batch size, from the bytes its weights take as served."""
     from treadle.model.capabilities import resolve_dtype, torch_dtype
     from treadle.model.loader import load_model
     from treadle.model.registry import build_model
 
-    loaded = load_model(model, torch_dtype(dtype), quantization)
+    loaded = load_model(model, torch_dtype(dtype), quantization, load_format=load_format)
     cost = DecodeCost.of(build_model(loaded.spec, loaded.weights, torch_dtype(dtype),
                                      context_len))
     roof = measure_roofline(torch_dtype(dtype))

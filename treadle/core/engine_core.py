@@ -20,7 +20,7 @@ from treadle.core.messages import EngineCoreOutput, StepRecord
 from treadle.core.request import DEFAULT_TENANT, Request, RequestStatus
 from treadle.core.sampler import Sampler, SamplingOptions, gather_logprobs
 from treadle.core.sampling_params import SamplingParams, check_max_logprobs
-from treadle.core.sched.policies import make_policy
+from treadle.core.sched.policy import make_policy
 from treadle.core.sched.scheduler import Scheduler, SchedulerOutput
 from treadle.core.structured_output import (
     StructuredOutputManager,
@@ -32,6 +32,7 @@ from treadle.model.batch import ModelInput, ModelOutput, ScheduledSequence, cat_
 from treadle.model.memory import gib
 from treadle.model.pooling import PooledHidden
 from treadle.model.source import resolve_model
+from treadle.plugins import load_plugins
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,8 @@ class StepStats:
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         """Loads the model (the executor `build_executor` picks) and sizes the KV cache."""
-        scheduling_policy = make_policy(config.policy, config.scheduler)
+        load_plugins()  # in the engine process too: the policy may be a plugin's
+        scheduling_policy = make_policy(config.policy, config.scheduler, config.policy_settings)
         if config.model.seed is not None:  # vLLM's --seed: the global generator, for unseeded
             torch.manual_seed(config.model.seed)
         self.max_logprobs = config.model.max_logprobs
@@ -111,8 +113,8 @@ class EngineCore:
                     pooling: bool = False) -> None:
         """Queue a request; InvalidField (the client's fault) if it can never run. `tenant`: whose
         share it uses under the fair policy (None: "default"); `ttft`, `tpot`: objectives in
-        seconds for the deadline policy (None: none). `pooling`: an embedding request, prefill
-        only, whose finishing output carries the prompt's pooled hidden states (sampling
+        seconds, for the policies that read them (None: none). `pooling`: an embedding request,
+        prefill only, whose finishing output carries the prompt's pooled hidden states (sampling
         parameters unused)."""
         check_max_logprobs(sampling_params, self.max_logprobs)
         vocab = self.executor.facts.vocab_size
@@ -141,16 +143,16 @@ class EngineCore:
         if sampling_params.seed is not None:
             self.generators[request_id] = torch.Generator().manual_seed(sampling_params.seed)
 
-    def objective_out_of_reach(self, num_prompt_tokens: int, *, ttft: float | None = None,
-                               tpot: float | None = None, priority: int = 0,
-                               tenant: str | None = None) -> str | None:
-        """Admission under deadlines: why a request of `num_prompt_tokens` arriving now could
-        not meet its TTFT or TPOT objective (seconds), given the queue ahead of it and the step
-        time fitted over measured steps; None when it can (always, until a step has been
-        measured). Not None: refuse it now (429, reason deadline) rather than serve it late."""
-        probe = Request("", [0] * num_prompt_tokens, priority=priority,
+    def refusal(self, prompt_token_ids: list[int], *, priority: int = 0,
+                tenant: str | None = None, ttft: float | None = None,
+                tpot: float | None = None) -> str | None:
+        """Admission: why the policy refuses a request like this one arriving now (deadline:
+        its TTFT or TPOT objective, in seconds, is out of reach given the queue ahead of it and
+        the step time fitted over measured steps); None: queue it. Not None: refuse it now (429,
+        its reason the policy's name) rather than serve it late."""
+        probe = Request("", prompt_token_ids, priority=priority,
                         tenant=tenant or DEFAULT_TENANT, ttft=ttft, tpot=tpot)
-        return self.scheduler.objective_out_of_reach(probe)
+        return self.scheduler.refusal(probe)
 
     def abort_request(self, request_id: str) -> bool:
         """True if the request was still unfinished (and is now aborted, its blocks freed)."""

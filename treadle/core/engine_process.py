@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from treadle.config import EngineConfig
 from treadle.core.messages import (
+    INVALID_REQUEST,
     AbortRequest,
     AddRequest,
     EngineCensus,
@@ -53,9 +54,8 @@ def engine_process(config: EngineConfig, requests: Connection, outputs: Connecti
     except Exception as e:
         outputs.send(EngineFailed(f"{type(e).__name__}: {e}"))
         return
-    # What startup made (torch, transformers, the model: 191,000 objects with the default
-    # model) lives as long as the process: frozen, a full collection no longer walks it (99 ms
-    # -> 0.004 ms here). Unfrozen, one landed in a decode step as an 81 ms pause.
+    # What startup made lives as long as the process: frozen, a full collection no longer walks
+    # it, which otherwise landed in decode steps as pauses (docs/decisions.md).
     gc.collect()
     gc.freeze()
     outputs.send(ready_message(core))
@@ -126,20 +126,18 @@ def take_census(core: EngineCore) -> EngineCensus:
 
 
 def add_request(core: EngineCore, message: AddRequest, outputs: Connection) -> None:
-    """Queue the request, or send why not: its TTFT or TPOT objective cannot be met (deadline
-    admission, against the queue as it is now), or it is invalid."""
-    ttft, tpot = message.ttft, message.tpot
-    if message.admit_deadline and (ttft is not None or tpot is not None):
-        why = core.objective_out_of_reach(len(message.prompt_token_ids), ttft=ttft, tpot=tpot,
-                                          priority=message.priority, tenant=message.tenant)
-        if why is not None:
-            outputs.send(RequestRejected(message.request_id, why, "deadline"))
-            return
+    """Queue the request, or send why not: its policy refuses it now (RequestRejected, its
+    reason the policy's name), or it is invalid."""
     try:
+        why = core.refusal(message.prompt_token_ids, priority=message.priority,
+                           tenant=message.tenant, ttft=message.ttft, tpot=message.tpot)
+        if why is not None:
+            outputs.send(RequestRejected(message.request_id, why, core.scheduler.policy.name))
+            return
         core.add_request(message.request_id, message.prompt_token_ids, message.params,
                          message.priority, message.cache_salt, tenant=message.tenant,
-                         ttft=ttft, tpot=tpot, pooling=message.pooling)
+                         ttft=message.ttft, tpot=message.tpot, pooling=message.pooling)
     except InvalidField as e:
-        outputs.send(RequestRejected(message.request_id, str(e), "invalid_request", e.param))
+        outputs.send(RequestRejected(message.request_id, str(e), INVALID_REQUEST, e.param))
     except ValueError as e:
-        outputs.send(RequestRejected(message.request_id, str(e), "invalid_request"))
+        outputs.send(RequestRejected(message.request_id, str(e), INVALID_REQUEST))

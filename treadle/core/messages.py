@@ -64,8 +64,6 @@ class AddRequest:
     cache_salt: str | None
     ttft: float | None  # objectives, seconds
     tpot: float | None
-    # Refuse it at once if its TTFT or TPOT objective cannot be met (the deadline policy).
-    admit_deadline: bool
     pooling: bool = False  # an embedding: prefill only, pooled as the engine's `pooling` says
 
 
@@ -148,10 +146,14 @@ class StepOutputs:
     census: EngineCensus | None = None  # when due
 
 
+INVALID_REQUEST = "invalid_request"  # a RequestRejected's reason when the request is at fault
+
+
 @dataclass(frozen=True, slots=True)
 class RequestRejected:
-    """The engine refused a request: `reason` invalid_request (a ValueError; `param` names the
-    field when it is an InvalidField) or deadline."""
+    """The engine refused a request: `reason` INVALID_REQUEST (a ValueError; `param` names the
+    field when it is an InvalidField), or the name of the queue policy that refused it at once
+    (its admission hook: the frontend's 429)."""
 
     request_id: str
     message: str

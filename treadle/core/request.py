@@ -17,8 +17,8 @@ from treadle.core.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     """Each status with the finish reason reported to clients (None: not finished). Both are
-    plain member fields: the scheduler asks every running request each step (an `in` test on a
-    dict of members hashed each one in Python, 5% of `treadle sim`)."""
+    plain member fields: the scheduler asks every running request each step, and a dict of
+    members hashed each one in Python."""
 
     WAITING = (1, None)
     RUNNING = (2, None)

@@ -110,9 +110,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, options: Sequence[SamplingOptions],
                generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-        """One token per row, every row random: the native kernel where no row filters (on
-        the CPU, Zen 3: 1 / 16 / 64 rows 0.36 / 1.0 / 4.4 -> 0.09 / 0.41 / 1.5 ms), else the
-        torch path. Both invert the cumulative distribution at the same u, so a seeded row
+        """One token per row, every row random: the native kernel where no row filters, else
+        the torch path. Both invert the cumulative distribution at the same u, so a seeded row
         draws alike."""
         u = uniforms(generators)
         kernels = sampling_kernels() if logits.is_cpu else None
@@ -187,13 +186,11 @@ class Sampler:
     def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """One token per row of `probs`: the first whose cumulative probability passes u times
         the row's total, `u` float64 [rows] in [0, 1). One random number a row, where vLLM's
-        exponential race (argmax p / q, q ~ Exp(1)) draws one per vocabulary entry: over
-        SmolLM2's 49,152 on 2 cores that took 1.2 / 19 / 77 ms at 1 / 16 / 64 rows.
+        exponential race (argmax p / q, q ~ Exp(1)) draws one per vocabulary entry.
 
         The cumulative sums run in float64 in two levels: over blocks of DRAW_BLOCK tokens
-        (each block's sum in float32), then inside the one block that holds the target. A full
-        float64 cumsum took 3-7 ms a step at 16 rows in the engine, mostly converting and
-        allocating a float64 copy of the whole distribution."""
+        (each block's sum in float32), then inside the one block that holds the target, not
+        over a float64 copy of the whole distribution (docs/decisions.md)."""
         rows, vocab = probs.shape
         if vocab % DRAW_BLOCK:
             probs = torch.nn.functional.pad(probs, (0, -vocab % DRAW_BLOCK))
@@ -238,8 +235,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     allowed = torch.from_numpy(bits[:, :vocab]).to(logits.device, torch.float32)
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    # -inf where forbidden, 0 where allowed, by arithmetic: (0 - 1) * max * 2 overflows to -inf.
-    # Measured at batch 32 over a 49k vocabulary: 3 ms, where masked_fill and where took 6-8.
+    # -inf where forbidden, 0 where allowed, by arithmetic: (0 - 1) * max * 2 overflows to -inf
+    # (twice as fast as masked_fill or where).
     blocked = allowed.sub_(1).mul_(torch.finfo(torch.float32).max).mul_(2)
     if len(rows) == logits.shape[0]:
         return logits + blocked

@@ -14,9 +14,10 @@ Threads: torch's intra-op threads default to one per core. Between steps the fro
 short and the engine's steps are long, so the engine may take every core.
 
 Objectives: a request may carry a TTFT and a TPOT objective (seconds; server-wide defaults
-apply otherwise). A policy may refuse at once a request whose objectives it predicts it cannot
-meet (EngineOverloaded); under every policy the metrics count the samples that finished within
-their objectives (goodput).
+apply otherwise). The engine process may refuse a request at once by its policy's admission
+(under deadlines: a TTFT or TPOT it predicts it cannot meet): EngineOverloaded, its reason the
+policy's name; under every policy the metrics count the samples that finished within their
+objectives (goodput).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 from treadle.config import AsyncEngineConfig
 from treadle.core.generation_defaults import sampling_defaults
 from treadle.core.messages import (
+    INVALID_REQUEST,
     AbortRequest,
     AddRequest,
     EngineOutput,
@@ -380,7 +382,6 @@ class AsyncEngine:
         num_tokens = [len(prompt) * params.n for prompt in prompts]
         self.check_capacity(sum(num_tokens), tenant, len(prompts))
         ttft, tpot = self.admission.objectives(ttft, tpot)
-        admit_deadline = self.config.engine.policy == "deadline"
         arrival = time.monotonic() if received is None else received
         queue: asyncio.Queue = asyncio.Queue()
         with self.lock:
@@ -396,7 +397,7 @@ class AsyncEngine:
                 # to, and then fails this stream with the others.
                 for engine_id, engine_params in engine_requests:
                     self._send(AddRequest(engine_id, prompt, engine_params, priority, tenant,
-                                          salt, ttft, tpot, admit_deadline, pooling))
+                                          salt, ttft, tpot, pooling))
             self.admission.admit(request_ids[0], request_ids, tenant, num_tokens)
         return queue
 
@@ -495,8 +496,9 @@ class AsyncEngine:
                     self.loop.call_soon_threadsafe(stream.put, update)
 
     def _reject(self, message: RequestRejected) -> None:
-        """The engine refused a request: invalid (InvalidField) or, under deadlines, one whose
-        TTFT or TPOT it cannot meet (EngineOverloaded, reason deadline)."""
+        """The engine refused a request: invalid (InvalidField), or refused by its policy
+        (EngineOverloaded, the reason its name: under deadlines, a TTFT or TPOT it cannot
+        meet)."""
         with self.lock:
             entry = self.processor.samples.get(message.request_id)
             request_id = entry[0].request_id if entry is not None else None
@@ -505,9 +507,9 @@ class AsyncEngine:
         self.metrics.labels(self.metrics.rejections, reason=message.reason, tenant=label).inc()
         self.live.rejected(message.reason, time.monotonic())
         if stream is not None:
-            error = (EngineOverloaded(message.message, reason=message.reason)
-                     if message.reason == "deadline"
-                     else InvalidField(message.param, message.message))
+            error = (InvalidField(message.param, message.message)
+                     if message.reason == INVALID_REQUEST
+                     else EngineOverloaded(message.message, reason=message.reason))
             self.loop.call_soon_threadsafe(stream.put, error)
 
     def _fail_request(self, message: RequestFailed) -> None:

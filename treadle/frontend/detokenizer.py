@@ -11,17 +11,12 @@ Two hold-backs keep what a client sees final:
   (once per request: the tables are cached) and in the output, never in their product.
 
 Decoding keeps a short window of ids (vLLM's prefix/read offsets): the ids since the last release
-plus the new ones are decoded, and the text past the window's old part is new. That is one decode
-of a few ids in the Rust `tokenizers.Tokenizer` per call, plus one when text is released: about
-2.1 µs a token on the default model's tokenizer (2.6 µs with four stop strings), of which the two
-decodes are 1.7. The alternatives, measured on the same text:
-- `tokenizers.decoders.DecodeStream` runs the same window in Rust (0.64 µs a token alone, about
-  1.6 µs with the bookkeeping here), but hides it: `flush()` would need a copy of its window to
-  decode the held bytes at the end, and after a prompt that ends inside a character it streams
-  the prompt's text. Not worth 0.5 µs a token.
-- `convert_ids_to_tokens` + `convert_tokens_to_string`: 5.3 µs a token, in Python.
-- `Tokenizer.decode` adds Python overhead and, for some tokenizers, clean-up of spaces, which
-  does not commute with splitting the text (skipped for BPE, as transformers 5 does).
+plus the new ones are decoded, and the text past the window's old part is new: one decode of a
+few ids in the Rust `tokenizers.Tokenizer` per call, plus one when text is released. Not
+`tokenizers.decoders.DecodeStream`: it hides its window, which `flush()` needs to decode the held
+bytes at the end, and streams a prompt's trailing partial character; not `Tokenizer.decode`
+alone: its clean-up of spaces does not commute with splitting the text (docs/decisions.md has
+the timings).
 
 The deltas, concatenated with `flush()`, equal the decode of the output ids whenever the decoder
 is context-free, as SmolLM2's byte-level BPE is (tests/test_detokenizer.py checks it with prompts).

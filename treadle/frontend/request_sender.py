@@ -3,8 +3,8 @@
 A pipe holds about 64 KiB; prompts of a few thousand tokens fill it while the engine is in a
 step (it reads messages between steps). Sent directly, a full pipe blocked the caller: the
 event loop, under AsyncEngine's lock, so no stream moved and the reader thread (which takes the
-lock) stopped reading the engine's outputs, and a request once waited 16 s to reach an engine
-stepping every second. Queued here, `send` never blocks, and messages keep their order.
+lock) stopped reading the engine's outputs. Queued here, `send` never blocks, and messages keep
+their order.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 of hundreds of thousands of strings, which takes tens of seconds for a model like Gemma 3
 (262k tokens). Loading weights needs only the tensors and a scalar or two, so here arrays are
 skipped (strings by walking their lengths, fixed-size items by count × size) and tensor data is
-a view into one read-only memmap, shaped as `gguf.GGUFReader` shapes it, so that
+a view into one memmap of the file, shaped as `gguf.GGUFReader` shapes it, so that
 `gguf.quants.dequantize(t.data, t.tensor_type)` works on either.
 
 Torch-free; little-endian GGUF v2 and v3 only (what llama.cpp writes on every common host).
@@ -62,7 +62,7 @@ class GGUFTensor:
     n_elements: int
     n_bytes: int
     data_offset: int  # from the start of the file
-    data: np.ndarray  # read-only memmap view, shaped like gguf's ReaderTensor.data
+    data: np.ndarray  # a view of the file's memmap, shaped like gguf's ReaderTensor.data
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,9 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         raise ModelLoadError(f"cannot read {str(path)!r}: {e}") from e
     if size < 24:  # magic, version, tensor count, kv count
         raise ModelLoadError(f"{str(path)!r} is not a valid GGUF file: only {size} bytes")
-    file = np.memmap(path, dtype=np.uint8, mode="r")
+    # Copy-on-write: the tensors' pages are the file's (served in place, shared with the page
+    # cache) and writable as numpy and torch want them; nothing writes to them.
+    file = np.memmap(path, dtype=np.uint8, mode="c")
     cur = _Cursor(memoryview(file), path)
 
     if cur.unpack(_U32) != GGUF_MAGIC:

@@ -11,6 +11,7 @@ disabled, the layer runs `F.linear`.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -19,11 +20,14 @@ from treadle.model.capabilities import use_onednn_linear
 from treadle.model.kernels import quant_linear_kernels
 from treadle.model.quantization import QuantizedWeight, dequantize
 
-# Above this many rows a quantized layer runs a float GEMM (over its dense copy, or over weights
-# dequantized for the call) instead of the kernel's integer dot products: the default until
-# `tune_gemv_rows` measures each shape's crossover on this machine.
+# Above this many rows a quantized layer runs a float GEMM (over its dense copy, or over slices
+# of its weights dequantized for the call) instead of the kernel's integer GEMM: the default
+# until `tune_gemv_rows` measures each shape's crossover on this machine.
 QUANT_GEMV_MAX_ROWS = 4
 TUNE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+# Weights a float step without a dense copy dequantizes at a time: a slice that stays in cache
+# for its GEMM, and little memory.
+DEQUANTIZED_SLICE_BYTES = 1 << 22
 
 
 class Linear:
@@ -44,21 +48,35 @@ class Linear:
 
 
 class QuantizedLinear:
-    """y = x W^T + b with W in GGUF blocks: the native kernel's integer dot products for a few
-    rows (activations quantized to int8 per block); for many rows a float GEMM over `dense` (the
-    same weights dequantized once, prepacked: memory for batch speed) or, without it, over
-    weights dequantized at each call. Without the kernel, always the float path."""
+    """y = x W^T + b with W in GGUF blocks, as parts stacked along the output axis (q/k/v,
+    gate/up: each part keeps its own type and its own bytes, never concatenated): up to
+    `max_gemv_rows` rows the native kernel's integer dot products (activations quantized to
+    int8 per block), beyond them a float GEMM over `dense` (the same weights dequantized once,
+    prepacked: memory for batch speed) or, without it, over slices of the weights dequantized
+    for the call. Without the kernel, always the float path."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-                 dense: Linear | None = None) -> None:
-        self.numel = weight.numel() + (0 if bias is None else bias.numel())
-        self.nbytes = weight.nbytes  # what a decode step reads
-        self.resident_bytes = weight.nbytes + (0 if dense is None else dense.nbytes)
-        self.weight = weight
+    def __init__(self, weight: QuantizedWeight | list[QuantizedWeight],
+                 bias: torch.Tensor | None = None, dense: Linear | None = None) -> None:
+        self.parts = [weight] if isinstance(weight, QuantizedWeight) else list(weight)
+        self.in_features = self.parts[0].in_features
+        self.out_features = sum(p.shape[0] for p in self.parts)
+        self.numel = self.out_features * self.in_features + (0 if bias is None else bias.numel())
+        self.nbytes = sum(p.nbytes for p in self.parts)  # what a decode step reads
+        self.resident_bytes = self.nbytes + (0 if dense is None else dense.nbytes)
+        self.data = [p.data for p in self.parts]
+        self.qtypes = [p.qtype for p in self.parts]
         self.bias = bias
         self.dense = dense
         self.kernels = quant_linear_kernels()
         self.max_gemv_rows = QUANT_GEMV_MAX_ROWS
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def type_name(self) -> str:
+        return "+".join(dict.fromkeys(p.name for p in self.parts))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and x.shape[0] <= self.max_gemv_rows:
@@ -66,23 +84,42 @@ class QuantizedLinear:
         return self.float_path(x)
 
     def integer_path(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.quant_linear(x, self.weight.data, self.weight.qtype, self.bias)
+        return self.kernels.quant_linear_parts(x, self.data, self.qtypes, self.bias)
 
     def float_path(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None:
             return self.dense(x)
-        return F.linear(x, dequantize(self.weight).to(x.dtype), self.bias)
+        if self.kernels is None:
+            return F.linear(x, self.dequantized().to(x.dtype), self.bias)
+        y = torch.cat([F.linear(x, w) for w in self.dequantized_slices(x.dtype)], dim=1)
+        return y if self.bias is None else y + self.bias
+
+    def dequantized_slices(self, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+        """The weights as `dtype` rows, a slice of about DEQUANTIZED_SLICE_BYTES at a time."""
+        rows = max(16, DEQUANTIZED_SLICE_BYTES // (self.in_features * dtype.itemsize))
+        for part in self.parts:
+            for start in range(0, part.shape[0], rows):
+                data = part.data[start:start + rows]
+                if dtype == torch.bfloat16:
+                    yield self.kernels.dequantize_bf16(data, part.qtype, self.in_features)
+                else:
+                    yield self.kernels.dequantize(data, part.qtype, self.in_features).to(dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 [out, in] matrix of all parts."""
+        return torch.cat([dequantize(p) for p in self.parts])
 
     @property
     def shape_key(self) -> tuple[int, int, str, bool]:
-        return (*self.weight.shape, self.weight.name, self.dense is not None)
+        return (*self.shape, self.type_name, self.dense is not None)
 
 
 def tune_gemv_rows(layers: list[QuantizedLinear], dtype: torch.dtype) -> dict[str, int]:
     """For each distinct shape among `layers`, the most rows (of TUNE_ROWS, at least 1) for
-    which the integer kernel measured at least as fast as the float path, set on every layer of
-    that shape. Beyond the crossover the float path is assumed to stay ahead (its cost grows
-    slower with rows), so the search stops at the first loss. Returns "out x in type" -> rows."""
+    which the integer kernel measured at least as fast as the float path (over the dense copy,
+    or dequantizing slices), set on every layer of that shape. Beyond the crossover
+    the float path is assumed to stay ahead (its cost grows slower with rows), so the search
+    stops at the first loss. Returns "out x in type" -> rows."""
     by_shape: dict[tuple, list[QuantizedLinear]] = {}
     for layer in layers:
         if layer.kernels is not None:
@@ -105,7 +142,7 @@ def crossover_rows(layer: QuantizedLinear, dtype: torch.dtype, repeats: int = 5)
     2-core machine under load picked 1 row for shapes where the kernel wins at 2-4."""
     rows_ok = 1
     for rows in TUNE_ROWS[1:]:
-        x = torch.randn(rows, layer.weight.in_features).to(dtype)
+        x = torch.randn(rows, layer.in_features).to(dtype)
         if not kernel_wins(layer, x, repeats + rows // 4):
             break
         rows_ok = rows
@@ -135,15 +172,13 @@ def seconds(fn, x: torch.Tensor) -> float:
 def make_linear(weights: list[torch.Tensor | QuantizedWeight], bias: torch.Tensor | None = None,
                 dtype: torch.dtype = torch.float32, dense_for_batches: bool = False
                 ) -> Linear | QuantizedLinear:
-    """One layer over `weights` stacked along the output axis. Quantized weights of one type
-    stack as bytes (with a dense copy in `dtype` for batches if asked); a mix of types (or of
-    quantized and float) is served in `dtype`."""
-    first = weights[0]
-    if isinstance(first, QuantizedWeight) and all(
-            isinstance(w, QuantizedWeight) and w.qtype == first.qtype for w in weights):
-        data = torch.cat([w.data for w in weights]) if len(weights) > 1 else first.data
-        weight = QuantizedWeight(first.qtype, data, first.in_features)
-        dense = Linear(dequantize(weight).to(dtype), bias) if dense_for_batches else None
-        return QuantizedLinear(weight, bias, dense)
+    """One layer over `weights` stacked along the output axis. Quantized weights stay their
+    blocks, one part each whatever their types (with a dense copy in `dtype` for batches if
+    asked); a mix of quantized and float weights is served in `dtype`."""
+    if all(isinstance(w, QuantizedWeight) for w in weights):
+        dense = None
+        if dense_for_batches:
+            dense = Linear(torch.cat([dequantize(w) for w in weights]).to(dtype), bias)
+        return QuantizedLinear(weights, bias, dense)
     dense = [dequantize(w).to(dtype) if isinstance(w, QuantizedWeight) else w for w in weights]
     return Linear(torch.cat(dense) if len(dense) > 1 else dense[0], bias)

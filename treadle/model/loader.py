@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,13 +24,18 @@ import torch
 from treadle.model.family import ModelFamily, ModelSpec
 from treadle.model.quantization import (
     AT_LOAD,
+    QTYPE_NAMES,
     QuantizedWeight,
     quantizable,
     quantize,
+    random_blocks,
     resolve_quantization,
 )
 from treadle.model.registry import family_for_gguf, family_of, spec_from_config
 from treadle.model.source import ModelLoadError, resolve_model
+
+if TYPE_CHECKING:
+    from treadle.model.gguf_file import GGUFTensor
 
 logger = logging.getLogger(__name__)
 
@@ -52,28 +58,62 @@ class LoadedModel:
 
 def load_model(model: str | os.PathLike | None, dtype: torch.dtype,
                quantization: str = "none", select: WeightSelect | None = None,
-               device: str = "cpu") -> LoadedModel:
+               device: str = "cpu", load_format: str = "auto") -> LoadedModel:
     """Load `model` (an HF folder, a .gguf file, or None for the default model) in `dtype`
     into host memory, its matrices quantized as `quantization` says for the resolved `device`
     they will be served on (see treadle/model/quantization.py).
     `select(name, weight)`: the part of each weight to keep (a tensor-parallel rank's slice,
-    treadle/model/parallel.py), taken before the conversion to `dtype` or quantization."""
+    treadle/model/parallel.py), taken before the conversion to `dtype` or quantization.
+    `load_format` dummy: random weights of the shapes the model's config gives."""
     source = resolve_model(model)
     spec = read_spec(source.folder)
     quantization = resolve_quantization(quantization, source.gguf is not None, device)
-    weights = (read_gguf_weights(source.gguf, spec, keep_quantized=quantization == "gguf")
-               if source.gguf is not None else read_safetensors_weights(source.folder))
+    at_load = AT_LOAD.get(quantization)
+    if load_format == "dummy" and select is None:
+        return LoadedModel(spec=spec, weights=dummy_weights(spec, dtype, at_load),
+                           folder=source.folder, name=source.name, quantization=quantization)
+    if load_format == "dummy":  # a rank's slice of the whole model's random weights
+        weights = dummy_weights(spec, torch.float32, None)
+    elif not source.has_weights:
+        raise ModelLoadError(f"{str(model)!r} holds a config.json and no weights: serve it "
+                             f"with --load-format dummy (random weights of its shapes)")
+    elif source.gguf is not None:
+        weights = read_gguf_weights(source.gguf, spec, keep_quantized=quantization == "gguf")
+    else:
+        weights = read_safetensors_weights(source.folder)
     check_weights(weights, spec)
     expected = spec.expected_shapes()
     if select is not None:
         weights = {k: select(k, v) for k, v in weights.items() if k in expected}
-    at_load = AT_LOAD.get(quantization)
     weights = {k: v if isinstance(v, QuantizedWeight)
                else quantize(v, at_load) if quantizable(k, v.shape, at_load)
                else v.to(dtype)
                for k, v in weights.items() if k in expected}
     return LoadedModel(spec=spec, weights=weights, folder=source.folder, name=source.name,
                        quantization=quantization)
+
+
+# Random weights are uniform in (-DUMMY_RANGE, DUMMY_RANGE): activations stay finite through
+# dozens of layers. Norms are ones, biases zeros.
+DUMMY_RANGE = 0.05
+
+
+def dummy_weights(spec: ModelSpec, dtype: torch.dtype, qtype: int | None
+                  ) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """Random weights of every shape `spec` expects, matrices as blocks of `qtype` where it
+    is given (no float copy is ever made: an 8B model's floats would not fit beside them).
+    Seeded: every load gives the same model."""
+    generator = torch.Generator().manual_seed(0)
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    for name, shape in spec.expected_shapes().items():
+        if len(shape) == 1:
+            weights[name] = (torch.ones if "norm" in name else torch.zeros)(shape, dtype=dtype)
+        elif quantizable(name, shape, qtype):
+            weights[name] = random_blocks(qtype, shape, DUMMY_RANGE, generator)
+        else:
+            weights[name] = torch.empty(shape, dtype=dtype).uniform_(
+                -DUMMY_RANGE, DUMMY_RANGE, generator=generator)
+    return weights
 
 
 def read_spec(folder: Path) -> ModelSpec:
@@ -130,11 +170,7 @@ def hf_name_for_gguf(name: str, family: ModelFamily) -> str:
 
 def read_gguf_weights(path: Path, spec: ModelSpec, keep_quantized: bool = False
                       ) -> dict[str, torch.Tensor | QuantizedWeight]:
-    """Every tensor dequantized to float32, or with `keep_quantized` the matrices in a type the
-    quantized kernels serve kept as their blocks; the family's fix-ups applied to either (rows
-    un-permuted as bytes for blocks)."""
-    from gguf.quants import dequantize
-
+    """Every tensor as `gguf_weight` makes it."""
     from treadle.model.gguf_file import read_gguf
 
     reader = read_gguf(path)
@@ -146,21 +182,34 @@ def read_gguf_weights(path: Path, spec: ModelSpec, keep_quantized: bool = False
     fix = family.gguf_fix or (lambda name, rows, spec, dequantized: rows)
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     for t in reader.tensors:
-        if t.name in family.gguf_ignored_tensors:
-            continue
-        hf_name = hf_name_for_gguf(t.name, family)
-        shape = tuple(reversed([int(s) for s in t.shape]))
-        if keep_quantized and quantizable(hf_name, shape, int(t.tensor_type)):
-            blocks = fix(hf_name, np.asarray(t.data).reshape(shape[0], -1), spec, False)
-            weights[hf_name] = QuantizedWeight(int(t.tensor_type),
-                                               torch.from_numpy(np.array(blocks)), shape[1])
-            continue
-        try:
-            array = dequantize(t.data, t.tensor_type)
-        except NotImplementedError as e:
-            raise ModelLoadError(
-                f"GGUF tensor {t.name!r} uses {t.tensor_type.name}, which cannot be dequantized"
-            ) from e
-        array = fix(hf_name, array.reshape(shape), spec, True)
-        weights[hf_name] = torch.from_numpy(np.array(array, dtype=np.float32))
+        if t.name not in family.gguf_ignored_tensors:
+            hf_name = hf_name_for_gguf(t.name, family)
+            weights[hf_name] = gguf_weight(t, hf_name, spec, fix, keep_quantized)
     return weights
+
+
+def gguf_weight(t: GGUFTensor, hf_name: str, spec: ModelSpec, fix: Callable,
+                keep_quantized: bool) -> torch.Tensor | QuantizedWeight:
+    """One GGUF tensor as served: a matrix in a type the kernels serve kept as its blocks in the
+    file's memory map (with `keep_quantized`), else dequantized to float32 by the gguf package
+    (Q2_K, Q3_K, IQ4_XS, ...); the family's fix-up applied to either (rows un-permuted as bytes
+    for blocks)."""
+    from gguf.quants import dequantize
+
+    shape = tuple(reversed([int(s) for s in t.shape]))
+    if keep_quantized and quantizable(hf_name, shape, int(t.tensor_type)):
+        rows = np.asarray(t.data).reshape(shape[0], -1)
+        blocks = fix(hf_name, rows, spec, False)
+        # Blocks the fix-up leaves as they are stay the file's pages, read in place (a copy
+        # only of un-permuted q/k rows).
+        data = torch.from_numpy(rows if blocks is rows else np.ascontiguousarray(blocks))
+        return QuantizedWeight(int(t.tensor_type), data, shape[1])
+    try:
+        array = dequantize(t.data, t.tensor_type)
+    except (NotImplementedError, ValueError) as e:
+        raise ModelLoadError(
+            f"GGUF tensor {t.name!r} uses {t.tensor_type.name}, which Treadle cannot serve: "
+            f"served as stored are {', '.join(QTYPE_NAMES.values())}, and types the gguf "
+            f"package dequantizes are dequantized at load") from e
+    array = fix(hf_name, array.reshape(shape), spec, True)
+    return torch.from_numpy(np.array(array, dtype=np.float32))

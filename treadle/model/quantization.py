@@ -1,11 +1,12 @@
 """Weight-only quantized weights in GGUF's block formats, and how a model's weights become them.
 
 A `QuantizedWeight` holds the blocks of a [out_features, in_features] matrix as GGUF stores them
-(Q4_0, Q4_1, Q5_0, Q8_0: 32 weights a block along in_features; Q4_K, Q6_K: 256 a super-block),
+(Q4_0, Q4_1, Q5_0, Q8_0: 32 weights a block along in_features; Q4_K, Q5_K, Q6_K: 256 a
+super-block),
 one row of bytes per output row, so rows can be permuted, concatenated and gathered as bytes.
 `--quantization`:
-- `gguf`: a GGUF's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K matrices are served as stored; other types are
-  dequantized;
+- `gguf`: a GGUF's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K matrices are served as stored; other
+  types are dequantized at load (the gguf package's dequantization);
 - `int8` / `int4`: float matrices are quantized at load to Q8_0 (a scale per 32 weights) or Q4_1
   (a scale and a minimum per 32 weights), with the gguf package's own quantizer;
 - `none`: every weight dequantized to the model's dtype (the exact float path);
@@ -23,9 +24,9 @@ from treadle.config import QUANTIZATION_CHOICES
 
 BLOCK = 32  # weights per activation block in the kernel, and per block of the 32-wide types
 # ggml's type ids (as the gguf package numbers them) -> weights per block, bytes per block.
-BLOCK_WEIGHTS = {2: 32, 3: 32, 6: 32, 8: 32, 12: 256, 14: 256}
-BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 8: 34, 12: 144, 14: 210}
-QTYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+BLOCK_WEIGHTS = {2: 32, 3: 32, 6: 32, 8: 32, 12: 256, 13: 256, 14: 256}
+BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 8: 34, 12: 144, 13: 176, 14: 210}
+QTYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 AT_LOAD = {"int8": 8, "int4": 3}  # --quantization -> the type float weights are quantized to
 
 
@@ -38,6 +39,10 @@ class QuantizedWeight:
     @property
     def shape(self) -> torch.Size:
         return torch.Size((self.data.shape[0], self.in_features))
+
+    @property
+    def ndim(self) -> int:
+        return 2
 
     @property
     def name(self) -> str:
@@ -97,6 +102,24 @@ def quantize(weight: torch.Tensor, qtype: int) -> QuantizedWeight:
                            weight.shape[1])
 
 
+def random_blocks(qtype: int, shape: tuple[int, int], spread: float,
+                  generator: torch.Generator) -> QuantizedWeight:
+    """A random [out, in] matrix in blocks of `qtype` (Q8_0 or Q4_1), its weights within
+    +-`spread`: random quants under scales that map them onto that range."""
+    rows, in_features = shape
+    blocks = torch.randint(0, 256, (rows, in_features // BLOCK_WEIGHTS[qtype],
+                                    BLOCK_BYTES[qtype]), dtype=torch.uint8, generator=generator)
+    if qtype == 8:  # d, then 32 int8 quants
+        scales = [spread / 127]
+    elif qtype == 3:  # d, m, then 32 4-bit quants: q d + m
+        scales = [2 * spread / 15, -spread]
+    else:
+        raise ValueError(f"random blocks of {QTYPE_NAMES.get(qtype, qtype)} are not made")
+    fields = torch.tensor(scales, dtype=torch.float16).view(torch.uint8)
+    blocks[..., :fields.numel()] = fields
+    return QuantizedWeight(qtype, blocks.reshape(rows, -1), in_features)
+
+
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:
     """The float32 [out, in] matrix the blocks stand for: the native kernel where it loads, else
     the same arithmetic in torch."""
@@ -113,7 +136,8 @@ def dequantize_torch(weight: QuantizedWeight) -> torch.Tensor:
     rows = weight.data.shape[0]
     blocks = weight.data.view(rows, weight.in_features // weight.block_weights,
                               weight.block_bytes)
-    values = {2: q4_0, 3: q4_1, 6: q5_0, 8: q8_0, 12: q4_k, 14: q6_k}[weight.qtype](blocks)
+    decode = {2: q4_0, 3: q4_1, 6: q5_0, 8: q8_0, 12: q4_k, 13: q5_k, 14: q6_k}[weight.qtype]
+    values = decode(blocks)
     return values.reshape(rows, weight.in_features)
 
 
@@ -146,18 +170,29 @@ def q5_0(blocks: torch.Tensor) -> torch.Tensor:
     return ((nibbles(blocks[..., 6:]) | (high << 4)).float() - 16) * half(blocks, 0)
 
 
-def q4_k(blocks: torch.Tensor) -> torch.Tensor:
+def q4_k(blocks: torch.Tensor, qs_start: int = 16, high_bits: torch.Tensor | None = None
+         ) -> torch.Tensor:
     """8 sub-blocks of 32: (d scale_j) q - (dmin min_j), 6-bit scales and mins packed as ggml's
-    get_scale_min_k4 reads them; each 32 bytes of qs hold two sub-blocks (low nibbles first)."""
+    get_scale_min_k4 reads them; each 32 bytes of qs hold two sub-blocks (low nibbles first).
+    `high_bits` [..., 8, 32]: Q5_K's fifth bits."""
     s = blocks[..., 4:16]
     lo, mid, top = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     scale = torch.cat([lo & 0x3F, (top & 0x0F) | ((lo >> 2) & 0x30)], dim=-1).float()
     minimum = torch.cat([mid & 0x3F, (top >> 4) | ((mid >> 2) & 0x30)], dim=-1).float()
-    qs = blocks[..., 16:].unflatten(-1, (4, 32))
-    q = torch.stack([qs & 0x0F, qs >> 4], dim=-2).flatten(-3, -2).float()  # [..., 8, 32]
+    qs = blocks[..., qs_start:].unflatten(-1, (4, 32))
+    q = torch.stack([qs & 0x0F, qs >> 4], dim=-2).flatten(-3, -2)  # [..., 8, 32]
+    q = (q if high_bits is None else q | (high_bits << 4)).float()
     dl = (half(blocks, 0) * scale)[..., None]
     ml = (half(blocks, 2) * minimum)[..., None]
     return (dl * q - ml).flatten(-2)
+
+
+def q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K's layout with 32 bytes qh before qs: bit j of qh[l] is weight l of sub-block j's
+    fifth bit."""
+    qh = blocks[..., 16:48].unsqueeze(-2)  # [..., 1, 32]
+    high = (qh >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
+    return q4_k(blocks, qs_start=48, high_bits=high)
 
 
 def q6_k(blocks: torch.Tensor) -> torch.Tensor:

@@ -92,7 +92,8 @@ class ModelRunner:
     def from_config(cls, model_config: ModelConfig, cache_config: CacheConfig) -> ModelRunner:
         device = resolve_device(model_config.device)
         loaded = load_model(model_config.model, torch_dtype(model_config.dtype, device),
-                            model_config.quantization, device=device)
+                            model_config.quantization, device=device,
+                            load_format=model_config.load_format)
         return cls(loaded, model_config, cache_config)
 
     def choose_gemv_rows(self, fixed: int | None) -> dict[str, int]:

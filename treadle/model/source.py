@@ -96,6 +96,12 @@ class ModelSource:
     folder: Path  # config.json and tokenizer files
     gguf: Path | None  # the weights' GGUF file; None: *.safetensors in `folder`
     name: str  # what clients call the model
+    has_weights: bool = True  # False: a config.json alone (served with --load-format dummy)
+
+
+# A folder with a config.json, no weights and none of these takes the default model's tokenizer
+# (see `config_only_folder`).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
 def resolve_model(model: str | os.PathLike | None) -> ModelSource:
@@ -108,8 +114,40 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
         name = path.stem if model is not None else "SmolLM2-135M-Instruct"
         return ModelSource(converted_gguf_folder(path), path, name)
     if path.is_dir():
+        if (path / "config.json").is_file() and not any(path.glob("*.safetensors")) and \
+                not any((path / name).is_file() for name in TOKENIZER_FILES):
+            return ModelSource(config_only_folder(path), None, path.name, has_weights=False)
         return ModelSource(path, None, path.name)
     raise ModelLoadError(f"{str(path)!r} is neither a Hugging Face folder nor a .gguf file")
+
+
+def config_only_folder(path: Path) -> Path:
+    """A model's shape without its weights or tokenizer (bench/configs/): its config.json (and
+    generation_config.json) beside the default model's tokenizer, in a cached folder keyed by
+    the config's contents, for random weights of that shape (--load-format dummy)."""
+    configs = [path / name for name in ("config.json", "generation_config.json")
+               if (path / name).is_file()]
+    key = hashlib.sha256(b"".join(c.name.encode() + c.read_bytes() for c in configs))
+    target = cache_dir() / "configs" / f"{path.name}-{key.hexdigest()[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    tokenizer = converted_gguf_folder(default_model_path())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        for file in tokenizer.iterdir():
+            if file.name not in ("config.json", "generation_config.json"):
+                shutil.copy(file, tmp / file.name)
+        for config in configs:
+            shutil.copy(config, tmp / config.name)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def converted_gguf_folder(path: Path) -> Path:

@@ -1,4 +1,5 @@
-"""Arguments and entry point of `treadle sim`."""
+"""Arguments and entry point of `treadle sim`, and the arguments of `bench steps` (here, not in
+steps.py: building the CLI's parser must not import torch)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,17 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
-from treadle.config import ROUTER_NAMES
-from treadle.sim.settings import SimSettings, parse_setting
+from treadle.config import ModelConfig, policy_help, setting_fields
+from treadle.flags import add_setting_flag, has_flag
+from treadle.sim.settings import (
+    DEFAULT_MAX_MODEL_LEN,
+    SimSettings,
+    parse_setting,
+    sim_setting_fields,
+)
 from treadle.sim.workload import SimRequest
-
-# SmolLM2-135M's KV bytes per block of 16 tokens: layers x (K, V) x 16 x kv heads x dim x bf16.
-DEFAULT_BYTES_PER_BLOCK = 30 * 2 * 16 * 3 * 64 * 2
 
 
 def add_sim_args(parser: argparse.ArgumentParser) -> None:
@@ -43,31 +48,19 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--ttft", type=float, default=None, help="objective for every request (s)")
     w.add_argument("--tpot", type=float, default=None, help="objective for every request (s)")
 
-    e = parser.add_argument_group("engine settings (per replica)")
-    e.add_argument("--policy", default="fcfs",
-                   help="fcfs, priority, fair, deadline; comma-separated to compare")
-    e.add_argument("--max-num-batched-tokens", type=int, default=512)
-    e.add_argument("--max-num-seqs", type=int, default=128)
-    e.add_argument("--long-prefill-token-threshold", type=int, default=256)
-    e.add_argument("--max-num-partial-prefills", type=int, default=4)
-    e.add_argument("--max-queue-wait", type=float, default=None)
-    e.add_argument("--max-kv-blocks-per-tenant", type=int, default=None,
-                   help="most KV blocks one tenant's running requests hold (default: no cap)")
-    e.add_argument("--fair-chunk-tokens", type=int, default=None,
-                   help="under fair, while more than one tenant is known, the most prompt "
-                        "tokens per step of a long prompt (default: "
-                        "--long-prefill-token-threshold)")
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--num-blocks", type=int, default=None,
-                   help="KV cache blocks (default: from --kv-cache-memory)")
-    e.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB (default 1)")
-    e.add_argument("--bytes-per-block", type=int, default=None,
-                   help="KV bytes of one block (default: the default model's, bfloat16)")
-    e.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    e.add_argument("--max-model-len-engine", dest="engine_max_model_len", type=int,
-                   default=8192, help="the engine's context limit")
-    e.add_argument("--replicas", type=int, default=1)
-    e.add_argument("--router", choices=ROUTER_NAMES, default="round-robin")
+    e = parser.add_argument_group("engine settings (per replica: treadle serve's flags and "
+                                  "defaults) and the sim's own")
+    for f in sim_setting_fields().values():
+        if f.name == "policy":
+            add_setting_flag(e, f, help=policy_help() + "; comma-separated to compare",
+                             choices=None)
+        elif f.name == "num_blocks":
+            add_setting_flag(e, f, none="as many as --kv-cache-memory holds")
+        elif f.name == "max_model_len":  # --max-model-len: the workload's longest request
+            add_setting_flag(e, f, flag="--max-model-len-engine", dest="engine_max_model_len",
+                             none=f"the default model's, {DEFAULT_MAX_MODEL_LEN}")
+        elif has_flag(f):
+            add_setting_flag(e, f)
     e.add_argument("--sweep", default=None, metavar="NAME=V1,V2",
                    help="one run per value of a setting, e.g. max_num_batched_tokens=256,512")
 
@@ -82,6 +75,24 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--per-request", action="store_true", help="per-request rows in --json")
     o.add_argument("--rates", type=float_list, default=None,
                    help="comma-separated request rates, one run each (bench workloads)")
+
+
+def add_steps_args(parser: argparse.ArgumentParser) -> None:
+    def ints(text: str) -> list[int]:
+        return [int(x) for x in text.split(",") if x]
+
+    parser.add_argument("--prefill-tokens", type=ints, default=[0, 32, 128, 512])
+    # 1, 2 and 4 decodes: either side of the quantized layers' crossover (2-4 rows here).
+    parser.add_argument("--decode-seqs", type=ints, default=[0, 1, 2, 4, 8, 32])
+    parser.add_argument("--context-lens", type=ints, default=[64, 512])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--held-out", type=int, default=12)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default="step_profile.json", help="the profile JSON")
+    parser.add_argument("--notes", default="", help="kept in the profile (e.g. the machine's load)")
+    add_setting_flag(parser, setting_fields(ModelConfig)["quant_gemv_max_rows"], default=None,
+                     help="as `treadle serve`'s: pin the quantized layers' crossover to the "
+                          "server's")
 
 
 def build_requests(args: argparse.Namespace, rate: float) -> list[SimRequest]:
@@ -111,36 +122,29 @@ def _need(value: str | None, flag: str) -> str:
     return value
 
 
-def base_settings(args: argparse.Namespace) -> SimSettings:
-    num_blocks = args.num_blocks or max(1, int(args.kv_cache_memory * (1 << 30)) //
-                                        (args.bytes_per_block or DEFAULT_BYTES_PER_BLOCK))
-    return SimSettings(
-        policy=args.policy.split(",")[0], max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        max_num_partial_prefills=args.max_num_partial_prefills,
-        max_queue_wait=args.max_queue_wait,
-        max_kv_blocks_per_tenant=args.max_kv_blocks_per_tenant,
-        fair_chunk_tokens=args.fair_chunk_tokens, block_size=args.block_size,
-        num_blocks=num_blocks,
-        enable_prefix_caching=args.enable_prefix_caching,
-        max_model_len=args.engine_max_model_len, replicas=args.replicas, router=args.router)
+def given_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given as flags (absent ones keep SimSettings' defaults), but --policy."""
+    given = {name: getattr(args, name) for name in sim_setting_fields() if hasattr(args, name)}
+    if hasattr(args, "engine_max_model_len"):
+        given["max_model_len"] = args.engine_max_model_len
+    given.pop("policy", None)
+    return given
 
 
 def runs_of(args: argparse.Namespace) -> list[tuple[str, SimSettings, float]]:
     """(label, settings, request rate) for each run asked for."""
-    base = base_settings(args)
+    base = given_settings(args)
     rates = args.rates or [args.request_rate]
-    policies = [p for p in args.policy.split(",") if p]
+    policies = [p for p in getattr(args, "policy", "").split(",") if p]
     variants: list[tuple[str, SimSettings]] = [
-        (p if len(policies) > 1 else "", dataclasses.replace(base, policy=p)) for p in policies]
+        (p if len(policies) > 1 else "", SimSettings(**base, policy=p)) for p in policies
+    ] if policies else [("", SimSettings(**base))]
     if args.sweep:
         name, sep, values = args.sweep.partition("=")
         if not sep:
             raise ValueError(f"--sweep {args.sweep!r} is not NAME=V1,V2")
         name = name.replace("-", "_")
-        variants = [(f"{label} {name}={v}".strip(),
-                     dataclasses.replace(s, **{name: parse_setting(name, v)}))
+        variants = [(f"{label} {name}={v}".strip(), s.replace(**{name: parse_setting(name, v)}))
                     for label, s in variants for v in values.split(",") if v]
     return [((f"{label} rate={rate:g}" if len(rates) > 1 else label).strip() or "run",
              settings, rate) for label, settings in variants for rate in rates]
@@ -166,7 +170,7 @@ def run_sim(args: argparse.Namespace) -> int:
                     write_trace(workloads[rate], args.save_trace)
             result = simulate(workloads[rate], settings, profile)
             report = summarize(result, slos, per_request=args.per_request)
-            report["label"], report["settings"] = label, dataclasses.asdict(settings)
+            report["label"], report["settings"] = label, settings.as_dict()
             report["request_rate"] = rate
             labels.append(label)
             reports.append(report)
@@ -174,9 +178,10 @@ def run_sim(args: argparse.Namespace) -> int:
         print(f"treadle: {e}", file=sys.stderr)
         return 2
     first = workloads[runs[0][2]]
+    cache = runs[0][1].engine.cache
     print(f"{len(first)} requests, profile {profile.model} "
           f"({profile.machine.get('cpu', '?')}), {runs[0][1].replicas} replica(s), "
-          f"{runs[0][1].num_blocks} KV blocks of {runs[0][1].block_size} tokens each")
+          f"{cache.num_blocks} KV blocks of {cache.block_size} tokens each")
     print(format_table(labels, reports))
     for label, report in zip(labels, reports, strict=True):
         if len(report["tenants"]) > 1:

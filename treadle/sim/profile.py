@@ -9,10 +9,9 @@ prefill_attention: sum over chunks of n * (start + n) / 1000 (the query x key pr
 quantized weights a step of at most `gemv_rows` rows runs the integer kernel, whose cost grows
 with each row (integer_rows: the step's rows there, else 0), and a larger one the dense float
 path, which reads the float copy of every weight once (dense_weights: 1 there, else 0): one
-line through both regimes missed steps of 3-9 decodes by 25-30% on a Q4_1 model.
-shared_context: decode context in KV blocks that an earlier decode of the same step reads too
-(a shared prefix), taken out of decode_context: a block read again in one step comes from cache
-(counted at full cost, a shared-prefix run's steps were over-predicted by 40%). Fitted
+line through both regimes fits neither. shared_context: decode context in KV blocks that an
+earlier decode of the same step reads too (a shared prefix), taken out of decode_context: a
+block read again in one step comes from cache. Fitted
 by least squares (numpy) to measured steps (`treadle bench steps`), saved as a small JSON profile
 that names the machine and model it came from. `fit_profile` reports the relative error on
 held-out steps.
@@ -37,8 +36,8 @@ def shared_decode_context(decodes: Iterable[tuple[int, Sequence[int]]], block_si
                           ) -> int:
     """Tokens of decode context in full blocks that an earlier decode of the step reads too;
     `decodes`: (tokens already computed, block table) of each one-token chunk."""
-    # All decodes' full blocks in one list: those counted twice are the shared ones. (A loop
-    # over blocks with a seen-set cost an eighth of `treadle sim`'s time.)
+    # All decodes' full blocks in one list: those counted twice are the shared ones (one list
+    # and one set: a loop with a seen-set showed in `treadle sim`'s time).
     blocks = list(chain.from_iterable(block_ids[:num_computed // block_size]
                                       for num_computed, block_ids in decodes))
     return (len(blocks) - len(set(blocks))) * block_size

@@ -3,9 +3,9 @@
 `step()` does what EngineCore.step does, minus the model: expire requests past max_queue_wait,
 schedule, advance the clock by the profile's predicted step time, hand every request that
 completes its chunk a token (never EOS: outputs run to their length), and update. The predicted
-duration feeds the scheduler's step-time model, as the engine feeds it the measured one; under
-the deadline policy `add` refuses what the engine process would (the scheduler's
-objective_out_of_reach).
+duration feeds the scheduler's step-time model, as the engine feeds it the measured one; `add`
+refuses what the engine process would (the policy's admission hook, through the scheduler's
+`refusal`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from treadle.core.kv_cache import KVCacheManager
 from treadle.core.request import Request
 from treadle.core.sampling_params import SamplingParams
-from treadle.core.sched.policies import make_policy
+from treadle.core.sched.policy import make_policy
 from treadle.core.sched.scheduler import Scheduler
 from treadle.sim.profile import StepProfile, shared_decode_context
 from treadle.sim.settings import SimSettings
@@ -24,8 +24,13 @@ from treadle.sim.workload import SimRequest
 SAMPLED_TOKEN = 7  # the token every simulated step samples; no EOS is configured
 
 
-class DeadlineRefused(ValueError):
-    """Deadline admission refused the request (the engine's 429, reason deadline)."""
+class PolicyRefused(ValueError):
+    """The policy refused the request at once (the engine's 429, its reason the policy's
+    name)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -59,16 +64,16 @@ class StepRecord:
 class SimReplica:
     def __init__(self, settings: SimSettings, profile: StepProfile, index: int = 0,
                  record_batches: bool = False) -> None:
-        config = settings.scheduler_config()
+        engine = settings.engine
         self.index = index
         self.now = 0.0
         self.profile = profile
-        self.kv = KVCacheManager(settings.num_blocks, settings.block_size,
-                                 settings.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv, make_policy(settings.policy, config),
-                                   settings.max_model_len, eos_token_ids=(),
+        self.kv = KVCacheManager(engine.cache.num_blocks, engine.cache.block_size,
+                                 engine.cache.enable_prefix_caching)
+        policy = make_policy(engine.policy, engine.scheduler, engine.policy_settings)
+        self.scheduler = Scheduler(engine.scheduler, self.kv, policy,
+                                   engine.model.max_model_len, eos_token_ids=(),
                                    clock=lambda: self.now)
-        self.admit_deadline = settings.policy == "deadline"
         self.timelines: dict[str, Timeline] = {}
         self.steps: list[StepRecord] = []
         # Each step's batch as (request id, tokens computed before, new tokens), for tests.
@@ -80,18 +85,16 @@ class SimReplica:
 
     def add(self, index: int, request: SimRequest) -> Timeline:
         """Queue `request` (its arrival is the clock's now or earlier); ValueError as the
-        engine gives one that can never run, recorded as a failed request by the caller.
-        Under the deadline policy, DeadlineRefused for one whose objective the scheduler
-        predicts out of reach, as the engine process refuses it."""
+        engine gives one that can never run, recorded as a failed request by the caller;
+        PolicyRefused for one the policy refuses at once, as the engine process does."""
         self.now = max(self.now, request.arrival)
         params = SamplingParams(max_tokens=request.output_len, ignore_eos=True)
         req = Request(str(index), request.prompt_token_ids, params, priority=request.priority,
                       arrival_time=request.arrival, tenant=request.tenant, ttft=request.ttft,
                       tpot=request.tpot)
-        if self.admit_deadline:
-            why = self.scheduler.objective_out_of_reach(req)
-            if why is not None:
-                raise DeadlineRefused(why)
+        why = self.scheduler.refusal(req)
+        if why is not None:
+            raise PolicyRefused(why, self.scheduler.policy.name)
         self.scheduler.add_request(req)
         timeline = self.timelines[req.request_id] = Timeline(index, self.index, request.arrival)
         self.outstanding_tokens += request.prompt_len + request.output_len

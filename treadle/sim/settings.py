@@ -1,58 +1,115 @@
-"""The engine settings a simulation runs under (one replica's, times `replicas`)."""
+"""The settings a simulation runs under: each replica's engine config (the server's settings:
+their names, defaults and checks are treadle/config.py's) and the sim's own (`SimOptions`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import Field, asdict, dataclass, fields
+from typing import Any
 
-from treadle.config import ROUTER_NAMES, SchedulerConfig
-from treadle.core.sched.policies import POLICIES
+from treadle.config import (
+    ROUTER_NAMES,
+    EngineConfig,
+    SchedulerConfig,
+    build_config,
+    checked_value,
+    policy_setting_fields,
+    setting,
+    setting_fields,
+)
+
+# SmolLM2-135M's KV bytes per block of 16 tokens: layers x (K, V) x 16 x kv heads x dim x bf16.
+DEFAULT_BYTES_PER_BLOCK = 30 * 2 * 16 * 3 * 64 * 2
+# The engine's max_model_len None reads the model's own; the sim's model is the profile's, by
+# default SmolLM2-135M, whose context this is.
+DEFAULT_MAX_MODEL_LEN = 8192
 
 
 @dataclass(frozen=True)
-class SimSettings:
-    policy: str = "fcfs"
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 128
-    long_prefill_token_threshold: int = 256
-    max_num_partial_prefills: int = 4
-    max_queue_wait: float | None = None
-    max_kv_blocks_per_tenant: int | None = None
-    fair_chunk_tokens: int | None = None
-    block_size: int = 16
-    num_blocks: int = 4096  # per replica
-    enable_prefix_caching: bool = True
-    max_model_len: int = 8192
-    replicas: int = 1
-    router: str = "round-robin"
+class SimOptions:
+    """What the sim settles itself: the KV cache's size when num_blocks is not given (the engine
+    sizes it from free memory, which the sim has none of), and the replicas and their router."""
+
+    kv_cache_memory: float = setting(1.0, "GiB of KV cache per replica, when --num-blocks is "
+                                     "not given")
+    bytes_per_block: int | None = setting(None, "KV bytes of one block",
+                                          none="the default model's, bfloat16")
+    replicas: int = setting(1, "engine replicas, each with its own KV cache")
+    # Not the server's prefix: an even split, whatever the prompts.
+    router: str = setting("round-robin", "how a request's replica is picked",
+                          choices=ROUTER_NAMES)
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if self.router not in ROUTER_NAMES:
             raise ValueError(f"router must be one of {ROUTER_NAMES}, got {self.router!r}")
-        for name in ("block_size", "num_blocks", "max_model_len", "replicas"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        self.scheduler_config()  # its own checks
-
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
-                               max_num_seqs=self.max_num_seqs,
-                               long_prefill_token_threshold=self.long_prefill_token_threshold,
-                               max_num_partial_prefills=self.max_num_partial_prefills,
-                               max_queue_wait=self.max_queue_wait,
-                               max_kv_blocks_per_tenant=self.max_kv_blocks_per_tenant,
-                               fair_chunk_tokens=self.fair_chunk_tokens)
+        if not self.kv_cache_memory > 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
 
 
-SETTING_TYPES = {f.name: f.type for f in fields(SimSettings)}
+SIM_OPTION_TYPES = {f.name: f.type for f in fields(SimOptions)}
+
+
+def engine_setting_fields() -> dict[str, Field]:
+    """The engine settings that shape a simulated replica's batches, by name: the scheduler's,
+    the policy and the registered policies' settings, the KV cache's (the model's and the
+    executor's have nothing to act on here)."""
+    everything = setting_fields(EngineConfig)
+    names = [*setting_fields(SchedulerConfig), "policy", *policy_setting_fields(), "block_size",
+             "num_blocks", "enable_prefix_caching", "max_model_len"]
+    return {name: everything[name] for name in names}
+
+
+def sim_setting_fields() -> dict[str, Field]:
+    """Every setting a simulation takes, by name: the engine's, then the sim's own."""
+    return {**engine_setting_fields(), **{f.name: f for f in fields(SimOptions)}}
+
+
+class SimSettings:
+    """One simulated deployment from flat settings, as `LLM(...)` takes them: the engine's (any
+    of EngineConfig's; num_blocks None: as many as `kv_cache_memory` holds; max_model_len
+    None: the default model's) and the sim's own (SimOptions). ValueError naming a bad one."""
+
+    def __init__(self, **settings: Any) -> None:
+        self.given = settings
+        own = {name: settings[name] for name in settings if name in SIM_OPTION_TYPES}
+        self.options = SimOptions(**{name: checked_value(name, value, SIM_OPTION_TYPES[name])
+                                     for name, value in own.items()})
+        engine = {name: value for name, value in settings.items() if name not in own}
+        if engine.get("num_blocks") is None:
+            engine["num_blocks"] = max(1, int(self.options.kv_cache_memory * (1 << 30)) //
+                                       (self.options.bytes_per_block or DEFAULT_BYTES_PER_BLOCK))
+        if engine.get("max_model_len") is None:
+            engine["max_model_len"] = DEFAULT_MAX_MODEL_LEN
+        self.engine: EngineConfig = build_config(EngineConfig, engine)
+
+    @property
+    def replicas(self) -> int:
+        return self.options.replicas
+
+    @property
+    def router(self) -> str:
+        return self.options.router
+
+    def replace(self, **changes: Any) -> SimSettings:
+        return SimSettings(**{**self.given, **changes})
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every setting the simulation ran under, by name (for reports)."""
+        flat = {name: value for section in (self.engine.scheduler, self.engine.cache,
+                                            self.engine.policy_settings)
+                if section is not None for name, value in asdict(section).items()}
+        values = {**flat, "policy": self.engine.policy,
+                  "max_model_len": self.engine.model.max_model_len, **asdict(self.options)}
+        return {name: values[name] for name in sim_setting_fields() if name in values}
 
 
 def parse_setting(name: str, text: str) -> object:
     """A setting's value from text (for --sweep NAME=v1,v2)."""
-    kind = SETTING_TYPES.get(name)
-    if kind is None:
-        raise ValueError(f"unknown setting {name!r}; one of {sorted(SETTING_TYPES)}")
+    known = sim_setting_fields()
+    if name not in known:
+        raise ValueError(f"unknown setting {name!r}; one of {sorted(known)}")
+    kind = known[name].type
     if kind == "str":
         return text
     if kind == "bool":

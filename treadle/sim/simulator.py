@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from treadle.frontend.router import Router
 from treadle.sim.profile import StepProfile
-from treadle.sim.replica import DeadlineRefused, SimReplica, StepRecord, Timeline
+from treadle.sim.replica import PolicyRefused, SimReplica, StepRecord, Timeline
 from treadle.sim.settings import SimSettings
 from treadle.sim.workload import SimRequest
 
@@ -45,9 +45,10 @@ def simulate(requests: list[SimRequest], settings: SimSettings, profile: StepPro
     replicas = [SimReplica(settings, profile, i, record_batches) for i in range(settings.replicas)]
     # The data-parallel server's own router (treadle/frontend/router.py), over the simulated
     # replicas' outstanding tokens; every simulated replica stays live.
-    router = Router(settings.router, settings.replicas, settings.block_size,
-                    index_blocks=settings.num_blocks,
-                    overload_tokens=settings.max_num_batched_tokens)
+    engine = settings.engine
+    router = Router(settings.router, settings.replicas, engine.cache.block_size,
+                    index_blocks=engine.cache.num_blocks,
+                    overload_tokens=engine.scheduler.max_num_batched_tokens)
     live = [True] * settings.replicas
     timelines: list[Timeline | None] = [None] * len(requests)
     rejected: dict[int, str] = {}
@@ -68,7 +69,7 @@ def simulate(requests: list[SimRequest], settings: SimSettings, profile: StepPro
                 timelines[index] = replica.add(index, request)
             except ValueError as e:
                 rejected[index] = str(e)
-                reason = "deadline" if isinstance(e, DeadlineRefused) else "rejected"
+                reason = e.reason if isinstance(e, PolicyRefused) else "rejected"
                 timelines[index] = Timeline(index, replica.index, request.arrival,
                                             finished=request.arrival, finish_reason=reason)
             continue

@@ -3,16 +3,14 @@ simulator's step-time profile (profile.py) to them.
 
 Each grid point is one pass of the model runner: a prefill chunk of P tokens (after C tokens of
 context) and D decode sequences at context C, for P x D x C over the grid (P = D = 0 skipped).
-A point's time is the median of `repeats` passes after one warm-up. (The least of them, used
-before, left out the interference every served step runs amid: steps of a `treadle serve` run
-took 10% longer than that profile predicted, by its step trace.) The fit is checked on
-`held_out` passes at random (P, D, C) within the grid's range, not used in the fit.
+A point's time is the median of `repeats` passes after one warm-up (not the least: a served step
+runs amid interference). The fit is checked on `held_out` passes at random (P, D, C) within the
+grid's range, not used in the fit.
 
 Beside the model pass, each step of the engine schedules, samples and updates its requests:
 that work is timed on the engine core itself (steps of 1, 8 and 32 decodes, its `StepStats`:
 the step's time less the model pass's), fitted as a cost per step plus one per decode, and
-added to the profile's `const` and `decode_seqs` (AMD Zen 3, one thread: 0.26 ms a step and
-0.1 ms a decode, at temperature 1).
+added to the profile's `const` and `decode_seqs`.
 """
 
 from __future__ import annotations
@@ -122,14 +120,15 @@ def engine_overhead(core: EngineCore) -> tuple[float, float]:
 def bench_steps(model: str | None, dtype: str, quantization: str, prefill_tokens: list[int],
                 decode_seqs: list[int], context_lens: list[int], repeats: int = 3,
                 held_out: int = 12, seed: int = 0, progress: bool = True,
-                quant_gemv_max_rows: int | None = None) -> dict:
+                quant_gemv_max_rows: int | None = None, load_format: str = "auto") -> dict:
     began = time.perf_counter()
     num_blocks = max((max(decode_seqs) + 2) * -(-(max(context_lens) + max(prefill_tokens))
                                                 // BLOCK_SIZE), OVERHEAD_BLOCKS)
     core = EngineCore(build_config(EngineConfig, {
         "model": model, "device": "cpu", "dtype": dtype, "quantization": quantization,
         "quant_gemv_max_rows": quant_gemv_max_rows, "block_size": BLOCK_SIZE,
-        "num_blocks": num_blocks, "enable_prefix_caching": False}))
+        "num_blocks": num_blocks, "enable_prefix_caching": False,
+        "load_format": load_format}))
     # First, while the engine's blocks hold its own requests' KV: the grid below writes its
     # steps' KV into blocks the engine's cache manager does not know of.
     per_step, per_decode = engine_overhead(core)
@@ -207,28 +206,11 @@ def format_steps(report: dict) -> str:
     return "\n".join(lines)
 
 
-def add_steps_args(parser) -> None:
-    def ints(text: str) -> list[int]:
-        return [int(x) for x in text.split(",") if x]
-
-    parser.add_argument("--prefill-tokens", type=ints, default=[0, 32, 128, 512])
-    # 1, 2 and 4 decodes: either side of the quantized layers' crossover (2-4 rows here).
-    parser.add_argument("--decode-seqs", type=ints, default=[0, 1, 2, 4, 8, 32])
-    parser.add_argument("--context-lens", type=ints, default=[64, 512])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--held-out", type=int, default=12)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", default="step_profile.json", help="the profile JSON")
-    parser.add_argument("--notes", default="", help="kept in the profile (e.g. the machine's load)")
-    parser.add_argument("--quant-gemv-max-rows", type=int, default=None,
-                        help="as `treadle serve`'s: pin the quantized layers' crossover to the "
-                             "server's (default: measured at load, as the server does)")
-
-
 def run_steps(args) -> int:
     report = bench_steps(args.model, args.dtype, args.quantization, args.prefill_tokens,
                          args.decode_seqs, args.context_lens, args.repeats, args.held_out,
-                         args.seed, quant_gemv_max_rows=args.quant_gemv_max_rows)
+                         args.seed, quant_gemv_max_rows=args.quant_gemv_max_rows,
+                         load_format=args.load_format)
     report["profile"].notes = args.notes
     report["profile"].save(args.output)
     print(format_steps(report))

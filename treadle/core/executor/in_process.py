@@ -25,7 +25,7 @@ class InProcessExecutor(Executor):
         check_weights_fit(model)
         device = resolve_device(model.device)
         loaded = load_model(model.model, torch_dtype(model.dtype, device), model.quantization,
-                            device=device)
+                            device=device, load_format=model.load_format)
         self.runner = ModelRunner(loaded, model, config.cache, config.scheduler)
         self.facts = ModelFacts(self.runner.max_model_len, self.runner.num_blocks,
                                 loaded.spec.vocab_size, frozenset(loaded.spec.eos_token_ids),

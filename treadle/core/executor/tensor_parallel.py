@@ -164,7 +164,8 @@ def load_shard(config: EngineConfig, shard: TensorShard, spec: ModelSpec) -> Mod
     cache of its own KV heads."""
     model = config.model
     loaded = load_model(model.model, torch_dtype(model.dtype), model.quantization,
-                        select=lambda name, w: shard_weight(name, w, shard, spec.head_dim))
+                        select=lambda name, w: shard_weight(name, w, shard, spec.head_dim),
+                        load_format=model.load_format)
     loaded = replace(loaded, spec=shard.local_spec(loaded.spec))
     return ModelRunner(loaded, model, config.cache, config.scheduler)
 

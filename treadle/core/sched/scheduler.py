@@ -5,7 +5,7 @@ tokens to close the gap within the step's token budget. A new prompt, a prefill 
 hit (tokens counted computed at admission), a decode step and a recompute after preemption are
 all that one rule.
 
-A step, each part in the queue policy's order (policies.py): the waiting queue's head may
+A step, each part in the queue policy's order (policy.py): the waiting queue's head may
 displace running requests the policy ranks below it (priority, fair share), and when it is sure
 to be admitted, the tenants the policy says yield to it (fair share) sit the step out; running
 requests get a decode token or a prefill chunk, preempting the policy's victim when blocks run
@@ -26,14 +26,13 @@ from dataclasses import dataclass, field
 from treadle.config import SchedulerConfig
 from treadle.core.kv_cache import KVCacheManager, cdiv
 from treadle.core.request import Request, RequestStatus
-from treadle.core.sched.policies import (
+from treadle.core.sched.policy import (
     SchedulingPolicy,
-    StepTimeModel,
     WaitingQueue,
-    predict_tpot,
-    predict_ttft,
+    is_prefill,
     uncomputed_tokens,
 )
+from treadle.core.sched.step_time import StepTimeModel
 from treadle.errors import PROMPT, InvalidField
 
 # A waiting request passed over this many times for lack of blocks reserves the queue: nothing
@@ -386,56 +385,9 @@ class Scheduler:
         self.num_queue_timeouts += len(expired)
         return expired
 
-    def objective_out_of_reach(self, probe: Request) -> str | None:
-        """Why a request like `probe` (not queued; its ttft and tpot set), arriving now, could
-        not meet an objective given the requests ahead of it and the fitted step time; None
-        when it can, or when no step has been measured yet. Deadline admission refuses it at
-        once with this message rather than serve it late.
-
-        TTFT: the prefill work ahead of it (running prefills, waiting requests the policy puts
-        first) and its prompt, in steps that also carry the running decodes. TPOT: one step
-        once it decodes: the running requests, the waiting ones ahead of it and itself, at
-        most max_num_seqs, each a decode token, beside the prefill work ahead of it, within the
-        token budget. Requests behind it and arrivals to come are left out: a lower bound on
-        the load, so a refusal is never for work that may not come."""
-        fit = self.step_time.fit
-        if fit is None or (probe.ttft is None and probe.tpot is None):
-            return None
-        budget = self.config.max_num_batched_tokens
-        num_waiting_ahead, waiting_tokens_ahead = self.waiting.ahead(probe)
-        running_prefill = sum(uncomputed_tokens(r) - 1 for r in self.running if is_prefill(r))
-        num_decoding = sum(1 for r in self.running if not is_prefill(r))
-        ahead = waiting_tokens_ahead + running_prefill
-        # Nothing goes before it: refusing cannot serve it sooner. (Without this, an estimate
-        # made pessimistic by small steps refused every request, and with no step running it
-        # never improved: measured, all 240 requests of an overload run got 429.)
-        if probe.ttft is not None and ahead > 0:
-            ttft = predict_ttft(ahead, probe.num_tokens, num_decoding, budget, fit)
-            if ttft > probe.ttft:
-                return (f"the TTFT objective of {probe.ttft * 1e3:g} ms cannot be met: "
-                        f"predicted {ttft * 1e3:.0f} ms given the {ahead} tokens queued ahead; "
-                        f"retry later")
-        num_sharing = min(self.config.max_num_seqs,
-                          len(self.running) + num_waiting_ahead + 1)
-        # Alone, it decodes as fast as this engine can: the same rule as above. It must not
-        # break a running request's TPOT either: each one it joins decodes in the same steps.
-        limits = [r.tpot for r in self.running if r.tpot is not None]
-        if probe.tpot is not None:
-            limits.append(probe.tpot)
-        if limits and num_sharing > 1:
-            # The steps it would decode in carry what steps carry now (under overload, the
-            # chunks of requests still arriving) plus its own token: without the recent
-            # steps, the prediction left arrivals out and admitted requests missed their TPOT
-            # (`treadle sim`, 120 requests at 1 req/s, TPOT objective 0.4 s: TPOT p50 0.62 s).
-            recent = self.step_time.recent_step_seconds
-            tpot = max(predict_tpot(num_sharing, ahead, budget, fit),
-                       0.0 if recent is None else recent + fit.per_token)
-            if tpot > min(limits):
-                whose = "the" if probe.tpot == min(limits) else "a running request's"
-                return (f"{whose} TPOT objective of {min(limits) * 1e3:g} ms cannot be met: "
-                        f"predicted {tpot * 1e3:.1f} ms per token with {num_sharing} requests "
-                        f"decoding; retry later")
-        return None
+    def refusal(self, request: Request) -> str | None:
+        """Why the policy refuses `request` (not queued), arriving now; None: queue it."""
+        return self.policy.refuse(request, self)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request in any state, freeing its blocks. Returns it, or None when it has
@@ -514,7 +466,3 @@ class Scheduler:
             assert len(tables[request.request_id]) == cdiv(request.num_computed_tokens,
                                                            block_size), request
 
-
-def is_prefill(request: Request) -> bool:
-    """More than the last token left to compute: a prompt, or a recompute after preemption."""
-    return uncomputed_tokens(request) > 1

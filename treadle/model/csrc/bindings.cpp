@@ -8,7 +8,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul);
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("quant_linear", &quant_linear);
+  m.def("quant_linear_parts", &quant_linear_parts);
   m.def("dequantize", &dequantize);
+  m.def("dequantize_bf16", &dequantize_bf16);
   m.def("sample_rows", &sample_rows);
   pybind11::class_<LlamaDecoder>(m, "LlamaDecoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double>())

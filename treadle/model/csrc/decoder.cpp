@@ -13,12 +13,13 @@ LlamaDecoder::LlamaDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head
       scale_(scale) {}
 
 void LlamaDecoder::add_layer(torch::Tensor input_norm, torch::Tensor post_norm,
-                             torch::Tensor qkv, int64_t qkv_type,
-                             c10::optional<torch::Tensor> qkv_bias, torch::Tensor o,
-                             int64_t o_type, torch::Tensor gate_up, int64_t gate_up_type,
-                             torch::Tensor down, int64_t down_type) {
-  layers_.push_back({input_norm, post_norm, qkv, o, gate_up, down, qkv_bias, qkv_type, o_type,
-                     gate_up_type, down_type});
+                             std::vector<torch::Tensor> qkv, std::vector<int64_t> qkv_types,
+                             c10::optional<torch::Tensor> qkv_bias, std::vector<torch::Tensor> o,
+                             std::vector<int64_t> o_types, std::vector<torch::Tensor> gate_up,
+                             std::vector<int64_t> gate_up_types, std::vector<torch::Tensor> down,
+                             std::vector<int64_t> down_types) {
+  layers_.push_back({input_norm, post_norm, qkv, o, gate_up, down, qkv_bias, qkv_types, o_types,
+                     gate_up_types, down_types});
 }
 
 namespace {
@@ -60,7 +61,7 @@ torch::Tensor LlamaDecoder::forward(torch::Tensor hidden, torch::Tensor cos, tor
                 k_cache.scalar_type() == hidden.scalar_type() &&
                 k_cache.size(2) * k_cache.size(3) == kv_width && v_cache.sizes() == k_cache.sizes());
     torch::Tensor x = rms_norm(hidden, layer.input_norm, eps_, false);
-    const torch::Tensor qkv = quant_linear(x, layer.qkv, layer.qkv_type, layer.qkv_bias);
+    const torch::Tensor qkv = quant_linear_parts(x, layer.qkv, layer.qkv_types, layer.qkv_bias);
     const torch::Tensor qk = rope(qkv.narrow(1, 0, qk_width).view({tokens, heads + kv_heads, dim}),
                                   cos, sin);
     const char* qk_bytes = static_cast<const char*>(qk.data_ptr());
@@ -70,12 +71,12 @@ torch::Tensor LlamaDecoder::forward(torch::Tensor hidden, torch::Tensor cos, tor
     write_slots(v_cache, v_bytes, qkv.size(1), slot, tokens, kv_width);
     const torch::Tensor attn = paged_decode_attention(qk.narrow(1, 0, heads), k_cache, v_cache,
                                                       block_tables, context_lens, scale_, 0);
-    hidden.add_(quant_linear(attn.view({tokens, heads * dim}), layer.o, layer.o_type,
-                             c10::nullopt));
+    hidden.add_(quant_linear_parts(attn.view({tokens, heads * dim}), layer.o, layer.o_types,
+                                   c10::nullopt));
     x = rms_norm(hidden, layer.post_norm, eps_, false);
-    const torch::Tensor act = silu_and_mul(quant_linear(x, layer.gate_up, layer.gate_up_type,
-                                                        c10::nullopt));
-    hidden.add_(quant_linear(act, layer.down, layer.down_type, c10::nullopt));
+    const torch::Tensor act = silu_and_mul(quant_linear_parts(x, layer.gate_up,
+                                                              layer.gate_up_types, c10::nullopt));
+    hidden.add_(quant_linear_parts(act, layer.down, layer.down_types, c10::nullopt));
   }
   return hidden;
 }

@@ -14,6 +14,8 @@
 // Two blocks per 512-bit register (zmm maddubs) measured 15-40% slower than this 256-bit code
 // on that Xeon: AVX-512 builds run it too, with twice the rows a tile.
 #include "kernels.h"
+#include "quant_blocks.h"
+
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -21,53 +23,9 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
-constexpr int QK = 32;  // weights per block (and per activation block)
-constexpr int QK_K = 256;  // weights per K-quant super-block: 8 sub-blocks of 32
-// ggml's type ids, as the gguf package numbers them.
-constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14;
-
-struct BlockQ4_0 { uint16_t d; uint8_t qs[QK / 2]; };
-struct BlockQ4_1 { uint16_t d, m; uint8_t qs[QK / 2]; };
-// q = low nibble | bit j of qh << 4 (weights 0-15 in the low nibbles, 16-31 in the high ones).
-struct BlockQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[QK / 2]; };
-struct BlockQ8_0 { uint16_t d; int8_t qs[QK]; };
-// Sub-block j: w = d * scale_j * q - dmin * min_j, 6-bit scales and mins packed in 12 bytes;
-// 32 bytes of qs hold sub-block 2c in their low nibbles and 2c + 1 in their high ones.
-struct BlockQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[QK_K / 2]; };
-// w = d * scales[i / 16] * (q - 32), q 6 bits: 4 from ql, 2 from qh (see q6_k_values).
-struct BlockQ6_K { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16];
-                   uint16_t d; };
-static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ5_0) == 22 &&
-              sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210,
-              "GGUF block layouts");
-
-inline float half_to_float(uint16_t bits) {
-#if defined(__F16C__)
-  return _cvtsh_ss(bits);
-#else
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-#endif
-}
-
-int64_t block_bytes(int64_t qtype) {
-  switch (qtype) {
-    case Q4_0: return sizeof(BlockQ4_0);
-    case Q4_1: return sizeof(BlockQ4_1);
-    case Q5_0: return sizeof(BlockQ5_0);
-    case Q8_0: return sizeof(BlockQ8_0);
-    case Q4_K: return sizeof(BlockQ4_K);
-    case Q6_K: return sizeof(BlockQ6_K);
-  }
-  TORCH_CHECK(false, "unsupported quantized type ", qtype);
-}
-
-int64_t block_weights(int64_t qtype) { return qtype == Q4_K || qtype == Q6_K ? QK_K : QK; }
+using namespace quant;
 
 // Q4_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4).
 inline void q4_k_scale_min(const uint8_t* s, int j, int* scale, int* min) {
@@ -174,6 +132,7 @@ inline float hsum(__m256 v) {
 }
 #endif
 
+#if !defined(__AVX2__)
 // Dot product of one weight row (nb blocks) with one quantized activation row: the portable
 // build's loop for the 32-wide types (AVX2 builds run rows_dot below).
 template <int64_t QTYPE>
@@ -218,6 +177,7 @@ float row_dot(const uint8_t* w_row, const int8_t* aq, const float* ad, const flo
   }
   return total;
 }
+#endif
 
 #if defined(__AVX2__)
 // What rows_dot needs of a 32-wide block type: its 32 weights as bytes (unsigned, but Q8_0's
@@ -405,157 +365,37 @@ void rows_dot_tile(int64_t count, const uint8_t* w_row, const QuantizedRows& xq,
 }
 #endif
 
-// Q4_K: each sub-block j of 32 meets activation block 8 i + j of super-block i:
-// d scale_j ad sum(q a) - dmin min_j asum.
-float row_dot_q4_k(const uint8_t* w_row, const int8_t* aq, const float* ad, const float* asum,
-                   int64_t nb) {
-#if defined(__AVX2__)
-  __m256 acc = _mm256_setzero_ps();
-#endif
-  float total = 0.f;
-  for (int64_t i = 0; i < nb / 8; ++i) {
-    const auto* blk = reinterpret_cast<const BlockQ4_K*>(w_row) + i;
-    const float d = half_to_float(blk->d), dmin = half_to_float(blk->dmin);
-    for (int c = 0; c < 4; ++c) {  // 32 bytes of qs: sub-blocks 2c (low nibbles), 2c + 1 (high)
-      const uint8_t* qs = blk->qs + 32 * c;
-#if defined(__AVX2__)
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
-      const __m256i mask = _mm256_set1_epi8(0x0F);
-      const __m256i nibbles[2] = {_mm256_and_si256(raw, mask),
-                                  _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask)};
-#endif
-      for (int half = 0; half < 2; ++half) {
-        const int j = 2 * c + half;
-        const int64_t b = 8 * i + j;
-        int scale, min;
-        q4_k_scale_min(blk->scales, j, &scale, &min);
-        total -= dmin * static_cast<float>(min) * asum[b];
-        const float dw = d * static_cast<float>(scale);
-#if defined(__AVX2__)
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + b * QK));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_pairs_u8_s8(nibbles[half], a)),
-                              _mm256_set1_ps(dw * ad[b]), acc);
-#else
-        const int8_t* a = aq + b * QK;
-        int32_t isum = 0;
-        for (int l = 0; l < QK; ++l) isum += int32_t(half ? qs[l] >> 4 : qs[l] & 0x0F) * a[l];
-        total += dw * ad[b] * static_cast<float>(isum);
-#endif
-      }
-    }
-  }
-#if defined(__AVX2__)
-  total += hsum(acc);
-#endif
-  return total;
-}
-
-// Q6_K: each sub-block j of 32 meets activation block 8 i + j, with a scale per 16 weights:
-// d ad (scale_2j sum_0..15((q - 32) a) + scale_2j+1 sum_16..31((q - 32) a)).
-float row_dot_q6_k(const uint8_t* w_row, const int8_t* aq, const float* ad, const float*,
-                   int64_t nb) {
-#if defined(__AVX2__)
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < nb / 8; ++i) {
-    const auto* blk = reinterpret_cast<const BlockQ6_K*>(w_row) + i;
-    const float d = half_to_float(blk->d);
-    const __m256i low = _mm256_set1_epi8(0x0F), bits_4_5 = _mm256_set1_epi8(0x30);
-    for (int h = 0; h < 2; ++h) {
-      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->ql + 64 * h));
-      const __m256i ql1 =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->ql + 64 * h + 32));
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->qh + 32 * h));
-      // Sub-block s of this half: 4 bits from ql, bits 2 s of qh moved to bits 4-5.
-      const __m256i q[4] = {
-          _mm256_or_si256(_mm256_and_si256(ql0, low),
-                          _mm256_and_si256(_mm256_slli_epi16(qh, 4), bits_4_5)),
-          _mm256_or_si256(_mm256_and_si256(ql1, low),
-                          _mm256_and_si256(_mm256_slli_epi16(qh, 2), bits_4_5)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low),
-                          _mm256_and_si256(qh, bits_4_5)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
-                          _mm256_and_si256(_mm256_srli_epi16(qh, 2), bits_4_5))};
-      for (int s = 0; s < 4; ++s) {
-        const int j = 4 * h + s;
-        const int64_t b = 8 * i + j;
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + b * QK));
-        // int32 lanes 0-3 sum weights 0-15, lanes 4-7 weights 16-31: one scale each half.
-        const __m256i p = dot_pairs_s8_s8(_mm256_sub_epi8(q[s], _mm256_set1_epi8(32)), a);
-        const __m256i scales = _mm256_set_m128i(_mm_set1_epi32(blk->scales[2 * j + 1]),
-                                                _mm_set1_epi32(blk->scales[2 * j]));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(p, scales)),
-                              _mm256_set1_ps(d * ad[b]), acc);
-      }
-    }
-  }
-  return hsum(acc);
-#else
-  float total = 0.f;
-  for (int64_t i = 0; i < nb / 8; ++i) {
-    const auto* blk = reinterpret_cast<const BlockQ6_K*>(w_row) + i;
-    const float d = half_to_float(blk->d);
-    for (int j = 0; j < 8; ++j) {
-      const int64_t b = 8 * i + j;
-      const int8_t* a = aq + b * QK;
-      uint8_t q[QK];
-      q6_k_values(blk, j, q);
-      int32_t isum = 0;
-      for (int half = 0; half < 2; ++half) {
-        int32_t part = 0;
-        for (int l = 16 * half; l < 16 * half + 16; ++l) part += (int32_t(q[l]) - 32) * a[l];
-        isum += blk->scales[2 * j + half] * part;
-      }
-      total += d * ad[b] * static_cast<float>(isum);
-    }
-  }
-  return total;
-#endif
-}
-
-template <int64_t QTYPE>
-float weight_row_dot(const uint8_t* w_row, const int8_t* aq, const float* ad, const float* asum,
-                     int64_t nb) {
-  if constexpr (QTYPE == Q4_K) return row_dot_q4_k(w_row, aq, ad, asum, nb);
-  else if constexpr (QTYPE == Q6_K) return row_dot_q6_k(w_row, aq, ad, asum, nb);
-  else return row_dot<QTYPE>(w_row, aq, ad, asum, nb);
-}
-
+// out[r * ldo + o] for the n weight rows of a 32-wide type and every activation row.
 template <int64_t QTYPE>
 void gemv_rows(const uint8_t* w, int64_t n, int64_t k, const QuantizedRows& xq, int64_t rows,
-               float* out) {
-  const int64_t row_bytes = k / block_weights(QTYPE) * block_bytes(QTYPE);
+               float* out, int64_t ldo) {
+  const int64_t row_bytes = k / QK * block_bytes(QTYPE);
   // Each weight row is read once and used for every activation row while it is in L1.
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
 #if defined(__AVX2__)
-    if constexpr (QTYPE != Q4_K && QTYPE != Q6_K) {
-      if (rows == 1) {
-        constexpr int W = 4;  // 2 and 8 measured slower on the Xeon above
-        int64_t o = begin;
-        for (; o + W <= end; o += W) {
-          weight_rows_dot<QTYPE, W>(w + o * row_bytes, row_bytes, xq, out + o);
-        }
-        for (; o < end; ++o) weight_rows_dot<QTYPE, 1>(w + o * row_bytes, row_bytes, xq, out + o);
-        return;
+    if (rows == 1) {
+      constexpr int W = 4;  // 2 and 8 measured slower on the Xeon above
+      int64_t o = begin;
+      for (; o + W <= end; o += W) {
+        weight_rows_dot<QTYPE, W>(w + o * row_bytes, row_bytes, xq, out + o);
       }
+      for (; o < end; ++o) weight_rows_dot<QTYPE, 1>(w + o * row_bytes, row_bytes, xq, out + o);
+      return;
     }
-#endif
     for (int64_t o = begin; o < end; ++o) {
-      const uint8_t* w_row = w + o * row_bytes;
-#if defined(__AVX2__)
-      if constexpr (QTYPE != Q4_K && QTYPE != Q6_K) {
-        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-          rows_dot_tile<QTYPE>(std::min<int64_t>(ROW_TILE, rows - r0), w_row, xq, r0,
-                               out + r0 * n + o, n);
-        }
-      } else
-#endif
-      {
-        for (int64_t r = 0; r < rows; ++r) {
-          out[r * n + o] = weight_row_dot<QTYPE>(w_row, xq.q_row(r), xq.d_row(r),
-                                                 xq.sum_row(r), xq.nb);
-        }
+      for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+        rows_dot_tile<QTYPE>(std::min<int64_t>(ROW_TILE, rows - r0), w + o * row_bytes, xq, r0,
+                             out + r0 * ldo + o, ldo);
       }
     }
+#else
+    for (int64_t o = begin; o < end; ++o) {
+      for (int64_t r = 0; r < rows; ++r) {
+        out[r * ldo + o] = row_dot<QTYPE>(w + o * row_bytes, xq.q_row(r), xq.d_row(r),
+                                          xq.sum_row(r), xq.nb);
+      }
+    }
+#endif
   });
 }
 
@@ -609,16 +449,21 @@ void dequantize_block(const uint8_t* blk, int64_t qtype, float* dst) {
       }
       return;
     }
-    case Q4_K: {  // (d scale) q - (dmin min), per sub-block
-      const auto* q = reinterpret_cast<const BlockQ4_K*>(blk);
+    case Q4_K:
+    case Q5_K: {  // (d scale) q - (dmin min), per sub-block; Q5_K's fifth bits from qh
+      const auto* q = reinterpret_cast<const BlockQ4_K*>(blk);  // Q5_K shares the head
+      const uint8_t* qs = qtype == Q4_K ? q->qs : reinterpret_cast<const BlockQ5_K*>(blk)->qs;
+      const uint8_t* qh = qtype == Q5_K ? reinterpret_cast<const BlockQ5_K*>(blk)->qh : nullptr;
       const float d = half_to_float(q->d), dmin = half_to_float(q->dmin);
       for (int j = 0; j < QK_K / QK; ++j) {
         int scale, min;
         q4_k_scale_min(q->scales, j, &scale, &min);
         const float dl = d * static_cast<float>(scale), ml = dmin * static_cast<float>(min);
-        const uint8_t* qs = q->qs + 32 * (j / 2);
+        const uint8_t* sub = qs + 32 * (j / 2);
         for (int l = 0; l < QK; ++l) {
-          dst[QK * j + l] = dl * static_cast<float>(j % 2 ? qs[l] >> 4 : qs[l] & 0x0F) - ml;
+          int value = j % 2 ? sub[l] >> 4 : sub[l] & 0x0F;
+          if (qh != nullptr) value |= ((qh[l] >> j) & 1) << 4;
+          dst[QK * j + l] = dl * static_cast<float>(value) - ml;
         }
       }
       return;
@@ -642,30 +487,53 @@ void dequantize_block(const uint8_t* blk, int64_t qtype, float* dst) {
 
 }  // namespace
 
-// y = x W^T (+ bias) for x [rows, k] float32 or bfloat16; W in GGUF blocks [n, row_bytes].
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor weight, int64_t qtype,
-                           c10::optional<torch::Tensor> bias) {
+// y = x [W_0; W_1; ...]^T (+ bias) for x [rows, k] float32 or bfloat16; each W_i in GGUF
+// blocks [n_i, row_bytes_i] of its own type (q/k/v or gate/up kept apart: a file may store them
+// in different types, and they stay the file's bytes). Each activation row is quantized once
+// for every part of its scheme.
+torch::Tensor quant_linear_parts(torch::Tensor x, const std::vector<torch::Tensor>& weights,
+                                 const std::vector<int64_t>& qtypes,
+                                 c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features]");
+  TORCH_CHECK(!weights.empty() && weights.size() == qtypes.size(), "one type per weight");
   x = x.contiguous();
-  const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
-  check_weight(weight, qtype, k);
-  const QuantizedRows xq = x.scalar_type() == torch::kBFloat16
-      ? quantize_rows(x.data_ptr<at::BFloat16>(), rows, k)
-      : quantize_rows(x.to(torch::kFloat32).data_ptr<float>(), rows, k);
-  auto out = torch::empty({rows, n}, x.options().dtype(torch::kFloat32));
-  const uint8_t* w = weight.data_ptr<uint8_t>();
+  if (x.scalar_type() != torch::kBFloat16) x = x.to(torch::kFloat32);
+  const int64_t rows = x.size(0), k = x.size(1);
+  int64_t total = 0;
+  bool blocks32 = false, blocks256 = false;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    check_weight(weights[i], qtypes[i], k);
+    total += weights[i].size(0);
+    (is_k_quant(qtypes[i]) ? blocks256 : blocks32) = true;
+  }
+  QuantizedRows xq;
+  Q8KRows xk;
+  if (blocks32) {
+    xq = x.scalar_type() == torch::kBFloat16 ? quantize_rows(x.data_ptr<at::BFloat16>(), rows, k)
+                                             : quantize_rows(x.data_ptr<float>(), rows, k);
+  }
+  if (blocks256) xk = quantize_rows_q8k(x);
+  auto out = torch::empty({rows, total}, x.options().dtype(torch::kFloat32));
   float* o = out.data_ptr<float>();
-  switch (qtype) {
-    case Q4_0: gemv_rows<Q4_0>(w, n, k, xq, rows, o); break;
-    case Q4_1: gemv_rows<Q4_1>(w, n, k, xq, rows, o); break;
-    case Q5_0: gemv_rows<Q5_0>(w, n, k, xq, rows, o); break;
-    case Q8_0: gemv_rows<Q8_0>(w, n, k, xq, rows, o); break;
-    case Q4_K: gemv_rows<Q4_K>(w, n, k, xq, rows, o); break;
-    case Q6_K: gemv_rows<Q6_K>(w, n, k, xq, rows, o); break;
-    default: TORCH_CHECK(false, "unsupported quantized type ", qtype);
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const uint8_t* w = weights[i].data_ptr<uint8_t>();
+    const int64_t n = weights[i].size(0);
+    switch (qtypes[i]) {
+      case Q4_0: gemv_rows<Q4_0>(w, n, k, xq, rows, o, total); break;
+      case Q4_1: gemv_rows<Q4_1>(w, n, k, xq, rows, o, total); break;
+      case Q5_0: gemv_rows<Q5_0>(w, n, k, xq, rows, o, total); break;
+      case Q8_0: gemv_rows<Q8_0>(w, n, k, xq, rows, o, total); break;
+      default: k_quant_rows(qtypes[i], w, n, xk, rows, o, total);
+    }
+    o += n;
   }
   if (bias.has_value()) out.add_(bias->to(torch::kFloat32));
   return out.to(x.scalar_type());
+}
+
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor weight, int64_t qtype,
+                           c10::optional<torch::Tensor> bias) {
+  return quant_linear_parts(x, {weight}, {qtype}, bias);
 }
 
 // The float weights [n, k] the blocks stand for (the large-batch path: dequantize, then GEMM).
@@ -677,6 +545,25 @@ torch::Tensor dequantize(torch::Tensor weight, int64_t qtype, int64_t k) {
   float* o = out.data_ptr<float>();
   at::parallel_for(0, n * (k / width), 256 * QK / width, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) dequantize_block(w + i * bb, qtype, o + i * width);
+  });
+  return out;
+}
+
+// The same weights as bfloat16 (rounded to nearest even, as .to(torch.bfloat16)): the float
+// path of a large step dequantizes a slice of rows at a time and multiplies it with oneDNN.
+torch::Tensor dequantize_bf16(torch::Tensor weight, int64_t qtype, int64_t k) {
+  weight = weight.contiguous();
+  check_weight(weight, qtype, k);
+  const int64_t n = weight.size(0), width = block_weights(qtype), bb = block_bytes(qtype);
+  auto out = torch::empty({n, k}, torch::kBFloat16);
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, n * (k / width), 256 * QK / width, [&](int64_t begin, int64_t end) {
+    float values[QK_K];
+    for (int64_t i = begin; i < end; ++i) {
+      dequantize_block(w + i * bb, qtype, values);
+      for (int64_t j = 0; j < width; ++j) o[i * width + j] = at::BFloat16(values[j]);
+    }
   });
   return out;
 }

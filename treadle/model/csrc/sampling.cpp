@@ -2,8 +2,8 @@
 // pass a row computes the weights exp((l - max) / t) and their block sums, a second finds the
 // first token whose cumulative weight passes u times the total. The same two-level search as
 // the torch path (Sampler.draw: float32 sums of blocks of 256, float64 over blocks and inside
-// the target block), in one call instead of some 25 torch ops: one row of 49,152 took ~1 ms
-// that way on Zen 3 (temperature, softmax, sums, searches), most of it dispatch.
+// the target block), in one call instead of some 25 torch ops, whose dispatch was most of their
+// time.
 #include "kernels.h"
 #include "vec_math.h"
 

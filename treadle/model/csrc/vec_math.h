@@ -7,7 +7,7 @@
 // exp(x), Cephes' expf: 2^n times a polynomial in the remainder, ~2 ulp. 0 below -87 (-inf
 // included: a forbidden token's weight is 0 exactly); inputs above 88 count as 88 (e^88 ~
 // 1.7e38). std::exp in an `omp simd` loop stays scalar libm here (glibc's vector exp needs
-// -ffast-math): 0.38 ms for a row of 49,152 against 0.09 ms with this.
+// -ffast-math).
 inline __m256 exp_avx2(__m256 x) {
   const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));

@@ -188,10 +188,9 @@ class LlamaModel(DecoderModel):
                                 spec.rms_norm_eps, self.scale)
         for layer in self.layers:
             qkv, o, gate_up, down = (layer[name] for name in PROJECTIONS)
-            decoder.add_layer(layer["input_norm"], layer["post_norm"], qkv.weight.data,
-                              qkv.weight.qtype, qkv.bias, o.weight.data, o.weight.qtype,
-                              gate_up.weight.data, gate_up.weight.qtype, down.weight.data,
-                              down.weight.qtype)
+            decoder.add_layer(layer["input_norm"], layer["post_norm"], qkv.data, qkv.qtypes,
+                              qkv.bias, o.data, o.qtypes, gate_up.data, gate_up.qtypes,
+                              down.data, down.qtypes)
         return decoder
 
 

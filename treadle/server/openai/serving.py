@@ -74,6 +74,7 @@ ENGINE_ERRORS = (ValueError, EngineOverloaded, RuntimeError)
 GRAMMAR_ERROR_MESSAGE = ("the output's constraint could not be followed: its grammar failed "
                          "after the output's start (too complex for the grammar engine); "
                          "simplify it")
+SERVER_QUEUE_LIMITS = ("queue_full", "queued_tokens_full")  # Admission's server-wide reasons
 QUEUE_TIMEOUT_MESSAGE = ("the request waited longer than the server's queue time limit "
                          "(max_queue_wait) without being scheduled; retry later")
 
@@ -155,11 +156,10 @@ def engine_error(error: Exception) -> APIError:
     if isinstance(error, ValueError):
         return invalid_request(error)
     if isinstance(error, EngineOverloaded):
-        # The server-wide queue's limits keep OpenAI's code; the others name theirs.
-        code = error.reason if error.reason in ("tenant_requests", "tenant_queued_tokens",
-                                                "deadline") else "rate_limit_exceeded"
-        return APIError(429, str(error), code=code, param="ttft_ms" if code == "deadline"
-                        else None, error_type="rate_limit_error",
+        # The server-wide queue's limits keep OpenAI's code; the others (a tenant's limits, a
+        # queue policy's refusal) name theirs.
+        code = "rate_limit_exceeded" if error.reason in SERVER_QUEUE_LIMITS else error.reason
+        return APIError(429, str(error), code=code, error_type="rate_limit_error",
                         headers={"Retry-After": str(error.retry_after)})
     if isinstance(error, RuntimeError):
         return APIError(503, str(error), error_type="service_unavailable")
@@ -246,9 +246,10 @@ class OpenAIServing:
     `chat_tokenizer`: the engine's tokenizer, or a copy with the server's chat template."""
 
     def __init__(self, engine: AsyncEngine, chat_tokenizer: Tokenizer,
-                 model_names: tuple[str, ...] = (), sse_keepalive_interval: float = 15.0,
-                 tool_call_parser: str = "hermes") -> None:
-        """`model_names`: those a request's `model` may be, the first in responses (empty: the
+                 model_names: tuple[str, ...], sse_keepalive_interval: float,
+                 tool_call_parser: str) -> None:
+        """The ServerConfig settings of the same names (their defaults are its own):
+        `model_names`: those a request's `model` may be, the first in responses (empty: the
         model's own name); `sse_keepalive_interval`: seconds of silence before a streamed
         response gets a keep-alive comment; `tool_call_parser`: how model outputs' tool calls
         are written (tool_parsers.py)."""

@@ -1,0 +1,248 @@
+"""Fair share between tenants: the Virtual Token Counter (Sheng et al., OSDI 2024), its
+settings, and its queue (per-tenant lanes, the least-served backlogged tenant first)."""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from treadle.config import SchedulerConfig, setting
+from treadle.core.request import Request
+from treadle.core.sched.policy import KeyedQueue, SchedulingPolicy, WaitingQueue, register_policy
+
+
+@dataclass(frozen=True)
+class FairSettings:
+    """A tenant's service is w_p per prompt token plus w_q per output token, divided by its
+    weight (SchedulerConfig.tenant_weights)."""
+
+    fair_prompt_token_weight: float = setting(1.0, "under --policy fair, the service a prompt "
+                                              "token costs")
+    fair_output_token_weight: float = setting(2.0, "under --policy fair, the service an output "
+                                              "token costs")
+    fair_chunk_tokens: int | None = setting(
+        None, "under --policy fair, while more than one tenant is known, the most prompt tokens "
+        "per step of a long prompt, so steps stay short for the others' arrivals",
+        none="--long-prefill-token-threshold")
+
+    def __post_init__(self) -> None:
+        if not (self.fair_prompt_token_weight >= 0 and self.fair_output_token_weight >= 0):
+            raise ValueError("fair token weights must be >= 0")
+        if self.fair_chunk_tokens is not None and self.fair_chunk_tokens < 1:
+            raise ValueError("fair_chunk_tokens must be >= 1 (or None: no cap)")
+
+
+@register_policy
+class FairPolicy(SchedulingPolicy):
+    """Fair share between tenants: the Virtual Token Counter.
+
+    Each tenant's counter grows by w_p per prompt token (charged at first admission) and w_q per
+    output token, divided by the tenant's weight. The backlogged tenant with the least counter
+    goes first, its requests in arrival order. A tenant that becomes backlogged has its counter
+    lifted to the least of the other backlogged tenants (or, with none, to the counter of the
+    last tenant served), so idle time banks no credit. The paper's bound: between two
+    continuously backlogged tenants, service differs by at most 2 * max(w_p * L_in, w_q * M),
+    L_in the longest prompt, M the most tokens the KV cache holds.
+
+    When blocks or batch slots bind, the head (its tenant least served) may preempt the newest
+    running request of the most served tenant, while either that tenant's counter exceeds the
+    head tenant's by more than the head's own charge (admitting it cannot flip the order), or it
+    is served at least as much and holds at least two more running requests (admitting one
+    cannot flip that either): so two requests cannot preempt each other back and forth; over
+    time, max_policy_preemptions bounds how often one request is displaced. The second rule is
+    what lets a light tenant in at once: a newcomer's counter is lifted to the heavy tenant's,
+    so the first rule alone made it wait for a slot to free.
+    """
+
+    name = "fair"
+    summary = "fair share between tenants"
+    settings_class = FairSettings
+
+    def __init__(self, weights: Mapping[str, float] | None = None,
+                 settings: FairSettings | None = None) -> None:
+        settings = settings or FairSettings()
+        self.weights = dict(weights or {})
+        self.prompt_token_weight = settings.fair_prompt_token_weight
+        self.output_token_weight = settings.fair_output_token_weight
+        self.chunk_tokens_shared = settings.fair_chunk_tokens
+        self.counters: dict[str, float] = {}
+        self.virtual_time = 0.0  # counter of the last tenant served from the queue
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig, settings: FairSettings) -> FairPolicy:
+        return cls(config.tenant_weights, settings)
+
+    def sort_key(self, request: Request) -> tuple:
+        return (request.arrival_time,)
+
+    def new_queue(self) -> WaitingQueue:
+        return FairQueue(self)
+
+    def counter(self, tenant: str) -> float:
+        return self.counters.get(tenant, 0.0)
+
+    def admission_charge(self, request: Request) -> float:
+        if request.num_preemptions:  # a readmission: its prompt was charged the first time
+            return 0.0
+        weight = self.weights.get(request.tenant, 1.0)
+        return self.prompt_token_weight * request.num_prompt_tokens / weight
+
+    def on_admitted(self, request: Request) -> None:
+        self.counters[request.tenant] = self.counter(request.tenant) + \
+            self.admission_charge(request)
+
+    def on_tokens_generated(self, request: Request, num_tokens: int) -> None:
+        weight = self.weights.get(request.tenant, 1.0)
+        self.counters[request.tenant] = (self.counter(request.tenant)
+                                         + self.output_token_weight * num_tokens / weight)
+
+    def _most_served(self, candidates: Sequence[Request], exclude: str | None) -> Request | None:
+        """The newest request of the tenant with the largest counter."""
+        best: Request | None = None
+        for request in candidates:
+            if request.tenant == exclude:
+                continue
+            if best is None or (self.counter(request.tenant), request.arrival_time) >= \
+                    (self.counter(best.tenant), best.arrival_time):
+                best = request
+        return best
+
+    def defers_prefill(self, running: Request, head: Request) -> bool:
+        # A tenant served more than the head's tenant, even once the head is charged, sends its
+        # prompt chunks after the head (the same margin as displace: the two cannot defer to
+        # each other); else light requests queue behind heavy chunks, one per step.
+        return running.tenant != head.tenant and \
+            self.counter(running.tenant) - self.counter(head.tenant) > \
+            self.admission_charge(head)
+
+    def yielding_tenants(self, head: Request, running: Sequence[Request]) -> frozenset[str]:
+        # The tenants displace() may take a slot from (served more by over the head's charge,
+        # or at least as much while holding two more running requests) and, when the head's
+        # tenant holds nothing running, every tenant served at least as much, sit out the head's
+        # admission step: its first token then waits for that one short step instead of a
+        # step of every heavy decode plus chunks. A tenant with nothing running gets its step
+        # from any tenant served at least as much, even one holding a single request: else one
+        # long prompt of a heavy tenant capped to one request's worth of KV
+        # (max_kv_blocks_per_tenant) put its chunk in every light admission step.
+        held = Counter(r.tenant for r in running)
+        base, charge = self.counter(head.tenant), self.admission_charge(head)
+        return frozenset(
+            tenant for tenant, count in held.items() if tenant != head.tenant
+            and (gap := self.counter(tenant) - base) >= 0
+            and (gap > charge or count - held[head.tenant] >= 2 or not held[head.tenant]))
+
+    def chunk_tokens(self, request: Request, threshold: int) -> int:
+        # A step in flight cannot be interrupted: a light tenant's request that arrives during
+        # a heavy tenant's long chunk waits for it, then for its own step. So while more than
+        # one tenant is known, long prompts go in short chunks, whoever is served more (cutting
+        # only the more-served tenant's left it long chunks whenever the light tenants' lifted
+        # counters passed its own). A prompt that fits one chunk is never cut: in pieces, a
+        # light prompt held the only prefill slot.
+        if self.chunk_tokens_shared is None or self.chunk_tokens_shared >= threshold or \
+                request.num_tokens <= threshold:
+            return threshold
+        if any(tenant != request.tenant for tenant in self.counters):
+            return self.chunk_tokens_shared
+        return threshold
+
+    def victim(self, candidates: Sequence[Request]) -> Request:
+        victim = self._most_served(candidates, exclude=None)
+        assert victim is not None
+        return victim
+
+    def displace(self, head: Request, candidates: Sequence[Request]) -> Request | None:
+        victim = self._most_served(candidates, exclude=head.tenant)
+        if victim is None:
+            return None
+        gap = self.counter(victim.tenant) - self.counter(head.tenant)
+        if gap > self.admission_charge(head):
+            return victim
+        if gap < 0:
+            return None
+        held = sum(1 for r in candidates if r.tenant == victim.tenant) - \
+            sum(1 for r in candidates if r.tenant == head.tenant)
+        return victim if held >= 2 else None
+
+
+class FairQueue:
+    """Per-tenant queues in arrival order, and a heap of backlogged tenants by counter.
+
+    Counters only grow, so a heap entry is never too large: one found stale at the top is
+    re-pushed with the tenant's counter, one whose tenant has nothing waiting is dropped.
+    """
+
+    def __init__(self, policy: FairPolicy) -> None:
+        self.policy = policy
+        self.lanes: dict[str, KeyedQueue] = {}
+        self.tenants: list[tuple[float, str]] = []  # (counter when pushed, tenant)
+        self.in_heap: set[str] = set()
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[Request]:
+        for tenant in sorted(self.lanes, key=lambda t: (self.policy.counter(t), t)):
+            yield from self.lanes[tenant]
+
+    def _top(self) -> str | None:
+        counters = self.policy.counters
+        while self.tenants:
+            counter, tenant = self.tenants[0]
+            if not self.lanes.get(tenant):
+                heapq.heappop(self.tenants)
+                self.in_heap.discard(tenant)
+                self.lanes.pop(tenant, None)
+            elif counter != counters.get(tenant, 0.0):
+                heapq.heapreplace(self.tenants, (counters.get(tenant, 0.0), tenant))
+            else:
+                return tenant
+        return None
+
+    def add(self, request: Request) -> None:
+        tenant = request.tenant
+        if not self.lanes.get(tenant):  # newly backlogged: no credit for the time away
+            top = self._top()
+            floor = self.policy.counter(top) if top is not None else self.policy.virtual_time
+            self.policy.counters[tenant] = max(self.policy.counter(tenant), floor)
+        self.restore(request)
+
+    def restore(self, request: Request) -> None:
+        tenant = request.tenant
+        self.lanes.setdefault(tenant, KeyedQueue(self.policy.sort_key)).add(request)
+        self.size += 1
+        if tenant not in self.in_heap:
+            self.in_heap.add(tenant)
+            heapq.heappush(self.tenants, (self.policy.counter(tenant), tenant))
+
+    def remove(self, request: Request) -> None:
+        self.lanes[request.tenant].remove(request)
+        self.size -= 1
+
+    def peek(self) -> Request | None:
+        tenant = self._top()
+        return None if tenant is None else self.lanes[tenant].peek()
+
+    def pop(self) -> Request:
+        tenant = self._top()
+        assert tenant is not None, "pop from an empty queue"
+        self.policy.virtual_time = max(self.policy.virtual_time, self.policy.counter(tenant))
+        self.size -= 1
+        return self.lanes[tenant].pop()
+
+    def refresh(self, now: float, seconds_per_token: float | None) -> None:
+        pass
+
+    def ahead(self, probe: Request) -> tuple[int, int]:
+        # The order ahead changes as counters do: count everything waiting (an upper bound).
+        return self.size, sum(lane.tokens for lane in self.lanes.values())
+
+    def check_invariants(self) -> None:
+        for tenant, lane in self.lanes.items():
+            lane.check_invariants()
+            assert all(r.tenant == tenant for r in lane), f"a request in {tenant!r}'s lane"
+            assert not lane or tenant in self.in_heap, f"{tenant!r} backlogged, not in the heap"
+        assert len(self.in_heap) == len(self.tenants), "one heap entry per backlogged tenant"
+        assert self.size == sum(len(lane) for lane in self.lanes.values()), "size is off"

@@ -1,0 +1,82 @@
+// GGUF's block layouts and what the quantized-linear sources share: quant_linear.cpp (the
+// 32-wide types, the entry points) and quant_kblocks.cpp (the 256-wide K-quants).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace quant {
+
+constexpr int QK = 32;  // weights per block (and per activation block)
+constexpr int QK_K = 256;  // weights per K-quant super-block: 8 sub-blocks of 32
+// ggml's type ids, as the gguf package numbers them.
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14;
+
+struct BlockQ4_0 { uint16_t d; uint8_t qs[QK / 2]; };
+struct BlockQ4_1 { uint16_t d, m; uint8_t qs[QK / 2]; };
+// q = low nibble | bit j of qh << 4 (weights 0-15 in the low nibbles, 16-31 in the high ones).
+struct BlockQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[QK / 2]; };
+struct BlockQ8_0 { uint16_t d; int8_t qs[QK]; };
+// Sub-block j: w = d * scale_j * q - dmin * min_j, 6-bit scales and mins packed in 12 bytes;
+// 32 bytes of qs hold sub-block 2c in their low nibbles and 2c + 1 in their high ones.
+struct BlockQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[QK_K / 2]; };
+// Q4_K plus a fifth bit: bit j of qh[l] is weight l of sub-block j's.
+struct BlockQ5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[QK_K / 8];
+                   uint8_t qs[QK_K / 2]; };
+// w = d * scales[i / 16] * (q - 32), q 6 bits: 4 from ql, 2 from qh (see q6_k_values).
+struct BlockQ6_K { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16];
+                   uint16_t d; };
+static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ5_0) == 22 &&
+              sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_K) == 144 &&
+              sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "GGUF block layouts");
+
+inline float half_to_float(uint16_t bits) {
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+inline bool is_k_quant(int64_t qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K; }
+
+inline int64_t block_bytes(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return sizeof(BlockQ4_0);
+    case Q4_1: return sizeof(BlockQ4_1);
+    case Q5_0: return sizeof(BlockQ5_0);
+    case Q8_0: return sizeof(BlockQ8_0);
+    case Q4_K: return sizeof(BlockQ4_K);
+    case Q5_K: return sizeof(BlockQ5_K);
+    case Q6_K: return sizeof(BlockQ6_K);
+  }
+  TORCH_CHECK(false, "unsupported quantized type ", qtype);
+}
+
+inline int64_t block_weights(int64_t qtype) { return is_k_quant(qtype) ? QK_K : QK; }
+
+// Activation rows for the K-quants, llama.cpp's Q8_K: int8 values under one scale per 256
+// (amax / 127) and each 16 values' integer sum, which the weights' offsets (Q4_K/Q5_K mins,
+// Q6_K's -32) multiply, so that a super-block's dot product stays in integers.
+struct Q8KRows {
+  int64_t k, nsb;              // row length, super-blocks a row
+  std::vector<int8_t> q;       // [rows, k]
+  std::vector<float> d;        // [rows, nsb]
+  std::vector<int16_t> bsums;  // [rows, nsb, 16]
+  const int8_t* q_row(int64_t r) const { return q.data() + r * k; }
+};
+
+Q8KRows quantize_rows_q8k(const torch::Tensor& x);
+
+// out[r * ldo + o] = weight row o . activation row r, for the n rows of `w` (a K-quant) and
+// the rows of `xq`; threads split the weight rows.
+void k_quant_rows(int64_t qtype, const uint8_t* w, int64_t n, const Q8KRows& xq, int64_t rows,
+                  float* out, int64_t ldo);
+
+}  // namespace quant
