@@ -12,6 +12,7 @@ import gc
 import http.client
 import json
 import logging
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ import grpc
 import httpx
 import openai
 import pytest
+import transformers
 from frontends import start_frontends, stop_frontends, wait_started
 from model_utils import TINY
 from starlette.applications import Starlette
@@ -41,6 +43,7 @@ from treadle.core.sampling_params import (
 )
 from treadle.frontend.async_engine import AsyncEngine
 from treadle.frontend.detokenizer import IncrementalDetokenizer
+from treadle.model.source import resolve_model
 from treadle.server.auth import bearer_token, parse_api_keys
 from treadle.server.grpc import treadle_pb2 as pb
 from treadle.server.grpc import treadle_pb2_grpc as pb_grpc
@@ -612,6 +615,41 @@ def test_prompt_logprobs_prefill_the_prompt_once_for_all_samples(port, engine):
     assert sorted(firsts) == list(range(8))
     assert all(len(c["logprobs"]["tokens"]) >= len(prompt) for c in firsts.values())
     assert_healthy_and_idle(port, engine)
+
+
+def test_prompt_logprobs_of_n_samples_prefill_a_long_prompt_once(tmp_path):
+    """n=8 with prompt_logprobs on a 1,000-token prompt, prefilled in chunks: the step trace's
+    prefill tokens are the prompt once, plus each later sample's last partial block (each
+    sample computed it whole before; then, beside sample 0, sample 1 its own chunks)."""
+    folder = tmp_path / "tiny-2k"
+    source = resolve_model(None).folder
+    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
+        **TINY, "vocab_size": vocab, "tie_word_embeddings": True,
+        "max_position_embeddings": 2048})).save_pretrained(folder)
+    shutil.copy(source / "tokenizer.json", folder / "tokenizer.json")
+    shutil.copy(source / "tokenizer_config.json", folder / "tokenizer_config.json")
+    trace = tmp_path / "trace.json"
+    engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
+        model=str(folder), dtype="float32", kv_cache_memory_bytes=32 << 20, trace_file=str(trace))))
+    frontends, thread = start_frontends(engine, ServerConfig(port=0))
+    try:
+        wait_started(frontends, thread)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{frontends.port}/v1", api_key="x",
+                               max_retries=0, timeout=120)
+        prompt, n = [1000 + i % 3000 for i in range(1000)], 8
+        out = client.completions.create(model=engine.model_name, prompt=prompt, n=n,
+                                        max_tokens=1, temperature=1.0,
+                                        extra_body={"prompt_logprobs": 2})
+    finally:
+        stop_frontends(frontends, thread)
+    first = out.choices[0].prompt_logprobs
+    assert len(first) == len(prompt) and first[0] is None and len(first[1]) >= 2
+    assert sorted(c.index for c in out.choices) == list(range(n))
+    assert all(c.prompt_logprobs == first for c in out.choices)
+    block_size = engine.config.engine.cache.block_size
+    prefill = sum(e["args"]["prefill_tokens"] for e in json.loads(trace.read_text()))
+    assert len(prompt) <= prefill <= len(prompt) + (n - 1) * block_size
 
 
 def test_prompt_logprobs_past_the_response_limit_are_refused(port, engine):

@@ -116,6 +116,9 @@ class AsyncEngine:
         # The processor, admission, observer, request ids and the client: shared with the reader.
         self.lock = threading.Lock()
         self.streams: dict[str, Stream] = {}
+        # A request's samples held back until sample 0 (by its engine id) has prefilled the
+        # prompt: asking for prompt logprobs, only it computes them, and it shares no prefix.
+        self.after_prefill: dict[str, list[AddRequest]] = {}
         self.request_ids = RequestIds(self.lock, self._holds_id)
         self.metrics = ServerMetrics(self.model_name, config.observability.max_tenant_labels)
         self.admission = Admission(config.admission)
@@ -232,6 +235,7 @@ class AsyncEngine:
                 for request_id in list(self.processor.requests):
                     self.processor.remove(request_id)
                 self.streams.clear()
+                self.after_prefill.clear()
                 self.admission.drop_queued()
         for stream in streams:
             stream.put(error)
@@ -393,11 +397,18 @@ class AsyncEngine:
                 self.streams[request_id] = Stream(queue, index)
                 self.observer.start(request_id, tenant, ttft, tpot, received)
                 self.live.start(request_id, params.n, tenant, priority, len(prompt), arrival)
+                messages = [AddRequest(engine_id, prompt, engine_params, priority, tenant, salt,
+                                       ttft, tpot, pooling)
+                            for engine_id, engine_params in engine_requests]
+                if params.prompt_logprobs is not None and len(messages) > 1:
+                    # The other samples go once sample 0 has prefilled: they find its whole
+                    # prompt in the prefix cache, and its prompt logprobs come first.
+                    self.after_prefill[messages[0].request_id] = messages[1:]
+                    messages = messages[:1]
                 # To a dead engine they are dropped: the reader has seen its end, or is about
                 # to, and then fails this stream with the others.
-                for engine_id, engine_params in engine_requests:
-                    self._send(AddRequest(engine_id, prompt, engine_params, priority, tenant,
-                                          salt, ttft, tpot, pooling))
+                for message in messages:
+                    self._send(message)
             self.admission.admit(request_ids[0], request_ids, tenant, num_tokens)
         return queue
 
@@ -408,6 +419,7 @@ class AsyncEngine:
             state, stream = self.processor.requests.get(request_id), self.streams.get(request_id)
             if state is None or stream is None or state.finished:
                 return False
+            self.after_prefill.pop(state.samples[0].engine_request_id, None)
             deltas = []
             for sample in state.samples:
                 if sample.finished:
@@ -426,8 +438,11 @@ class AsyncEngine:
             self.observer.forget(request_id)
             self.live.forget(request_id, time.monotonic())
             self.streams.pop(request_id, None)
+            engine_ids = self.processor.engine_ids(request_id)
+            if engine_ids:
+                self.after_prefill.pop(engine_ids[0], None)
             if abort:
-                for engine_id in self.processor.engine_ids(request_id):
+                for engine_id in engine_ids:
                     self._send(AbortRequest(engine_id))
             self.processor.remove(request_id)
 
@@ -482,6 +497,9 @@ class AsyncEngine:
             deltas, to_abort = self.processor.process(message.outputs)
             for engine_id in to_abort:
                 self._send(AbortRequest(engine_id))
+            for out in message.outputs:  # a sample 0 that prefilled: its request's other samples
+                for held in self.after_prefill.pop(out.request_id, ()):
+                    self._send(held)
             updates: dict[str, list[SampleDelta]] = {}
             now = time.monotonic()
             for delta in deltas:

@@ -4,15 +4,14 @@ A client request with n > 1 runs as n engine requests (`{id}/{i}`: no client id 
 none is another's sample), each its own sequence with its own seed (seed + i). With prefix caching
 on, the later samples find the first one's full prompt blocks cached and share them by ref count,
 then diverge; nothing is copied. Prompt logprobs are computed once, by sample 0 (a request that
-asks for them gets no prefix hit: it needs logits at every prompt position); the others keep
-the prefix cache's sharing, and their outputs wait here until the prompt's logprobs have come,
-so that every sample's first update has them. Stop strings are matched here, on text; a match
+asks for them gets no prefix hit: it needs logits at every prompt position); AsyncEngine sends
+the others once sample 0 has prefilled, so they share its prompt's blocks and every sample's
+first update has the prompt's logprobs. Stop strings are matched here, on text; a match
 finishes the sample and asks the engine to abort it.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field, replace
 
 from treadle.core.messages import EngineCoreOutput, TokenLogprobs
@@ -67,17 +66,10 @@ class RequestState:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
     embedding: list[float] | None = None  # a pooling request's, once it has finished
-    held: list[EngineCoreOutput] = field(default_factory=list)  # until the prompt logprobs
 
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.samples)
-
-    @property
-    def awaits_prompt_logprobs(self) -> bool:
-        """Sample 0 is yet to bring the prompt logprobs the request asked for."""
-        return (self.params.prompt_logprobs is not None and self.prompt_logprobs is None
-                and not self.samples[0].finished)
 
     @property
     def num_output_tokens(self) -> int:
@@ -128,17 +120,12 @@ class OutputProcessor:
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[SampleDelta], list[str]]:
         """Deltas per sample, and the engine requests to abort (a stop string matched)."""
         deltas, to_abort = [], []
-        pending = deque(outputs)
-        while pending:
-            out = pending.popleft()
+        for out in outputs:
             entry = self.samples.get(out.request_id)
             if entry is None:
                 continue
             state, sample = entry
             if sample.finished:  # stopped on a string before the engine heard of it
-                continue
-            if sample.index and state.awaits_prompt_logprobs:
-                state.held.append(out)
                 continue
             if out.prompt_logprobs is not None:
                 state.prompt_logprobs = out.prompt_logprobs
@@ -166,7 +153,4 @@ class OutputProcessor:
                                       out.logprobs, sample.finished, sample.finish_reason,
                                       sample.stop_reason, out.timings, out.events,
                                       out.stats))
-            if state.held and not state.awaits_prompt_logprobs:  # next, in their order
-                pending.extendleft(reversed(state.held))
-                state.held.clear()
         return deltas, to_abort
