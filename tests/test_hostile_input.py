@@ -652,6 +652,18 @@ def test_prompt_logprobs_of_n_samples_prefill_a_long_prompt_once(tmp_path):
     assert len(prompt) <= prefill <= len(prompt) + (n - 1) * block_size
 
 
+def test_a_prompt_logprobs_request_left_early_leaves_nothing_behind(port, engine):
+    """Its later samples, sent once sample 0 has prefilled, are aborted with it."""
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json={
+            "prompt": [7] * 100, "n": 4, "max_tokens": 100, "ignore_eos": True,
+            "prompt_logprobs": 1, "stream": True},
+            headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as response:
+        assert response.status_code == 200
+        next(line for line in response.iter_lines() if line.startswith("data: {"))
+    assert_healthy_and_idle(port, engine)
+    assert not engine.after_prefill and not engine.processor.requests
+
+
 def test_prompt_logprobs_past_the_response_limit_are_refused(port, engine):
     """128 samples x 250 prompt tokens x 21 entries: a response of hundreds of megabytes."""
     error = assert_openai_error(*post(port, "/v1/completions", {
