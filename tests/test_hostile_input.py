@@ -7,8 +7,12 @@ auth on every route; and the gRPC edge cases REST already refused."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import gc
 import http.client
 import json
+import logging
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +22,7 @@ import grpc
 import httpx
 import openai
 import pytest
+import transformers
 from frontends import start_frontends, stop_frontends, wait_started
 from model_utils import TINY
 from starlette.applications import Starlette
@@ -27,6 +32,7 @@ from starlette.routing import Route
 from treadle.cli import build_parser
 from treadle.config import AsyncEngineConfig, ServerConfig, build_config
 from treadle.core.sampling_params import (
+    MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_N,
     MAX_N_STOP_CHARS,
@@ -37,12 +43,15 @@ from treadle.core.sampling_params import (
 )
 from treadle.frontend.async_engine import AsyncEngine
 from treadle.frontend.detokenizer import IncrementalDetokenizer
+from treadle.model.source import resolve_model
 from treadle.server.auth import bearer_token, parse_api_keys
 from treadle.server.grpc import treadle_pb2 as pb
 from treadle.server.grpc import treadle_pb2_grpc as pb_grpc
 from treadle.server.openai.middleware import APIKeyMiddleware
 
 KEY = "sekrit"
+# Keys of two tenants and the admin (who sees every tenant's records), beside KEY (key-1).
+TENANT_KEYS = {"alice": "alice-key", "bob": "bob-key", "admin": "admin-key"}
 MAX_MODEL_LEN = TINY["max_position_embeddings"]
 MAX_PROMPT_CHARS = MAX_MODEL_LEN * MAX_PROMPT_CHARS_PER_TOKEN
 IDLE = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0}
@@ -54,8 +63,8 @@ def server(tiny_folder):
     engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
         model=str(tiny_folder), dtype="float32", kv_cache_memory_bytes=16 << 20,
         max_model_len=MAX_MODEL_LEN)))
-    config = ServerConfig(port=0, grpc_port=0, api_keys=tuple(parse_api_keys([KEY])),
-                          enable_debug_endpoints=True)
+    keys = parse_api_keys([KEY], [f"{name}:{key}" for name, key in TENANT_KEYS.items()])
+    config = ServerConfig(port=0, grpc_port=0, api_keys=tuple(keys), enable_debug_endpoints=True)
     frontends, thread = start_frontends(engine, config)
     wait_started(frontends, thread)
     yield frontends.port, engine, frontends.grpc_port
@@ -565,3 +574,263 @@ def test_metrics_without_auth_opens_metrics_only():
     assert asyncio.run(statuses(False)) == [401, 401, 200]
     assert asyncio.run(statuses(True)) == [200, 401, 200]
     assert build_parser().parse_args(["serve", "--metrics-without-auth"]).metrics_without_auth
+
+
+# Round three (issue 33).
+
+def as_tenant(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {TENANT_KEYS[name]}"}
+
+
+def prefill_tokens_since(engine: AsyncEngine, cursor: int) -> int:
+    """Prompt tokens the engine computed in the steps after `cursor` (LiveFeed's step count)."""
+    with engine.live.lock:
+        return sum(step.num_prefill_tokens for seq, step in engine.live.steps if seq > cursor)
+
+
+def test_prompt_logprobs_prefill_the_prompt_once_for_all_samples(port, engine):
+    """Only one sample computes the prompt's logprobs (a request asking for them gets no prefix
+    hit); the others share its KV through the prefix cache, and every choice carries them."""
+    prompt = list(range(1000, 1200))
+    cursor = engine.live.num_steps
+    status, reply = post(port, "/v1/completions", {
+        "prompt": prompt, "n": 8, "temperature": 1.0, "max_tokens": 1, "prompt_logprobs": 2})
+    assert status == 200, reply
+    assert prefill_tokens_since(engine, cursor) < 2 * len(prompt)
+    first = reply["choices"][0]["prompt_logprobs"]
+    assert len(first) == len(prompt) and first[0] is None and len(first[1]) >= 2
+    assert all(choice["prompt_logprobs"] == first for choice in reply["choices"])
+    # Streamed with echo, each sample's first chunk carries the prompt's logprobs.
+    status, events = post(port, "/v1/completions", {
+        "prompt": prompt, "n": 8, "temperature": 1.0, "max_tokens": 2, "echo": True,
+        "logprobs": 1, "stream": True})
+    assert status == 200
+    chunks = [json.loads(line[6:]) for line in events.decode().splitlines()
+              if line.startswith("data: {")]
+    firsts = {}
+    for chunk in chunks:
+        assert "error" not in chunk, chunk
+        for choice in chunk["choices"]:
+            firsts.setdefault(choice["index"], choice)
+    assert sorted(firsts) == list(range(8))
+    assert all(len(c["logprobs"]["tokens"]) >= len(prompt) for c in firsts.values())
+    assert_healthy_and_idle(port, engine)
+
+
+def test_prompt_logprobs_of_n_samples_prefill_a_long_prompt_once(tmp_path):
+    """n=8 with prompt_logprobs on a 1,000-token prompt, prefilled in chunks: the step trace's
+    prefill tokens are the prompt once, plus each later sample's last partial block (each
+    sample computed it whole before; then, beside sample 0, sample 1 its own chunks)."""
+    folder = tmp_path / "tiny-2k"
+    source = resolve_model(None).folder
+    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
+        **TINY, "vocab_size": vocab, "tie_word_embeddings": True,
+        "max_position_embeddings": 2048})).save_pretrained(folder)
+    shutil.copy(source / "tokenizer.json", folder / "tokenizer.json")
+    shutil.copy(source / "tokenizer_config.json", folder / "tokenizer_config.json")
+    trace = tmp_path / "trace.json"
+    engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
+        model=str(folder), dtype="float32", kv_cache_memory_bytes=32 << 20, trace_file=str(trace))))
+    frontends, thread = start_frontends(engine, ServerConfig(port=0))
+    try:
+        wait_started(frontends, thread)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{frontends.port}/v1", api_key="x",
+                               max_retries=0, timeout=120)
+        prompt, n = [1000 + i % 3000 for i in range(1000)], 8
+        out = client.completions.create(model=engine.model_name, prompt=prompt, n=n,
+                                        max_tokens=1, temperature=1.0,
+                                        extra_body={"prompt_logprobs": 2})
+    finally:
+        stop_frontends(frontends, thread)
+    first = out.choices[0].prompt_logprobs
+    assert len(first) == len(prompt) and first[0] is None and len(first[1]) >= 2
+    assert sorted(c.index for c in out.choices) == list(range(n))
+    assert all(c.prompt_logprobs == first for c in out.choices)
+    block_size = engine.config.engine.cache.block_size
+    prefill = sum(e["args"]["prefill_tokens"] for e in json.loads(trace.read_text()))
+    assert len(prompt) <= prefill <= len(prompt) + (n - 1) * block_size
+
+
+def test_a_prompt_logprobs_request_left_early_leaves_nothing_behind(port, engine):
+    """Its later samples, sent once sample 0 has prefilled, are aborted with it."""
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json={
+            "prompt": [7] * 100, "n": 4, "max_tokens": 100, "ignore_eos": True,
+            "prompt_logprobs": 1, "stream": True},
+            headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as response:
+        assert response.status_code == 200
+        next(line for line in response.iter_lines() if line.startswith("data: {"))
+    assert_healthy_and_idle(port, engine)
+    assert not engine.after_prefill and not engine.processor.requests
+
+
+def test_prompt_logprobs_past_the_response_limit_are_refused(port, engine):
+    """128 samples x 250 prompt tokens x 21 entries: a response of hundreds of megabytes."""
+    error = assert_openai_error(*post(port, "/v1/completions", {
+        "prompt": [7] * 250, "n": MAX_N, "temperature": 1.0, "max_tokens": 1,
+        "prompt_logprobs": 20}))
+    assert error["param"] == "prompt_logprobs" and "limit" in error["message"]
+    error = assert_openai_error(*post(port, "/v1/completions", {
+        "prompt": [7] * 250, "n": MAX_N, "temperature": 1.0, "max_tokens": 1, "echo": True,
+        "logprobs": 20}))
+    assert error["param"] == "logprobs" and "limit" in error["message"]
+    assert_healthy_and_idle(port, engine)
+
+
+def test_a_required_tool_choice_whose_constraint_is_too_large_is_400(port, engine):
+    """The tools pass their own limit; the constraint built from them would not."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "description": "x" * (MAX_GRAMMAR_CHARS - 150)}}}]
+    assert len(json.dumps(tools)) <= MAX_GRAMMAR_CHARS
+    error = assert_openai_error(*post(port, "/v1/chat/completions", {
+        **CHAT, "tools": tools, "tool_choice": "required"}))
+    assert error["param"] == "tools" and str(MAX_GRAMMAR_CHARS) in error["message"]
+    assert_healthy_and_idle(port, engine)
+
+
+# Constraints llguidance compiles but cannot follow: its lexer gives up on the first token.
+UNFOLLOWABLE = [("guided_regex", "(x{1000}){1000}"), ("guided_regex", "a{1000000}"),
+                ("guided_json", {"$ref": "#"}),
+                ("guided_json", {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})]
+
+
+@pytest.mark.parametrize(("field", "value"), UNFOLLOWABLE)
+def test_a_constraint_that_cannot_be_followed_is_refused_up_front(port, engine, field, value):
+    error = assert_openai_error(*post(port, "/v1/completions", {
+        **COMPLETION, "max_tokens": 8, field: value}))
+    assert error["param"] == field, error
+    assert_healthy_and_idle(port, engine)
+
+
+def test_a_constraint_that_fails_midway_ends_with_an_error(port, engine):
+    """The model's first choice hides the failure from any check before generation: the
+    request ends with an error, never as a normal stop with output that breaks it."""
+    body = {**COMPLETION, "max_tokens": 8, "guided_regex": "(a|b)(x{1000}){1000}"}
+    status, reply = post(port, "/v1/completions", body)
+    assert status != 200, reply
+    assert_openai_error(status, reply, status)
+    status, events = post(port, "/v1/completions", {**body, "stream": True})
+    assert status == 200 and events.decode().rstrip().endswith("data: [DONE]")
+    assert '"error"' in events.decode() and '"finish_reason":"stop"' not in events.decode()
+    assert_healthy_and_idle(port, engine)
+
+
+def test_many_embedding_inputs_are_one_request_in_the_queue(port, engine):
+    """300 inputs (OpenAI allows 2,048) on an idle server with the default queue of 256."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0,
+                           timeout=120)
+    out = client.embeddings.create(model=engine.model_name, input=["a b"] * 300)
+    assert len(out.data) == 300
+    assert_healthy_and_idle(port, engine)
+
+
+def test_a_batch_larger_than_a_tenant_may_have_in_flight_is_400(port, engine):
+    config = engine.admission.config
+    engine.admission.config = dataclasses.replace(config, max_requests_per_tenant=4)
+    try:
+        for path, body, field in (("/v1/completions", {**COMPLETION, "prompt": ["a"] * 8},
+                                   "prompt"),
+                                  ("/v1/embeddings", {"input": ["a"] * 8}, "input")):
+            error = assert_openai_error(*post(port, path, body))
+            assert error["param"] == field and "max_requests_per_tenant" in error["message"]
+        status, _ = post(port, "/v1/completions", {**COMPLETION, "prompt": ["a"] * 4})
+        assert status == 200  # at the limit
+    finally:
+        engine.admission.config = config
+    assert_healthy_and_idle(port, engine)
+
+
+def test_request_records_are_scoped_to_the_tenant(port, engine):
+    """explain, debug and the dashboard's request panel: a key sees its tenant's requests, the
+    admin key every tenant's; a finished request's id reused by another tenant stays its own."""
+    headers = {**as_tenant("alice"), "X-Request-Id": "alice-1"}
+    assert post(port, "/v1/completions", COMPLETION, headers=headers)[0] == 200
+    paths = ("/v1/requests/alice-1/explain", "/debug/requests/alice-1",
+             "/dashboard/requests/alice-1")
+    for path in paths:
+        assert request(port, "GET", path, headers=as_tenant("alice"))[0] == 200, path
+        assert request(port, "GET", path, headers=as_tenant("admin"))[0] == 200, path
+        error = assert_openai_error(*request(port, "GET", path, headers=as_tenant("bob")), 404)
+        assert error["code"] == "request_not_found"
+    status, _ = post(port, "/v1/completions", {**COMPLETION, "max_tokens": 2},
+                     headers={**as_tenant("bob"), "X-Request-Id": "alice-1"})
+    assert status == 200
+    status, timeline = request(port, "GET", "/debug/requests/alice-1", headers=as_tenant("alice"))
+    assert status == 200 and timeline["tenant"] == "alice" and timeline["output_tokens"] == 1
+
+
+def test_the_dashboard_feed_shows_a_tenant_only_its_own_requests(port, engine):
+    for tenant in ("alice", "bob"):
+        assert post(port, "/v1/completions", COMPLETION, headers=as_tenant(tenant))[0] == 200
+
+    def tenants_in_feed(tenant: str) -> set[str]:
+        with httpx.stream("GET", f"http://127.0.0.1:{port}/dashboard/feed",
+                          headers=as_tenant(tenant), timeout=10) as response:
+            assert response.status_code == 200
+            line = next(line for line in response.iter_lines() if line.startswith("data: "))
+        snapshot = json.loads(line[6:])
+        census = snapshot["now"]["waiting_by"] + snapshot["now"]["running_by"]
+        return {row["tenant"] for row in snapshot["requests"] + census}
+
+    assert tenants_in_feed("bob") == {"bob"}
+    assert {"alice", "bob"} <= tenants_in_feed("admin")
+
+
+def test_a_closed_dashboard_feed_frees_its_slot_at_once(port, engine):
+    """Each feed is one of at most 16; a closed one's slot is free again without waiting for
+    the garbage collector (off here, as between its passes)."""
+    gc.disable()
+    try:
+        for _ in range(17):
+            deadline = time.monotonic() + 10
+            while True:
+                with httpx.stream("GET", f"http://127.0.0.1:{port}/dashboard/feed",
+                                  headers={"Authorization": f"Bearer {KEY}"},
+                                  timeout=10) as response:
+                    if response.status_code == 200:
+                        next(line for line in response.iter_lines() if line.startswith("data: "))
+                        break
+                    response.read()
+                assert response.status_code == 429 and time.monotonic() < deadline, \
+                    "a closed feed still holds its slot"
+                time.sleep(0.05)
+    finally:
+        gc.enable()
+
+
+def test_a_key_in_the_query_string_is_not_logged(port):
+    """The dashboard's page link carries the key (?key=); the access log does not."""
+    lines: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    access = logging.getLogger("uvicorn.access")
+    handler = Capture()
+    access.addHandler(handler)
+    try:
+        request(port, "GET", f"/dashboard?key={KEY}&x=1", headers={"Authorization": ""})
+        request(port, "GET", f"/v1/models?api_key={KEY}")
+    finally:
+        access.removeHandler(handler)
+    assert len(lines) == 2 and all(KEY not in line for line in lines), lines
+    assert "/dashboard?key=" in lines[0]
+
+
+def test_tool_results_must_answer_an_earlier_call(port, engine):
+    """As OpenAI: a tool message needs a tool_call_id naming a call of an earlier assistant
+    message."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turns = [{"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": None, "tool_calls": [call]}]
+    for result, param in (({"role": "tool", "content": "42"}, "messages[2].tool_call_id"),
+                          ({"role": "tool", "content": "42", "tool_call_id": "call_9"},
+                           "messages[2].tool_call_id")):
+        error = assert_openai_error(*post(port, "/v1/chat/completions", {
+            **CHAT, "messages": [*turns, result]}))
+        assert error["param"] == param, error
+    status, _ = post(port, "/v1/chat/completions", {
+        **CHAT, "messages": [*turns, {"role": "tool", "content": "42", "tool_call_id": "call_1"}]})
+    assert status == 200
+    assert_healthy_and_idle(port, engine)

@@ -22,12 +22,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from treadle.config import AsyncEngineConfig, ServerConfig, build_config
 from treadle.core.sampling_params import SamplingParams
+from treadle.errors import InvalidField
 from treadle.frontend.async_engine import AsyncEngine
 from treadle.llm import LLM
 from treadle.server.auth import parse_api_keys
 from treadle.server.grpc import treadle_pb2 as pb
 from treadle.server.grpc import treadle_pb2_grpc as pb_grpc
-from treadle.server.openai.completions import COMPLETION_PARAMS
 from treadle.server.openai.protocol import CompletionResponse
 from treadle.server.openai.serving import sse
 
@@ -506,10 +506,10 @@ def test_disconnect_aborts_the_request(port, engine, model):
 def test_an_error_after_the_stream_began_is_its_last_event_before_done():
     async def chunks():
         yield CompletionResponse(id="cmpl-1", model="m", choices=[])
-        raise ValueError("stop_token_ids must be in [0, 10); got 12")
+        raise InvalidField("stop_token_ids", "stop_token_ids must be in [0, 10); got 12")
 
     async def events():
-        return [e async for e in sse(chunks(), COMPLETION_PARAMS, keepalive=15.0)]
+        return [e async for e in sse(chunks(), keepalive=15.0)]
 
     *first, last, done = asyncio.run(events())
     assert len(first) == 1 and json.loads(first[0].removeprefix("data: "))["id"] == "cmpl-1"

@@ -90,7 +90,9 @@ def add_serve_settings(srv: argparse.ArgumentParser) -> None:
     groups[SERVER].add_argument(
         "--api-key-file", default=argparse.SUPPRESS,
         help="API keys, one per line: KEY, NAME:KEY or NAME:KEY:WEIGHT; NAME is the tenant of "
-             "the key's requests (default key-N), WEIGHT its weight")
+             "the key's requests (default key-N), WEIGHT its weight; a key reads its own "
+             "tenant's request records (explain, timelines, the dashboard's rows), keys named "
+             "admin every tenant's")
     groups[OPERATIONS].add_argument(
         "--no-restart-engine", dest="max_engine_restarts", action="store_const", const=0,
         default=argparse.SUPPRESS,

@@ -370,8 +370,8 @@ class AdmissionConfig:
     tenants, cache isolation, default objectives. See treadle/frontend/admission.py."""
 
     # None: no limit.
-    max_queued_requests: int | None = setting(256, "requests waiting for their first token; "
-                                              "past it: 429")
+    max_queued_requests: int | None = setting(256, "requests waiting for their first token "
+                                              "(a batch of prompts is one); past it: 429")
     max_queued_tokens: int | None = setting(None, "prompt tokens waiting for their first "
                                             "token; past it: 429", none="no limit")
     max_requests_per_tenant: int | None = setting(None, "requests in flight per tenant; past "

@@ -27,7 +27,12 @@ from treadle.core.step_loop import (
     SystemClock,
     latency_breakdown,
 )
-from treadle.core.structured_output import StructuredOutputManager
+from treadle.core.structured_output import (
+    StructuredOutputManager,
+    grammar_error,
+    grammar_failed,
+)
+from treadle.errors import PROMPT, InvalidField
 from treadle.model.batch import ModelInput, ModelOutput, ScheduledSequence, cat_outputs
 from treadle.model.memory import gib
 from treadle.model.pooling import PooledHidden
@@ -82,19 +87,20 @@ class EngineCore:
                     cache_salt: str | None = None, *, tenant: str | None = None,
                     ttft: float | None = None, tpot: float | None = None,
                     pooling: bool = False) -> None:
-        """Queue a request; ValueError (the client's fault) if it can never run. `tenant`: whose
+        """Queue a request; InvalidField (the client's fault) if it can never run. `tenant`: whose
         share it uses under the fair policy (None: "default"); `ttft`, `tpot`: objectives in
         seconds, for the policies that read them (None: none). `pooling`: an embedding request,
         prefill only, whose finishing output carries the prompt's pooled hidden states (sampling
         parameters unused)."""
         check_max_logprobs(sampling_params, self.max_logprobs)
         vocab = self.executor.facts.vocab_size
-        for field, ids in (("prompt token ids", prompt_token_ids),
-                           ("stop_token_ids", sampling_params.stop_token_ids),
-                           ("logit_bias token ids", sampling_params.logit_bias)):
+        ids_by_field = ((PROMPT, "prompt token ids", prompt_token_ids),
+                        ("stop_token_ids", "stop_token_ids", sampling_params.stop_token_ids),
+                        ("logit_bias", "logit_bias token ids", sampling_params.logit_bias))
+        for param, what, ids in ids_by_field:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"{field} must be in [0, {vocab}); got {bad[0]}")
+                raise InvalidField(param, f"{what} must be in [0, {vocab}); got {bad[0]}")
         request = Request(request_id, prompt_token_ids, sampling_params, priority=priority,
                           cache_salt=cache_salt, tenant=tenant or DEFAULT_TENANT, ttft=ttft,
                           tpot=tpot, pooling=self.pooling if pooling else None)
@@ -234,10 +240,13 @@ class EngineCore:
             token_bitmask=bitmask)
         sampled = {r.request_id: t
                    for r, t in zip(requests, sampler_output.token_ids, strict=True)}
-        grammar_complete = advance_matchers(requests, sampler_output.token_ids)
+        grammar_complete, grammar_failed = advance_matchers(requests, sampler_output.token_ids)
+        failed = {r.request_id for r in grammar_failed}
+        for request_id in failed:  # ended before its token is appended: the token breaks it
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_GRAMMAR_ERROR)
         first_tokens = {r.request_id for r in requests if r.num_output_tokens == 0}
         finished_requests = self.scheduler.update_from_output(scheduler_output, sampled)
-        finished = {r.request_id for r in finished_requests}
+        finished = {r.request_id for r in finished_requests} | failed
         for request in grammar_complete:  # its grammar admits nothing more: it stops here
             if not request.is_finished:
                 self.scheduler.finish_request(request.request_id,
@@ -255,7 +264,9 @@ class EngineCore:
             logprobs = sampler_output.logprobs and sampler_output.logprobs[i]
             first = request.request_id in first_tokens
             outputs.append(EngineCoreOutput(
-                request.request_id, [sampled[request.request_id]], done, request.finish_reason,
+                request.request_id,
+                [] if request.request_id in failed else [sampled[request.request_id]], done,
+                request.finish_reason,
                 request.num_cached_tokens, logprobs=[logprobs] if logprobs else None,
                 prompt_logprobs=[None, *request.prompt_logprobs]
                 if first and request.sampling_params.prompt_logprobs is not None else None,
@@ -295,21 +306,23 @@ class EngineCore:
         return EngineCoreOutput(request.request_id, [], True, "error", request.num_cached_tokens)
 
 
-def advance_matchers(requests: list[Request], token_ids: list[int]) -> list[Request]:
-    """Feed each constrained request its sampled token; the requests whose grammar is now
-    complete (or broken: a token the mask allowed but the matcher refused, logged)."""
-    complete = []
+def advance_matchers(requests: list[Request], token_ids: list[int]
+                     ) -> tuple[list[Request], list[Request]]:
+    """Feed each constrained request its sampled token: the requests whose grammar is now
+    complete, and those whose grammar failed (its matcher refused the token its mask allowed,
+    or gave up computing the mask: a grammar it compiled but cannot follow; logged)."""
+    complete, failed = [], []
     for request, token in zip(requests, token_ids, strict=True):
         matcher = request.grammar
         if matcher is None:
             continue
-        if not matcher.consume_token(token):
-            logger.warning("request %s: its grammar refused token %d: %s", request.request_id,
-                           token, matcher.get_error())
-            complete.append(request)
+        if not matcher.consume_token(token) or grammar_failed(matcher):
+            logger.warning("request %s: its grammar failed at token %d: %s", request.request_id,
+                           token, grammar_error(matcher))
+            failed.append(request)
         elif matcher.is_stopped():
             complete.append(request)
-    return complete
+    return complete, failed
 
 
 def num_hidden_rows(request: Request, start: int, num_new: int) -> int | None:

@@ -30,6 +30,7 @@ from treadle.core.messages import (
     StepOutputs,
 )
 from treadle.core.step_trace import StepTraceWriter
+from treadle.errors import InvalidField
 
 if TYPE_CHECKING:
     from treadle.core.engine_core import EngineCore
@@ -137,5 +138,7 @@ def add_request(core: EngineCore, message: AddRequest, outputs: Connection) -> N
         core.add_request(message.request_id, message.prompt_token_ids, message.params,
                          message.priority, message.cache_salt, tenant=message.tenant,
                          ttft=message.ttft, tpot=message.tpot, pooling=message.pooling)
+    except InvalidField as e:
+        outputs.send(RequestRejected(message.request_id, str(e), INVALID_REQUEST, e.param))
     except ValueError as e:
         outputs.send(RequestRejected(message.request_id, str(e), INVALID_REQUEST))

@@ -151,12 +151,14 @@ INVALID_REQUEST = "invalid_request"  # a RequestRejected's reason when the reque
 
 @dataclass(frozen=True, slots=True)
 class RequestRejected:
-    """The engine refused a request: `reason` INVALID_REQUEST (a ValueError), or the name of
-    the queue policy that refused it at once (its admission hook: the frontend's 429)."""
+    """The engine refused a request: `reason` INVALID_REQUEST (a ValueError; `param` names the
+    field when it is an InvalidField), or the name of the queue policy that refused it at once
+    (its admission hook: the frontend's 429)."""
 
     request_id: str
     message: str
     reason: str
+    param: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

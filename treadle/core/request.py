@@ -28,6 +28,9 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = (6, "abort")
     FINISHED_ERROR = (7, "error")
     FINISHED_QUEUE_TIMEOUT = (8, "queue_timeout")  # waited past max_queue_wait, never scheduled
+    # Its output's grammar failed (one llguidance compiles but cannot follow): the output so far
+    # may break the constraint, so it is no normal stop.
+    FINISHED_GRAMMAR_ERROR = (9, "grammar_error")
 
     def __init__(self, _: int, finish_reason: str | None) -> None:
         self.finish_reason = finish_reason

@@ -2,7 +2,8 @@
 
 Field names, defaults and ranges follow vLLM's `SamplingParams` (vllm/sampling_params.py,
 `_verify_args`), so that a client of either engine means the same thing. Every error is a
-`ValueError` worded "<field> must be <range>, got <value>"; the frontend turns it into a 400.
+`InvalidField` (treadle/errors.py) naming the field, worded "<field> must be <range>, got <value>";
+the frontends answer it with a 400 or INVALID_ARGUMENT.
 
 The MAX_* constants bound what one request may ask for (README, "Limits"): each is a size a
 client chooses and the server pays for, on the event loop, in the engine loop or in memory.
@@ -15,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any
+
+from treadle.errors import InvalidField
 
 MAX_N = 128  # OpenAI's limit; each sample is an engine request, so n must stay bounded
 MAX_LOGIT_BIAS = 100.0  # OpenAI: each bias in [-100, 100]
@@ -36,6 +39,10 @@ MAX_PROMPT_CHARS_PER_TOKEN = 32
 # loop but still in its process: its size bounds that work and the compiled grammar's memory.
 MAX_GRAMMAR_CHARS = 65536
 MAX_CHOICES = 1024
+# Each sample of a response carries its prompt's logprobs (the top prompt_logprobs of every
+# prompt token, and its own): entries a response may hold in all, a few tens of megabytes of
+# JSON. One sample over a full 8K context at the most logprobs (172K entries) stays within.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 19
 
 
 @dataclass
@@ -77,7 +84,7 @@ class SamplingParams:
         if 0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
         if self.n > 1 and self.temperature == 0:  # vLLM too: n greedy copies would be equal
-            raise ValueError(f"n must be 1 when temperature is 0 (greedy), got {self.n}")
+            raise InvalidField("n", f"n must be 1 when temperature is 0 (greedy), got {self.n}")
         self.top_p = _check_float("top_p", self.top_p, 0.0, 1.0, "in (0, 1]", open_low=True)
         if not (_is_int(self.top_k) and self.top_k == -1):
             self.top_k = _check_int("top_k", self.top_k, 1, None, "-1 (off) or >= 1")
@@ -97,15 +104,16 @@ class SamplingParams:
         self.stop = _check_stop(self.stop)
         stop_chars = sum(len(s) for s in self.stop)
         if self.n * stop_chars > MAX_N_STOP_CHARS:
-            raise ValueError(f"stop must be at most {MAX_N_STOP_CHARS} characters times n, got "
-                             f"{stop_chars} characters and n={self.n}")
+            raise InvalidField("stop", f"stop must be at most {MAX_N_STOP_CHARS} characters times "
+                               f"n, got {stop_chars} characters and n={self.n}")
         self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids, got "
-                             f"{len(self.stop_token_ids)}")
+            raise InvalidField("stop_token_ids", f"stop_token_ids must be at most "
+                               f"{MAX_STOP_TOKEN_IDS} token ids, got {len(self.stop_token_ids)}")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {_short(getattr(self, name))}")
+                raise InvalidField(name, f"{name} must be a bool, got "
+                                   f"{_short(getattr(self, name))}")
         # Their upper bound is the engine's max_logprobs setting: check_max_logprobs.
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
@@ -113,8 +121,8 @@ class SamplingParams:
                                                "None or an int >= 0"))
         self.logit_bias = _check_logit_bias(self.logit_bias)
         if not isinstance(self.structured_outputs, StructuredOutputsParams | None):
-            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
-                             f"{_short(self.structured_outputs)}")
+            raise _structured(f"structured_outputs must be a StructuredOutputsParams, got "
+                              f"{_short(self.structured_outputs)}")
 
 
 @dataclass(frozen=True)
@@ -135,30 +143,30 @@ class StructuredOutputsParams:
                  if getattr(self, name) is not None] + (["json_object"] if self.json_object
                                                         else [])
         if len(given) != 1:
-            raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, "
-                             f"grammar and json_object, got {given or 'none'}")
+            raise _structured(f"structured_outputs must set exactly one of json, regex, choice, "
+                              f"grammar and json_object, got {given or 'none'}")
         if not isinstance(self.json_object, bool):
-            raise ValueError(f"structured_outputs.json_object must be a bool, got "
-                             f"{_short(self.json_object)}")
+            raise _structured(f"structured_outputs.json_object must be a bool, got "
+                              f"{_short(self.json_object)}")
         if self.json is not None and not isinstance(self.json, dict | str):
-            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its "
-                             f"JSON text), got {_short(self.json)}")
+            raise _structured(f"structured_outputs.json must be a JSON schema (an object or its "
+                              f"JSON text), got {_short(self.json)}")
         for name in ("regex", "grammar"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                raise ValueError(f"structured_outputs.{name} must be a string, got "
-                                 f"{_short(getattr(self, name))}")
+                raise _structured(f"structured_outputs.{name} must be a string, got "
+                                  f"{_short(getattr(self, name))}")
         if self.choice is not None:
             if not (isinstance(self.choice, list | tuple) and self.choice
                     and all(isinstance(c, str) and c for c in self.choice)):
-                raise ValueError(f"structured_outputs.choice must be a list of non-empty "
-                                 f"strings, got {_short(self.choice)}")
+                raise _structured(f"structured_outputs.choice must be a list of non-empty "
+                                  f"strings, got {_short(self.choice)}")
             if len(self.choice) > MAX_CHOICES:
-                raise ValueError(f"structured_outputs.choice must have at most {MAX_CHOICES} "
-                                 f"strings, got {len(self.choice)}")
+                raise _structured(f"structured_outputs.choice must have at most {MAX_CHOICES} "
+                                  f"strings, got {len(self.choice)}")
         size = len(self.spec)
         if size > MAX_GRAMMAR_CHARS:
-            raise ValueError(f"structured_outputs must be at most {MAX_GRAMMAR_CHARS} "
-                             f"characters, got {size}")
+            raise _structured(f"structured_outputs must be at most {MAX_GRAMMAR_CHARS} "
+                              f"characters, got {size}")
 
     @property
     def kind(self) -> str:
@@ -175,13 +183,17 @@ class StructuredOutputsParams:
 
 
 def check_max_logprobs(params: SamplingParams, max_logprobs: int) -> None:
-    """ValueError naming the field if `params` asks for more logprobs per token than the
+    """InvalidField naming the field if `params` asks for more logprobs per token than the
     engine's `max_logprobs` setting allows."""
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None and value > max_logprobs:
-            raise ValueError(f"{name} must be at most max_logprobs={max_logprobs} (the "
+            raise InvalidField(name, f"{name} must be at most max_logprobs={max_logprobs} (the "
                              f"server's --max-logprobs), got {value}")
+
+
+def _structured(message: str) -> InvalidField:
+    return InvalidField("structured_outputs", message)
 
 
 def _is_int(value: Any) -> bool:
@@ -201,17 +213,18 @@ def _short(value: Any, limit: int = 100) -> str:
 def _check_int(name: str, value: Any, low: int, high: int | None, allowed: str) -> int:
     """`value` as an int, which must lie in [low, high] (high None: no upper bound)."""
     if not _is_int(value) or value < low or (high is not None and value > high):
-        raise ValueError(f"{name} must be {allowed}, got {_short(value)}")
+        raise InvalidField(name, f"{name} must be {allowed}, got {_short(value)}")
     return int(value)
 
 
 def _check_float(name: str, value: Any, low: float, high: float | None, allowed: str,
-                 open_low: bool = False) -> float:
-    """`value` as a float, which must be finite and in [low, high] ((low, high] if open_low)."""
+                 open_low: bool = False, param: str | None = None) -> float:
+    """`value` as a float, which must be finite and in [low, high] ((low, high] if open_low);
+    `param`: the field it belongs to, when `name` is a part of it."""
     ok = (isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
           and (value > low if open_low else value >= low) and (high is None or value <= high))
     if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {_short(value)}")
+        raise InvalidField(param or name, f"{name} must be {allowed}, got {_short(value)}")
     return float(value)
 
 
@@ -222,13 +235,15 @@ def _check_stop(stop: Any) -> list[str]:
         stop = [stop]
     if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
         # Only the start of a huge value: the message must stay small.
-        raise ValueError(f"stop must be a string or a list of non-empty strings, got "
-                         f"{_short(stop)}")
+        raise InvalidField("stop", f"stop must be a string or a list of non-empty strings, got "
+                           f"{_short(stop)}")
     if len(stop) > MAX_STOP_STRINGS:
-        raise ValueError(f"stop must be at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        raise InvalidField("stop", f"stop must be at most {MAX_STOP_STRINGS} strings, got "
+                           f"{len(stop)}")
     chars = sum(len(s) for s in stop)
     if chars > MAX_STOP_CHARS:
-        raise ValueError(f"stop must be at most {MAX_STOP_CHARS} characters in all, got {chars}")
+        raise InvalidField("stop", f"stop must be at most {MAX_STOP_CHARS} characters in all, "
+                           f"got {chars}")
     return list(stop)
 
 
@@ -236,7 +251,8 @@ def _check_token_ids(name: str, ids: Any) -> list[int]:
     if ids is None:
         return []
     if not isinstance(ids, list | tuple) or not all(_is_int(t) and t >= 0 for t in ids):
-        raise ValueError(f"{name} must be a list of token ids (ints >= 0), got {_short(ids)}")
+        raise InvalidField(name, f"{name} must be a list of token ids (ints >= 0), got "
+                           f"{_short(ids)}")
     return [int(t) for t in ids]
 
 
@@ -244,16 +260,18 @@ def _check_logit_bias(bias: Any) -> dict[int, float]:
     if bias is None:
         return {}
     if not isinstance(bias, dict):
-        raise ValueError(f"logit_bias must be a dict of token id to bias, got {_short(bias)}")
+        raise InvalidField("logit_bias", f"logit_bias must be a dict of token id to bias, got "
+                           f"{_short(bias)}")
     if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got "
-                         f"{len(bias)}")
+        raise InvalidField("logit_bias", f"logit_bias must have at most {MAX_LOGIT_BIAS_ENTRIES} "
+                           f"entries, got {len(bias)}")
     normalized: dict[int, float] = {}
     for key, value in bias.items():
         token = int(key) if isinstance(key, str) and key.isdecimal() else key
         if not _is_int(token) or token < 0:
-            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {_short(key)}")
+            raise InvalidField("logit_bias", f"logit_bias keys must be token ids (ints >= 0), got "
+                               f"{_short(key)}")
         normalized[token] = _check_float(
             f"logit_bias[{token}]", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS,
-            f"in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+            f"in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", param="logit_bias")
     return normalized

@@ -7,14 +7,18 @@ compiles lazily (about 1 ms for a small JSON schema on the default model) and fi
 masks in parallel (Rust, the GIL released).
 
 Who does what:
-- the frontend turns a request's fields into `StructuredOutputsParams` and calls
-  `check_structured_outputs` (torch-free, in a thread): a spec that does not compile is a 400
+- the frontend turns a request's fields into `StructuredOutputsParams` and checks them with its
+  `ConstraintChecker` (torch-free, in a thread): a spec that does not compile, or fails before
+  the model has chosen anything (on its first mask or the tokens it forces: llguidance compiles
+  `(x{1000}){1000}` and a schema that only refers to itself, then cannot follow them), is a 400
   naming its field before the request is admitted;
 - the engine's `StructuredOutputManager` compiles each spec once, in its own thread, into a
   template matcher kept in a bounded LRU by spec; each request gets a cheap copy (about 10 us);
 - each step, `fill_bitmask` writes one int32 bitmask for the batch, only the rows of
   constrained requests (the others stay all ones); the sampler applies it; the core advances each
-  matcher with the sampled token and ends the request when its grammar is complete.
+  matcher with the sampled token and ends the request when its grammar is complete, or with
+  finish_reason "grammar_error" when its grammar fails later (after a choice of the model's):
+  never as a normal stop with output that breaks it.
 
 Torch-free: the bitmask is a numpy array the core wraps without copying.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -40,6 +45,10 @@ logger = logging.getLogger(__name__)
 # Compiled grammars kept for reuse: a hit skips compilation; each entry is the grammar's lexer
 # and parser tables, typically well under a megabyte.
 GRAMMAR_CACHE_SIZE = 128
+# Forced tokens a check follows before generation: a lexer that gives up does so at the first.
+PROBE_TOKENS = 64
+# llguidance's stop reasons that say its grammar gave up (a limit), not that it is complete.
+GAVE_UP = frozenset({"ParserTooComplex", "LexerTooComplex", "InternalError"})
 # JSON with one separator style and no free whitespace: a small model otherwise fills its
 # max_tokens with newlines between keys (seen with SmolLM2-135M), leaving JSON unfinished.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -66,13 +75,52 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     return llguidance.grammar_from("grammar", params.grammar)
 
 
-def check_structured_outputs(params: StructuredOutputsParams) -> None:
-    """ValueError saying why the constraint does not compile. Without a tokenizer: what it
-    checks is the grammar itself, which is what a client can get wrong. Blocking (about 1 ms
-    for a small schema, more for a large grammar): run it in a thread."""
-    error = llguidance.LLMatcher.validate_grammar(grammar_text(params))
-    if error:
-        raise ValueError(f"the {params.kind} constraint does not compile: {error.strip()}")
+class ConstraintChecker:
+    """The frontend's check of a constraint before admission: ValueError saying why it does not
+    compile, or why it fails before the model has chosen anything (on its first mask, or on
+    the first PROBE_TOKENS tokens it forces), which no generation could then get past. Blocking
+    (about 1 ms for a small schema; a grammar whose lexer blows up, about a second): run it in
+    a thread. The tokenizer is built at the first check (half a second for a 49K vocabulary)."""
+
+    def __init__(self, tokenizer_file: Path, vocab_size: int, eos_token_id: int | None) -> None:
+        """`vocab_size`: the width of the model's logits (may exceed the tokenizer's)."""
+        self.tokenizer_file = tokenizer_file
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.lock = threading.Lock()  # checks run in several threads; one tokenizer for all
+        self._tokenizer: llguidance.LLTokenizer | None = None
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        with self.lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(
+                    str(self.tokenizer_file), n_vocab=self.vocab_size, eos_token=self.eos_token_id)
+            return self._tokenizer
+
+    def check(self, params: StructuredOutputsParams) -> None:
+        grammar = grammar_text(params)
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+        if error:
+            raise ValueError(f"the {params.kind} constraint does not compile: {error.strip()}")
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        matcher.compute_bitmask()
+        if not grammar_failed(matcher):
+            matcher.consume_tokens(matcher.compute_ff_tokens()[:PROBE_TOKENS])
+        if grammar_failed(matcher):
+            raise ValueError(f"the {params.kind} constraint cannot be followed: its grammar "
+                             f"fails before any output ({grammar_error(matcher)})")
+
+
+def grammar_failed(matcher: llguidance.LLMatcher) -> bool:
+    """The matcher's grammar failed: an error (after which it still takes EOS), or a stop
+    because it gave up."""
+    return matcher.is_error() or matcher.stop_reason() in GAVE_UP
+
+
+def grammar_error(matcher: llguidance.LLMatcher) -> str:
+    """Why a matcher's grammar failed, in a line (its parser's state follows at length)."""
+    return matcher.get_error().strip().partition("\n")[0] or matcher.stop_reason()
 
 
 class StructuredOutputManager:

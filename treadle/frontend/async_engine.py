@@ -28,7 +28,9 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Any
 
 from treadle.config import AsyncEngineConfig
 from treadle.core.generation_defaults import sampling_defaults
@@ -44,6 +46,7 @@ from treadle.core.messages import (
 )
 from treadle.core.request import DEFAULT_TENANT
 from treadle.core.sampling_params import SamplingParams, check_max_logprobs
+from treadle.errors import PROMPT, InvalidField
 from treadle.frontend.admission import Admission, Admitted, EngineOverloaded, objective_seconds
 from treadle.frontend.data_parallel import ReplicaGroup, import_ray
 from treadle.frontend.engine_client import EngineClient
@@ -71,6 +74,18 @@ class RequestUpdate:
     finished: bool  # whether this update ends the request, fixed when it was made
 
 
+@dataclass(frozen=True)
+class Stream:
+    """Where one engine request's updates go: its client request's queue, with its prompt's
+    index there."""
+
+    queue: asyncio.Queue
+    index: int
+
+    def put(self, item: RequestUpdate | Exception) -> None:
+        self.queue.put_nowait((self.index, item))
+
+
 @dataclass
 class LoadState:
     """The engine's last reported load, and when it last made progress (frontend clock)."""
@@ -91,6 +106,7 @@ class AsyncEngine:
         source = resolve_model(config.engine.model.model)
         self.model_name = source.name
         self.tokenizer = Tokenizer.from_folder(source.folder)
+        self.tokenizer_file = source.folder / "tokenizer.json"  # for the frontend's grammars
         if config.data_parallel.data_parallel_size > 1:
             import_ray()  # ValueError now, saying how to install it, if it is missing
         # For requests that leave them out (--generation-config).
@@ -99,7 +115,10 @@ class AsyncEngine:
         self.processor = OutputProcessor(self.tokenizer)
         # The processor, admission, observer, request ids and the client: shared with the reader.
         self.lock = threading.Lock()
-        self.streams: dict[str, asyncio.Queue] = {}
+        self.streams: dict[str, Stream] = {}
+        # A request's samples held back until sample 0 (by its engine id) has prefilled the
+        # prompt: asking for prompt logprobs, only it computes them, and it shares no prefix.
+        self.after_prefill: dict[str, list[AddRequest]] = {}
         self.request_ids = RequestIds(self.lock, self._holds_id)
         self.metrics = ServerMetrics(self.model_name, config.observability.max_tenant_labels)
         self.admission = Admission(config.admission)
@@ -211,20 +230,21 @@ class AsyncEngine:
 
     def _fail_streams(self, error: Exception, engine_gone: bool) -> None:
         with self.lock:
-            queues = list(self.streams.values())
+            streams = list(self.streams.values())
             if engine_gone:  # nothing to abort: forget every request here at once
                 for request_id in list(self.processor.requests):
                     self.processor.remove(request_id)
                 self.streams.clear()
-                self.admission.queued.clear()
-        for queue in queues:
-            queue.put_nowait(error)
+                self.after_prefill.clear()
+                self.admission.drop_queued()
+        for stream in streams:
+            stream.put(error)
 
-    def timeline(self, request_id: str) -> dict | None:
+    def timeline(self, request_id: str, tenant: str | None = None) -> dict | None:
         """A recently finished request's timeline (`id/index` for one of n samples), by its id
-        or its response's (`cmpl-`, `chatcmpl-`)."""
+        or its response's (`cmpl-`, `chatcmpl-`); only `tenant`'s (None: anyone's)."""
         with self.lock:
-            return self.observer.find(request_id)
+            return self.observer.find(request_id, tenant)
 
     def response_finished(self, request_ids: list[str]) -> list[dict]:
         """A REST response is written: its engine requests' sample timelines, marked so."""
@@ -233,9 +253,11 @@ class AsyncEngine:
                     for t in self.observer.response_finished(request_id)]
 
     def _holds_id(self, request_id: str) -> bool:
-        """A request in flight is keyed by `request_id` (the lock held)."""
+        """A request in flight, or a recently finished one's timeline, is keyed by `request_id`
+        (the lock held): a client reusing a finished request's id gets another, so that the
+        first request's records stay its own."""
         return request_id in self.processor.requests or \
-            f"{request_id}/0" in self.processor.requests
+            f"{request_id}/0" in self.processor.requests or self.observer.holds(request_id)
 
     def load(self) -> dict:
         return {"running": self.load_state.running, "waiting": self.load_state.waiting,
@@ -252,100 +274,152 @@ class AsyncEngine:
 
     def admit(self, key_name: str | None = None, user: str | None = None, *,
               ttft_ms: float | str | None = None, tpot_ms: float | str | None = None,
-              cache_salt: str | None = None) -> Admitted:
+              cache_salt: str | None = None, num_prompts: int = 1,
+              prompt_field: str = PROMPT) -> Admitted:
         """What both frontends decide before any costly work: EngineUnavailable for a down
         engine, first; its tenant (the key's name, else `user`), its objectives (ms, a number or
-        a header's text) and salt (ValueError naming a bad one); EngineOverloaded when the queue
-        or the tenant's limits cannot take it. `generate` checks the limits again with the
-        prompt's size."""
+        a header's text) and salt (InvalidField naming a bad one); InvalidField naming
+        `prompt_field` for more prompts than a tenant may ever have in flight; EngineOverloaded
+        when the queue or the tenant's limits cannot take it now. `generate_batch` checks the
+        limits again with the prompts' size."""
         self.check_available()
         with self.lock:
             tenant = self.admission.resolve_tenant(key_name, user)
         admitted = Admitted(tenant, cache_salt or None, objective_seconds("ttft_ms", ttft_ms),
                             objective_seconds("tpot_ms", tpot_ms))
         self.admission.cache_salt(tenant, cache_salt)  # its length
-        self.check_capacity(tenant=tenant)
+        try:
+            self.check_capacity(tenant=tenant, num_requests=num_prompts)
+        except InvalidField as e:
+            raise e.renamed({PROMPT: prompt_field}) from None
         return admitted
 
-    def check_capacity(self, num_prompt_tokens: int = 0, tenant: str = DEFAULT_TENANT) -> None:
-        """Raise EngineOverloaded if a request of that many prompt tokens would overfill the
-        queue, or pass its tenant's limits; counted in the rejection metrics. Cheap: frontends
-        call it before tokenizing, and generate() again with the count."""
+    def check_capacity(self, num_prompt_tokens: int = 0, tenant: str = DEFAULT_TENANT,
+                       num_requests: int = 1) -> None:
+        """Raise EngineOverloaded if a client request of `num_requests` prompts and that many
+        prompt tokens would overfill the queue, or pass its tenant's limits now (counted in
+        the rejection metrics); InvalidField if it has more prompts than its tenant may ever
+        have in flight. Cheap: frontends call it before tokenizing, and generate_batch() again
+        with the counts."""
         try:
             with self.lock:
-                self.admission.check_capacity(num_prompt_tokens, tenant)
+                self.admission.check_capacity(num_prompt_tokens, tenant, num_requests)
         except EngineOverloaded as e:
             self.metrics.labels(self.metrics.rejections, reason=e.reason,
                                 tenant=self.metrics.tenant_label(tenant)).inc()
             self.live.rejected(e.reason, time.monotonic())
             raise
 
-    def check_prompt_token_ids(self, prompt_token_ids: list[int]) -> None:
-        """ValueError for an id outside the vocabulary. The engine checks too, but the frontend
-        decodes prompts first (the detokenizer's context, echo), and the tokenizer overflows on a
-        negative id."""
+    def check_prompt_token_ids(self, prompt_token_ids: list[int], field: str = PROMPT) -> None:
+        """InvalidField naming `field` (the request's name of its prompt) for an id outside the
+        vocabulary. The engine checks too, but the frontend decodes prompts first (the
+        detokenizer's context, echo), and the tokenizer overflows on a negative id."""
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[0]}")
+            raise InvalidField(field, f"prompt token ids must be in [0, {self.vocab_size}); got "
+                               f"{bad[0]}")
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, priority: int = 0, *,
-                       tenant: str = DEFAULT_TENANT, cache_salt: str | None = None,
-                       ttft: float | None = None, tpot: float | None = None,
-                       received: float | None = None, pooling: bool = False
+                       params: SamplingParams, priority: int = 0, **options: Any
                        ) -> AsyncIterator[RequestUpdate]:
-        """Updates as tokens arrive. `request_id` is the server's own, unique among requests in
-        flight (ValueError otherwise); `received`: when the frontend received the request
-        (time.monotonic(); None: now), where its breakdown starts. `tenant`, `ttft`, `tpot`
-        (seconds; None: the server's defaults): from `admit`. ValueError before any update if the
-        engine refuses the request, EngineOverloaded if the queue is full, a tenant limit is
-        reached or (deadline policy) its TTFT or TPOT cannot be met, EngineUnavailable if the
-        engine is down or dies, or the server shuts down. Leaving the iteration early (a
-        disconnect) aborts the request; one that waits past max_queue_wait finishes with
-        finish_reason "queue_timeout". `pooling`: an embedding request (prefill only, sharing
-        batches with generation; of `params` only n=1 matters): its one update finishes it, with
-        its state's `embedding`."""
-        self.check_available()
-        self.check_prompt_token_ids(prompt_token_ids)
-        check_max_logprobs(params, self.config.engine.model.max_logprobs)
-        salt = self.admission.cache_salt(tenant, cache_salt)
-        num_tokens = len(prompt_token_ids) * params.n
-        self.check_capacity(num_tokens, tenant)
-        ttft, tpot = self.admission.objectives(ttft, tpot)
-        queue: asyncio.Queue = asyncio.Queue()
-        with self.lock:
-            engine_requests = self.processor.add_request(request_id, prompt_token_ids, params)
-            self.streams[request_id] = queue
-            self.admission.admit(request_id, tenant, num_tokens)
-            self.observer.start(request_id, tenant, ttft, tpot, received)
-            self.live.start(request_id, params.n, tenant, priority, len(prompt_token_ids),
-                            time.monotonic() if received is None else received)
-            # To a dead engine they are dropped: the reader has seen its end, or is about to,
-            # and then fails this stream with the others.
-            for engine_id, engine_params in engine_requests:
-                self._send(AddRequest(
-                    engine_id, prompt_token_ids, engine_params, priority, tenant, salt,
-                    ttft, tpot, pooling))
-        finished = False
+        """One prompt's updates as tokens arrive: `generate_batch` of that prompt alone
+        (`options`: its keywords)."""
+        async with aclosing(self.generate_batch([request_id], [prompt_token_ids], params,
+                                                priority, **options)) as updates:
+            async for _, update in updates:
+                yield update
+
+    async def generate_batch(self, request_ids: list[str], prompts: list[list[int]],
+                             params: SamplingParams, priority: int = 0, *,
+                             tenant: str = DEFAULT_TENANT, cache_salt: str | None = None,
+                             ttft: float | None = None, tpot: float | None = None,
+                             received: float | None = None, pooling: bool = False,
+                             prompt_field: str = PROMPT
+                             ) -> AsyncIterator[tuple[int, RequestUpdate]]:
+        """A client request's prompts (a completions batch, embedding inputs; each its own
+        engine request under `request_ids`, the server's own, unique among requests in flight),
+        admitted together, and their updates as tokens arrive: (prompt index, update).
+        `received`: when the frontend received the request (time.monotonic(); None: now), where
+        its breakdown starts. `tenant`, `ttft`, `tpot` (seconds; None: the server's defaults):
+        from `admit`. Before any update: InvalidField if the engine refuses the request (the
+        prompt named `prompt_field`, the request's name of it) or it has more prompts than a
+        tenant may ever have in flight, EngineOverloaded if the queue or a tenant limit cannot
+        take it now or (deadline policy) its TTFT or TPOT cannot be met; EngineUnavailable if
+        the engine is down or dies, or the server shuts down. Leaving the iteration early (a
+        disconnect) aborts every prompt; one that waits past max_queue_wait finishes with
+        finish_reason "queue_timeout". `pooling`: embedding requests (prefill only, sharing
+        batches with generation; of `params` only n=1 matters): each one's single update
+        finishes it, with its state's `embedding`."""
+        names = {PROMPT: prompt_field}
         try:
-            while not finished:
-                item = await queue.get()
+            queue = self._start(request_ids, prompts, params, priority, tenant, cache_salt, ttft,
+                                tpot, received, pooling)
+        except InvalidField as e:
+            raise e.renamed(names) from None
+        unfinished = set(range(len(request_ids)))
+        try:
+            while unfinished:
+                index, item = await queue.get()
+                if isinstance(item, InvalidField):
+                    raise item.renamed(names)
                 if isinstance(item, Exception):
                     raise item
-                finished = item.finished
+                if item.finished:
+                    unfinished.discard(index)
                 with self.lock:
-                    self.admission.started(request_id)
-                yield item
+                    self.admission.started(request_ids[index])
+                yield index, item
         finally:
-            self._forget(request_id, abort=not finished)
+            for index, request_id in enumerate(request_ids):
+                self._forget(request_id, abort=index in unfinished)
+
+    def _start(self, request_ids: list[str], prompts: list[list[int]], params: SamplingParams,
+               priority: int, tenant: str, cache_salt: str | None, ttft: float | None,
+               tpot: float | None, received: float | None, pooling: bool) -> asyncio.Queue:
+        """Check a client request's prompts, admit them as one and send them to the engine;
+        the queue their updates arrive on."""
+        self.check_available()
+        for prompt in prompts:
+            self.check_prompt_token_ids(prompt)
+        check_max_logprobs(params, self.config.engine.model.max_logprobs)
+        salt = self.admission.cache_salt(tenant, cache_salt)
+        num_tokens = [len(prompt) * params.n for prompt in prompts]
+        self.check_capacity(sum(num_tokens), tenant, len(prompts))
+        ttft, tpot = self.admission.objectives(ttft, tpot)
+        arrival = time.monotonic() if received is None else received
+        queue: asyncio.Queue = asyncio.Queue()
+        with self.lock:
+            taken = [r for r in request_ids if r in self.processor.requests]
+            if taken:
+                raise ValueError(f"request id {taken[0]!r} is already in use")
+            for index, (request_id, prompt) in enumerate(zip(request_ids, prompts, strict=True)):
+                engine_requests = self.processor.add_request(request_id, prompt, params)
+                self.streams[request_id] = Stream(queue, index)
+                self.observer.start(request_id, tenant, ttft, tpot, received)
+                self.live.start(request_id, params.n, tenant, priority, len(prompt), arrival)
+                messages = [AddRequest(engine_id, prompt, engine_params, priority, tenant, salt,
+                                       ttft, tpot, pooling)
+                            for engine_id, engine_params in engine_requests]
+                if params.prompt_logprobs is not None and len(messages) > 1:
+                    # The other samples go once sample 0 has prefilled: they find its whole
+                    # prompt in the prefix cache, and its prompt logprobs come first.
+                    self.after_prefill[messages[0].request_id] = messages[1:]
+                    messages = messages[:1]
+                # To a dead engine they are dropped: the reader has seen its end, or is about
+                # to, and then fails this stream with the others.
+                for message in messages:
+                    self._send(message)
+            self.admission.admit(request_ids[0], request_ids, tenant, num_tokens)
+        return queue
 
     async def abort(self, request_id: str) -> bool:
         """End a request now: its stream's last update finishes each unfinished sample with
         finish_reason "abort". False if no such request is in flight."""
         with self.lock:
-            state, queue = self.processor.requests.get(request_id), self.streams.get(request_id)
-            if state is None or queue is None or state.finished:
+            state, stream = self.processor.requests.get(request_id), self.streams.get(request_id)
+            if state is None or stream is None or state.finished:
                 return False
+            self.after_prefill.pop(state.samples[0].engine_request_id, None)
             deltas = []
             for sample in state.samples:
                 if sample.finished:
@@ -355,7 +429,7 @@ class AsyncEngine:
                 deltas.append(SampleDelta(request_id, sample.index, "", [], None, True, "abort"))
                 self.observer.observe(deltas[-1], state)
         # call_soon, not put_nowait: after the updates the reader has already scheduled.
-        self.loop.call_soon(queue.put_nowait, RequestUpdate(deltas, state, True))
+        self.loop.call_soon(stream.put, RequestUpdate(deltas, state, True))
         return True
 
     def _forget(self, request_id: str, abort: bool) -> None:
@@ -364,8 +438,11 @@ class AsyncEngine:
             self.observer.forget(request_id)
             self.live.forget(request_id, time.monotonic())
             self.streams.pop(request_id, None)
+            engine_ids = self.processor.engine_ids(request_id)
+            if engine_ids:
+                self.after_prefill.pop(engine_ids[0], None)
             if abort:
-                for engine_id in self.processor.engine_ids(request_id):
+                for engine_id in engine_ids:
                     self._send(AbortRequest(engine_id))
             self.processor.remove(request_id)
 
@@ -420,6 +497,9 @@ class AsyncEngine:
             deltas, to_abort = self.processor.process(message.outputs)
             for engine_id in to_abort:
                 self._send(AbortRequest(engine_id))
+            for out in message.outputs:  # a sample 0 that prefilled: its request's other samples
+                for held in self.after_prefill.pop(out.request_id, ()):
+                    self._send(held)
             updates: dict[str, list[SampleDelta]] = {}
             now = time.monotonic()
             for delta in deltas:
@@ -427,34 +507,35 @@ class AsyncEngine:
                 self.observer.observe(delta, self.processor.requests[delta.request_id])
                 self.live.observe(delta, now)
             for request_id, request_deltas in updates.items():
-                queue = self.streams.get(request_id)
-                if queue is not None:
+                stream = self.streams.get(request_id)
+                if stream is not None:
                     state = self.processor.requests[request_id]
                     update = RequestUpdate(request_deltas, state, state.finished)
-                    self.loop.call_soon_threadsafe(queue.put_nowait, update)
+                    self.loop.call_soon_threadsafe(stream.put, update)
 
     def _reject(self, message: RequestRejected) -> None:
-        """The engine refused a request: invalid (ValueError), or refused by its policy
+        """The engine refused a request: invalid (InvalidField), or refused by its policy
         (EngineOverloaded, the reason its name: under deadlines, a TTFT or TPOT it cannot
         meet)."""
         with self.lock:
             entry = self.processor.samples.get(message.request_id)
             request_id = entry[0].request_id if entry is not None else None
             label = self.observer.tenant_label(request_id)
-            queue = self.streams.get(request_id) if request_id is not None else None
+            stream = self.streams.get(request_id) if request_id is not None else None
         self.metrics.labels(self.metrics.rejections, reason=message.reason, tenant=label).inc()
         self.live.rejected(message.reason, time.monotonic())
-        if queue is not None:
-            error = (ValueError(message.message) if message.reason == INVALID_REQUEST
+        if stream is not None:
+            error = (InvalidField(message.param, message.message)
+                     if message.reason == INVALID_REQUEST
                      else EngineOverloaded(message.message, reason=message.reason))
-            self.loop.call_soon_threadsafe(queue.put_nowait, error)
+            self.loop.call_soon_threadsafe(stream.put, error)
 
     def _fail_request(self, message: RequestFailed) -> None:
         """The replica running one of a request's samples died: the request ends with
         EngineUnavailable (its other samples are aborted as it ends)."""
         with self.lock:
             entry = self.processor.samples.get(message.request_id)
-            queue = self.streams.get(entry[0].request_id) if entry is not None else None
-        if queue is not None:
-            self.loop.call_soon_threadsafe(queue.put_nowait, EngineUnavailable(message.message))
+            stream = self.streams.get(entry[0].request_id) if entry is not None else None
+        if stream is not None:
+            self.loop.call_soon_threadsafe(stream.put, EngineUnavailable(message.message))
 

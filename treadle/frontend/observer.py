@@ -53,8 +53,10 @@ class RequestObserver:
         self.tracer = request_tracer(config.otlp_traces_endpoint, metrics.model_name)
         self.tokenizer = tokenizer  # decodes the prompt for the log line, with log_prompts
         self.requests: dict[str, RequestInfo] = {}
-        # The last finished samples' timelines, by `id` (or `id/index` for one of n samples).
+        # The last finished samples' timelines, by `id` (or `id/index` for one of n samples),
+        # and how many each request id (before any `/`) holds, so that no new request takes it.
         self.timelines: OrderedDict[str, dict] = OrderedDict()
+        self.held_ids: dict[str, int] = {}
 
     def start(self, request_id: str, tenant: str, ttft: float | None, tpot: float | None,
               received: float | None = None) -> None:
@@ -66,14 +68,18 @@ class RequestObserver:
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
-    def find(self, name: str) -> dict | None:
+    def find(self, name: str, tenant: str | None = None) -> dict | None:
         """A recently finished sample's timeline by its id (`id/index` for one of n samples),
-        or by the response's id (`cmpl-` or `chatcmpl-` and the id)."""
-        timeline = self.timelines.get(name)
-        for prefix in ("cmpl-", "chatcmpl-"):
-            if timeline is None and name.startswith(prefix):
-                timeline = self.timelines.get(name.removeprefix(prefix))
-        return timeline
+        or by the response's id (`cmpl-` or `chatcmpl-` and the id); only `tenant`'s (None:
+        anyone's)."""
+        names = [name] + [name.removeprefix(prefix) for prefix in ("cmpl-", "chatcmpl-")
+                          if name.startswith(prefix)]
+        return next((t for t in map(self.timelines.get, names)
+                     if t is not None and tenant in (None, t["tenant"])), None)
+
+    def holds(self, request_id: str) -> bool:
+        """A recently finished request's timeline is kept under `request_id`."""
+        return request_id in self.held_ids
 
     def response_finished(self, request_id: str) -> list[dict]:
         """The REST response of engine request `request_id` is written: mark the timelines of
@@ -136,6 +142,8 @@ class RequestObserver:
         ttft = None if first_token is None else round(first_token - arrival, 6)
         received = arrival if info.received is None else info.received
         # Both clocks are CLOCK_MONOTONIC, shared by the frontend and the engine process.
+        if name not in self.timelines:
+            self._count_id(name, 1)
         self.timelines[name] = timeline = {
             "request_id": delta.request_id, "index": delta.index, "tenant": info.tenant,
             "prompt_tokens": len(state.prompt_token_ids), "output_tokens": len(sample.token_ids),
@@ -153,7 +161,7 @@ class RequestObserver:
         if self.tracer is not None:  # spans built here, exported by the SDK's own thread
             self.tracer.record(self.timelines[name], arrival, now, state.params)
         while len(self.timelines) > self.config.max_timelines:
-            self.timelines.popitem(last=False)
+            self._count_id(self.timelines.popitem(last=False)[0], -1)
         prompt = (f" prompt={self.tokenizer.decode(state.prompt_token_ids)!r}"
                   if self.config.log_prompts else "")
         parts = ", ".join(f"{part} {seconds:.3f}"
@@ -163,6 +171,15 @@ class RequestObserver:
                     info.tenant, len(state.prompt_token_ids), state.num_cached_tokens,
                     len(sample.token_ids), "-" if ttft is None else f"{ttft:.3f}",
                     now - arrival, parts, prompt)
+
+
+    def _count_id(self, name: str, change: int) -> None:
+        request_id = name.partition("/")[0]
+        left = self.held_ids.get(request_id, 0) + change
+        if left:
+            self.held_ids[request_id] = left
+        else:
+            del self.held_ids[request_id]
 
 
 def stats_fields(stats: RequestStats | None, arrival: float, num_preemptions: int) -> dict:

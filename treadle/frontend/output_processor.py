@@ -3,8 +3,11 @@
 A client request with n > 1 runs as n engine requests (`{id}/{i}`: no client id holds a "/", so
 none is another's sample), each its own sequence with its own seed (seed + i). With prefix caching
 on, the later samples find the first one's full prompt blocks cached and share them by ref count,
-then diverge; nothing is copied. Stop strings are matched here, on text; a match finishes the
-sample and asks the engine to abort it.
+then diverge; nothing is copied. Prompt logprobs are computed once, by sample 0 (a request that
+asks for them gets no prefix hit: it needs logits at every prompt position); AsyncEngine sends
+the others once sample 0 has prefilled, so they share its prompt's blocks and every sample's
+first update has the prompt's logprobs. Stop strings are matched here, on text; a match
+finishes the sample and asks the engine to abort it.
 """
 
 from __future__ import annotations
@@ -74,9 +77,11 @@ class RequestState:
 
 
 def sample_params(params: SamplingParams, index: int) -> SamplingParams:
-    """One sample's own parameters: n=1, and a distinct seed so samples differ."""
+    """One sample's own parameters: n=1, a distinct seed so samples differ, and prompt logprobs
+    for sample 0 only."""
     seed = None if params.seed is None else (params.seed + index) % 2**64
-    return replace(params, n=1, seed=seed)
+    return replace(params, n=1, seed=seed,
+                   prompt_logprobs=params.prompt_logprobs if index == 0 else None)
 
 
 class OutputProcessor:

@@ -2,8 +2,9 @@
 
 A client's X-Request-Id is sanitised (letters, digits and `-_.:@+=~`, at most 128 characters;
 others become `_`), or a fresh uuid is made, with a suffix (`~2`, ...) while another request in
-flight holds it; held until released. Derived ids (a prompt of a batch, one of n samples) add
-`/i`, which no client id contains, so no client can reach or collide with another's request.
+flight, or a recently finished request's records, hold it; held until released. Derived ids (a
+prompt of a batch, one of n samples) add `/i`, which no client id contains, so no client can
+reach or collide with another's request.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def sanitize_request_id(value: str) -> str:
 
 class RequestIds:
     def __init__(self, lock: threading.Lock, in_flight: Callable[[str], bool]) -> None:
-        """`in_flight(id)`: whether a request in flight holds `id` (read under `lock`)."""
+        """`in_flight(id)`: whether a request in flight (or a finished one's records) holds
+        `id` (read under `lock`)."""
         self.lock = lock
         self.in_flight = in_flight
         self.held: set[str] = set()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -229,28 +229,37 @@ class LiveFeed:
                     self.num_finished -= 1
                     break
 
-    def row(self, name: str, now: float) -> dict | None:
-        """A recent request's Gantt row, by its name (the id, or `id/index`)."""
+    def row(self, name: str, now: float, tenant: str | None = None) -> dict | None:
+        """A recent request's Gantt row, by its name (the id, or `id/index`); only `tenant`'s
+        (None: anyone's)."""
         with self.lock:
             for request in self.requests.values():
-                if request.name == name:
+                if request.name == name and tenant in (None, request.tenant):
                     return request.row(now)
         return None
 
-    def snapshot(self, after_step: int, num_blocks: int, now: float | None = None) -> dict:
+    def snapshot(self, after_step: int, num_blocks: int, now: float | None = None,
+                 tenant: str | None = None) -> dict:
         """What the page draws: steps after the cursor `after_step` (0: all kept), the engine
-        now, the newest requests first and the last minute's latency percentiles."""
+        now, the newest requests first and the last minute's latency percentiles. With a
+        `tenant`, the requests and the census by tenant are that tenant's only (the steps,
+        load and latencies stay the whole server's: they name no request or tenant)."""
         now = time.monotonic() if now is None else now
         with self.lock:
             steps = [s for seq, s in self.steps if seq > after_step]
             recent = [s for _, s in self.steps if s.scheduled_at > now - RATE_WINDOW]
-            rows = [r.row(now) for r in reversed(self.requests.values())][:MAX_ROWS]
+            rows = [r.row(now) for r in reversed(self.requests.values())
+                    if tenant in (None, r.tenant)][:MAX_ROWS]
             windows = {}
             for name, samples in self.latency.items():
                 while samples and samples[0][0] < now - LATENCY_WINDOW:
                     samples.popleft()
                 windows[name] = [v for _, v in samples]
             load, census, counters = self.load, self.census, list(self.counters)
+            if census is not None and tenant is not None:
+                census = replace(
+                    census, waiting=tuple(c for c in census.waiting if c[0] == tenant),
+                    running=tuple(c for c in census.running if c[0] == tenant))
             replicas = [self.replicas[i] for i in sorted(self.replicas)]
             cursor = self.num_steps
             while self.rejection_times and self.rejection_times[0] < now - LATENCY_WINDOW:

@@ -3,7 +3,9 @@ in any case (RFC 9110), the key compared in constant time against every configur
 
 A key has a name, the tenant of every request that carries it: `--api-key-file` lines are `KEY`,
 `NAME:KEY` or `NAME:KEY:WEIGHT` (the tenant's weight under the fair policy); a key without a
-name is called `key-N`, N its 1-based place among all keys.
+name is called `key-N`, N its 1-based place among all keys. A key reads only its own tenant's
+request records (explain, timelines, the dashboard's rows); the keys named `admin` read every
+tenant's.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections.abc import Iterable, Sequence
 
 from treadle.config import APIKey
 from treadle.frontend.admission import check_tenant_name
+
+ADMIN_KEY_NAME = "admin"  # keys of this name read every tenant's request records
 
 
 def parse_key_line(line: str, number: int) -> APIKey:
@@ -52,6 +56,12 @@ def parse_api_keys(bare: Iterable[str], lines: Iterable[str] = ()) -> list[APIKe
         if key.weight is not None and weights.setdefault(key.name, key.weight) != key.weight:
             raise ValueError(f"API keys named {key.name!r} give different weights")
     return keys
+
+
+def records_scope(key_name: str | None) -> str | None:
+    """The tenant whose request records a caller may read: its key's; None (every tenant's) for
+    an admin key, or when the server has no keys (then tenants are unauthenticated names)."""
+    return None if key_name is None or key_name == ADMIN_KEY_NAME else key_name
 
 
 def key_weights(keys: Iterable[APIKey]) -> dict[str, float]:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
+from treadle.errors import InvalidField
 from treadle.server.validation import chat_conversation
 from treadle.tokenizer import ChatTemplateError, compile_template
 
@@ -56,17 +57,18 @@ def apply_chat_template(tokenizer: Tokenizer,
                         tools: list[dict[str, Any]] | None = None,
                         message_fields: Sequence[dict[str, Any]] | None = None) -> list[int]:
     """A chat's prompt token ids. `tools`: the template's tools argument; `message_fields`:
-    more fields per message (tool_calls, tool_call_id), as transformers passes them. ValueError
-    for invalid messages, a tokenizer without a chat template, or a template that refuses the
-    messages (roles out of order, say). Blocking: run it in a thread."""
+    more fields per message (tool_calls, tool_call_id), as transformers passes them.
+    InvalidField (messages) for invalid messages, a tokenizer without a chat template, or a
+    template that refuses the messages (roles out of order, say). Blocking: run it in a
+    thread."""
     conversation = chat_conversation(messages, max_model_len)
     for message, fields in zip(conversation, message_fields or (), strict=False):
         message.update(fields)
     if tokenizer.chat_template is None:
-        raise ValueError(NO_CHAT_TEMPLATE)
+        raise InvalidField("messages", NO_CHAT_TEMPLATE)
     try:
         return tokenizer.apply_chat_template(conversation, tokenize=True,
                                              add_generation_prompt=add_generation_prompt,
                                              tools=tools)
     except (TemplateError, ChatTemplateError) as e:
-        raise ValueError(f"messages: {e}") from e
+        raise InvalidField("messages", f"messages: {e}") from e

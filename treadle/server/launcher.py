@@ -10,6 +10,9 @@ ends get a last error of their own (an SSE `server_shutdown` event and `[DONE]`,
 UNAVAILABLE), so no stream is cut off; then the engine stops, and `serve` returns 0. An engine
 dead for good (no restarts left) stops the server the same way with status 1, so that whatever
 runs it starts a new one.
+
+The access log writes paths without their query values: no route takes a query parameter, and
+a key may come in one (the dashboard's link, `/dashboard?key=...`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,27 @@ from treadle.server.openai.app import build_app
 
 logger = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class RedactQueryValues(logging.Filter):
+    """Uvicorn's access log line, each query value (or nameless item) in its path replaced by
+    `[redacted]`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(redact_query(arg) if isinstance(arg, str) else arg
+                                for arg in record.args)
+        return True
+
+
+def redact_query(path: str) -> str:
+    path, mark, query = path.partition("?")
+    return path + mark + "&".join(f"{name}=[redacted]" if equals else "[redacted]" if name else ""
+                                  for name, equals, _ in (item.partition("=")
+                                                          for item in query.split("&")))
+
+
+REDACT_QUERY_VALUES = RedactQueryValues()
 
 
 class GracefulServer(uvicorn.Server):
@@ -100,6 +124,8 @@ class Frontends:
             ssl_certfile=config.ssl_certfile)
         if config.ssl_certfile is not None:  # a bad key or certificate: an error before starting
             self.uvicorn_config.load()
+        # After uvicorn.Config, which configures its loggers; one filter, however many servers.
+        logging.getLogger("uvicorn.access").addFilter(REDACT_QUERY_VALUES)
         self.rest: GracefulServer | None = None
         self.grpc_server: grpc.aio.Server | None = None
         self.grpc_port: int | None = None  # the port bound, once started

@@ -1,6 +1,7 @@
 """Checks of client input that both frontends make, so that REST and gRPC accept and refuse the
-same requests. Each raises a `ValueError` worded "<field> must be ...": REST answers it with a
-400, gRPC with INVALID_ARGUMENT. Sizes are checked before any work proportional to them.
+same requests. Each raises an `InvalidField` naming the field, worded "<field> must be ...":
+REST answers it with a 400, gRPC with INVALID_ARGUMENT. Sizes are checked before any work
+proportional to them.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from treadle.core.sampling_params import (
     MAX_N,
     MAX_N_STOP_CHARS,
     MAX_PROMPT_CHARS_PER_TOKEN,
+    MAX_PROMPT_LOGPROB_ENTRIES,
     SamplingParams,
 )
+from treadle.errors import PROMPT, InvalidField
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # JSON can carry a lone surrogate ("\ud800"), which is no text: the tokenizer raises TypeError on
@@ -21,12 +24,13 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def check_text(name: str, text: str) -> None:
-    """ValueError if `text` holds a lone surrogate."""
+def check_text(name: str, text: str, param: str | None = None) -> None:
+    """InvalidField if `text` holds a lone surrogate; `param`: the field it is part of (None:
+    `name` is the field)."""
     match = _SURROGATE.search(text)
     if match:
-        raise ValueError(f"{name} must be valid Unicode text, got a lone surrogate at character "
-                         f"{match.start()}")
+        raise InvalidField(param or name, f"{name} must be valid Unicode text, got a lone "
+                           f"surrogate at character {match.start()}")
 
 
 def max_prompt_chars(max_model_len: int) -> int:
@@ -39,9 +43,9 @@ def check_prompt_text(name: str, text: str, max_model_len: int) -> None:
     """A text prompt, before it is tokenized."""
     limit = max_prompt_chars(max_model_len)
     if len(text) > limit:
-        raise ValueError(f"{name} must be at most {limit} characters "
-                         f"({MAX_PROMPT_CHARS_PER_TOKEN} per token of the context), got "
-                         f"{len(text)}")
+        raise InvalidField(name, f"{name} must be at most {limit} characters "
+                           f"({MAX_PROMPT_CHARS_PER_TOKEN} per token of the context), got "
+                           f"{len(text)}")
     check_text(name, text)
 
 
@@ -50,13 +54,29 @@ def check_batch(num_prompts: int, params: SamplingParams) -> None:
     alone is bounded, each being an engine request searching the stop strings."""
     samples = num_prompts * params.n
     if samples > MAX_N:
-        raise ValueError(f"prompt must be at most {MAX_N} prompts times n, got {num_prompts} "
-                         f"prompts and n={params.n}")
+        raise InvalidField(PROMPT, f"prompt must be at most {MAX_N} prompts times n, got "
+                           f"{num_prompts} prompts and n={params.n}")
     stop_chars = sum(len(s) for s in params.stop)
     if samples * stop_chars > MAX_N_STOP_CHARS:
-        raise ValueError(f"stop must be at most {MAX_N_STOP_CHARS} characters times the "
-                         f"samples (prompts times n), got {stop_chars} characters and "
-                         f"{samples} samples")
+        raise InvalidField("stop", f"stop must be at most {MAX_N_STOP_CHARS} characters times "
+                           f"the samples (prompts times n), got {stop_chars} characters and "
+                           f"{samples} samples")
+
+
+def check_prompt_logprobs(num_prompt_tokens: int, params: SamplingParams, param: str) -> None:
+    """The prompt logprobs a response would carry (each sample its prompt's: the top
+    `prompt_logprobs` of each token and the token's own), `num_prompt_tokens` the prompts' in
+    all, bounded: InvalidField naming `param`, the field that asked for them, past the limit."""
+    if params.prompt_logprobs is None:
+        return
+    per_token = params.prompt_logprobs + 1
+    entries = params.n * num_prompt_tokens * per_token
+    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise InvalidField(param, f"{param}: the response would carry {entries} prompt logprob "
+                           f"entries ({params.n} samples x {num_prompt_tokens} prompt tokens x "
+                           f"{per_token}), past the limit of {MAX_PROMPT_LOGPROB_ENTRIES} "
+                           f"(MAX_PROMPT_LOGPROB_ENTRIES): ask for fewer samples or logprobs, "
+                           f"or a shorter prompt")
 
 
 def chat_conversation(messages: Sequence[tuple[str, str] | tuple[str, str, str | None]],
@@ -64,25 +84,25 @@ def chat_conversation(messages: Sequence[tuple[str, str] | tuple[str, str, str |
     """The conversation a chat template takes, from (role, content) or (role, content, name)
     tuples; a name reaches the template as the message's `name`, as transformers passes it."""
     if not messages:
-        raise ValueError("messages must be a non-empty list")
+        raise InvalidField("messages", "messages must be a non-empty list")
     if len(messages) > max_model_len:  # every message adds at least one token
-        raise ValueError(f"messages must be at most {max_model_len} messages (the context's "
-                         f"length), got {len(messages)}")
+        raise InvalidField("messages", f"messages must be at most {max_model_len} messages (the "
+                           f"context's length), got {len(messages)}")
     limit = max_prompt_chars(max_model_len)
     if sum(len(content) + len(name[0] or "" if name else "")
            for _, content, *name in messages) > limit:
-        raise ValueError(f"messages must have at most {limit} characters of content "
-                         f"({MAX_PROMPT_CHARS_PER_TOKEN} per token of the context)")
+        raise InvalidField("messages", f"messages must have at most {limit} characters of "
+                           f"content ({MAX_PROMPT_CHARS_PER_TOKEN} per token of the context)")
     conversation = []
     for i, (role, content, *name) in enumerate(messages):
         if role not in CHAT_ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got "
-                             f"{role[:32]!r}")
-        check_text(f"messages[{i}].content", content)
+            raise InvalidField("messages", f"messages[{i}].role must be one of "
+                               f"{', '.join(CHAT_ROLES)}; got {role[:32]!r}")
+        check_text(f"messages[{i}].content", content, "messages")
         # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
         message = {"role": "system" if role == "developer" else role, "content": content}
         if name and name[0] is not None:
-            check_text(f"messages[{i}].name", name[0])
+            check_text(f"messages[{i}].name", name[0], "messages")
             message["name"] = name[0]
         conversation.append(message)
     return conversation

@@ -33,6 +33,7 @@ from treadle.core.sched.policy import (
     uncomputed_tokens,
 )
 from treadle.core.sched.step_time import StepTimeModel
+from treadle.errors import PROMPT, InvalidField
 
 # A waiting request passed over this many times for lack of blocks reserves the queue: nothing
 # behind it is admitted until it fits. Running requests then drain (each is bounded by its
@@ -103,25 +104,25 @@ class Scheduler:
         return bool(self.requests)
 
     def add_request(self, request: Request) -> None:
-        """Queue a request, or refuse at once one that could never run."""
+        """Queue a request, or refuse at once one that could never run (InvalidField)."""
         num_prompt = request.num_prompt_tokens
         max_tokens = 0 if request.pooling else request.sampling_params.max_tokens
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if num_prompt == 0:
-            raise ValueError("the prompt must have at least one token")
+            raise InvalidField(PROMPT, "the prompt must have at least one token")
         if num_prompt + max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "
-                             f"{num_prompt + max_tokens} exceeds max_model_len "
-                             f"({self.max_model_len})")
+            raise InvalidField(PROMPT, f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) "
+                               f"= {num_prompt + max_tokens} exceeds max_model_len "
+                               f"({self.max_model_len})")
         kv = self.kv_cache_manager
         # The last sampled token is never fed back: the cache holds at most num_tokens - 1 (a
         # pooling request's: its whole prompt).
         num_blocks = cdiv(max(num_prompt + max_tokens - 1, num_prompt), kv.block_size)
         if num_blocks > kv.num_blocks:
-            raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs "
-                             f"{num_blocks} KV cache blocks of {kv.block_size} tokens; the "
-                             f"whole cache has {kv.num_blocks}")
+            raise InvalidField(PROMPT, f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) "
+                               f"needs {num_blocks} KV cache blocks of {kv.block_size} tokens; "
+                               f"the whole cache has {kv.num_blocks}")
         self.requests[request.request_id] = request
         stats = request.stats  # who is ahead of it, for `explain`
         stats.waiting_ahead, stats.running_ahead = len(self.waiting), len(self.running)

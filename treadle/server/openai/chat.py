@@ -29,16 +29,12 @@ from treadle.server.openai.serving import (
     RequestContext,
     Updates,
     check_finish,
-    sampling_params,
     sse,
     usage,
     wanted,
 )
-from treadle.server.openai.tools import ChatTools, ToolCallStream, tool_message
-
-# Where SamplingParams or the engine name a field otherwise than the request does.
-CHAT_PARAMS = {**{name: name for name in ChatCompletionRequest.model_fields},
-               "logprobs": "top_logprobs", "prompt": "messages"}
+from treadle.server.openai.tools import ChatTools, ToolCallStream, chat_tools, tool_message
+from treadle.server.validation import check_prompt_logprobs
 
 
 def chat_response(serving: OpenAIServing, body: ChatCompletionRequest, request_id: str,
@@ -109,27 +105,30 @@ def chat_router(serving: OpenAIServing) -> APIRouter:
             raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
         max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
                       else body.max_tokens)
-        names = {**CHAT_PARAMS, "max_tokens": "max_completion_tokens"
+        # SamplingParams' names of the fields that chat names otherwise.
+        names = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"
                  if body.max_completion_tokens is not None else "max_tokens"}
         fields = serving.sampling_fields(body)
-        tools = serving.chat_tools(body)
+        tools = chat_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         fields["structured_outputs"] = await serving.structured_output(body, tools)
         if body.logprobs:
             fields["logprobs"] = body.top_logprobs or 0
         # Check the fields before the costly template; with max_tokens left out, the rest of the
         # context is the most it can be.
-        sampling_params({**fields, "max_tokens": max_tokens or serving.engine.max_model_len},
-                        names)
+        serving.sampling_params(
+            {**fields, "max_tokens": max_tokens or serving.engine.max_model_len}, names)
         prompt = await serving.apply_template(body.messages, tools=tools)
         fields["max_tokens"] = serving.check_context(len(prompt), max_tokens, "messages")
-        params = sampling_params(fields, names)
-        updates = serving.generate(context.request_id, [prompt], params, body.priority, context)
+        params = serving.sampling_params(fields, names)
+        check_prompt_logprobs(len(prompt), params, "prompt_logprobs")
+        updates = serving.generate(context.request_id, [prompt], params, body.priority, context,
+                                   "messages")
         if body.stream:
-            updates = await serving.start_stream(request, updates, names)
+            updates = await serving.start_stream(request, updates)
             chunks = chat_chunks(serving, body, context, prompt, params.n, updates, tools)
-            return StreamingResponse(sse(chunks, names, serving.keepalive),
+            return StreamingResponse(sse(chunks, serving.keepalive),
                                      media_type="text/event-stream")
-        [state] = await serving.run(request, updates, 1, names)
+        [state] = await serving.run(request, updates, 1)
         response = await asyncio.to_thread(chat_response, serving, body,
                                            f"chatcmpl-{context.request_id}", prompt, state,
                                            tools)

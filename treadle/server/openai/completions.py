@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from treadle.core.sampling_params import SamplingParams
 from treadle.frontend.output_processor import RequestState
-from treadle.server.openai.errors import APIError, from_value_error
+from treadle.server.openai.errors import APIError
 from treadle.server.openai.logprobs import completion_logprobs
 from treadle.server.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from treadle.server.openai.serving import (
@@ -20,15 +20,11 @@ from treadle.server.openai.serving import (
     RequestContext,
     Updates,
     check_finish,
-    sampling_params,
     sse,
     usage,
     wanted,
 )
-from treadle.server.validation import check_batch
-
-# Where SamplingParams or the engine name a field otherwise than the request does.
-COMPLETION_PARAMS = {name: name for name in CompletionRequest.model_fields}
+from treadle.server.validation import check_batch, check_prompt_logprobs
 
 
 async def completion_prompts(serving: OpenAIServing, body: CompletionRequest,
@@ -39,11 +35,7 @@ async def completion_prompts(serving: OpenAIServing, body: CompletionRequest,
     if not prompt:
         raise APIError(400, "prompt must not be empty", param="prompt")
     batch = [prompt] if isinstance(prompt[0], int) else prompt
-    # Before any work proportional to the prompts' number or size.
-    try:
-        check_batch(len(batch), params)
-    except ValueError as e:
-        raise from_value_error(e, COMPLETION_PARAMS) from e
+    check_batch(len(batch), params)  # before any work proportional to the prompts' number
     if isinstance(batch[0], str):
         texts = batch
         serving.check_prompt_texts(texts)
@@ -52,10 +44,7 @@ async def completion_prompts(serving: OpenAIServing, body: CompletionRequest,
         prompts = batch
         for p in prompts:
             serving.check_context(len(p), body.max_tokens, "prompt")
-        try:  # before echo decodes them
-            serving.engine.check_prompt_token_ids([t for p in prompts for t in p])
-        except ValueError as e:
-            raise from_value_error(e, COMPLETION_PARAMS) from e
+        serving.engine.check_prompt_token_ids([t for p in prompts for t in p])  # before echo
         texts = (await asyncio.to_thread(serving.engine.tokenizer.batch_decode, prompts)
                  if body.echo else None)
     if not all(prompts):
@@ -137,18 +126,22 @@ def completions_router(serving: OpenAIServing) -> APIRouter:
             fields["logprobs"] = body.logprobs
             if body.echo:  # the echoed prompt carries its logprobs too
                 fields.setdefault("prompt_logprobs", body.logprobs)
-        params = sampling_params(fields, COMPLETION_PARAMS)
+        params = serving.sampling_params(fields)
         prompts, texts = await completion_prompts(serving, body, params)
         for prompt in prompts:
             serving.check_context(len(prompt), body.max_tokens, "prompt")
-        updates = serving.generate(context.request_id, prompts, params, body.priority, context)
+        # Echo with logprobs asks for them as `logprobs`.
+        check_prompt_logprobs(sum(map(len, prompts)), params, "prompt_logprobs"
+                              if body.prompt_logprobs is not None else "logprobs")
+        updates = serving.generate(context.request_id, prompts, params, body.priority, context,
+                                   "prompt")
         if body.stream:
-            updates = await serving.start_stream(request, updates, COMPLETION_PARAMS)
+            updates = await serving.start_stream(request, updates)
             chunks = completion_chunks(serving, body, context, prompts, texts, params.n,
                                        updates)
-            return StreamingResponse(sse(chunks, COMPLETION_PARAMS, serving.keepalive),
+            return StreamingResponse(sse(chunks, serving.keepalive),
                                      media_type="text/event-stream")
-        states = await serving.run(request, updates, len(prompts), COMPLETION_PARAMS)
+        states = await serving.run(request, updates, len(prompts))
         # Formatting many logprobs is slow enough to keep off the event loop.
         response = await asyncio.to_thread(completion_response, serving, body,
                                            f"cmpl-{context.request_id}", prompts, texts, states)

@@ -31,6 +31,7 @@ from treadle.server.openai.protocol import (
 from treadle.server.openai.serving import (
     OpenAIServing,
     RequestContext,
+    count_prompts,
     engine_error,
     request_context,
 )
@@ -39,8 +40,6 @@ from treadle.server.validation import check_prompt_text
 MAX_INPUTS = 2048  # OpenAI's limit on one request's inputs
 # Only n=1 matters to a pooling request: nothing is sampled.
 POOLING_PARAMS = SamplingParams(max_tokens=1)
-# The engine's ValueErrors name prompt token ids: the client sent them as `input`.
-EMBEDDING_PARAMS = {"prompt": "input", "user": "user"}
 
 
 def admit(serving: OpenAIServing, body: EmbeddingRequest, request: Request) -> RequestContext:
@@ -52,11 +51,11 @@ def admit(serving: OpenAIServing, body: EmbeddingRequest, request: Request) -> R
                        f"representation, changing output dimensions will lead to poor results.",
                        param="dimensions", code="unsupported_value")
     try:
-        admitted = serving.engine.admit(getattr(request.state, "api_key_name", None), body.user)
+        admitted = serving.engine.admit(getattr(request.state, "api_key_name", None), body.user,
+                                        num_prompts=count_prompts(body.input),
+                                        prompt_field="input")
     except (EngineUnavailable, EngineOverloaded) as e:
-        raise engine_error(e, {}) from e
-    except ValueError as e:
-        raise APIError(400, str(e), param="user") from e
+        raise engine_error(e) from e
     return request_context(admitted, request)
 
 
@@ -73,19 +72,13 @@ async def embedding_inputs(serving: OpenAIServing, body: EmbeddingRequest) -> li
     limit = serving.engine.max_model_len
     if isinstance(batch[0], str):
         for text in batch:
-            try:
-                check_prompt_text("input", text, limit)
-            except ValueError as e:
-                raise APIError(400, str(e), param="input") from e
+            check_prompt_text("input", text, limit)
         if not all(batch):
             raise APIError(400, "input must not contain an empty string", param="input")
         inputs = await serving.encode(batch, body.add_special_tokens)
     else:
         inputs = batch
-        try:
-            serving.engine.check_prompt_token_ids([t for ids in inputs for t in ids])
-        except ValueError as e:
-            raise APIError(400, str(e), param="input") from e
+        serving.engine.check_prompt_token_ids([t for ids in inputs for t in ids], "input")
     for i, ids in enumerate(inputs):
         if not ids:
             raise APIError(400, f"input[{i}] must have at least one token", param="input")
@@ -112,8 +105,8 @@ def embeddings_router(serving: OpenAIServing) -> APIRouter:
         inputs = await embedding_inputs(serving, body)
         request_id = f"embd-{uuid.uuid4().hex}"
         updates = serving.generate(request_id, inputs, POOLING_PARAMS, body.priority, context,
-                                   pooling=True)
-        states = await serving.run(request, updates, len(inputs), EMBEDDING_PARAMS)
+                                   "input", pooling=True)
+        states = await serving.run(request, updates, len(inputs))
         num_tokens = sum(len(ids) for ids in inputs)
         return EmbeddingResponse(
             data=[Embedding(index=i, embedding=encode_vector(state.embedding,

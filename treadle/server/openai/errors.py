@@ -2,17 +2,18 @@
 
 Every failure a client can cause ends here as a 4xx with `param` naming the offending field:
 pydantic's validation errors (wrong types, invalid JSON, a body that is not an object), the
-`ValueError`s of SamplingParams and of the engine, unknown routes and models.
+`InvalidField`s of every layer (SamplingParams, admission, validation, the engine: the field is
+the error's, never read out of its text), unknown routes and models.
 """
 
 from __future__ import annotations
-
-import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+
+from treadle.errors import InvalidField
 
 
 class APIError(Exception):
@@ -34,12 +35,10 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def from_value_error(error: ValueError, params: dict[str, str]) -> APIError:
-    """A 400 for a client's ValueError. SamplingParams and the engine word theirs "<field> must
-    be ...": `params` maps that leading name to the request field it came from, if any."""
-    message = str(error)
-    match = re.match(r"[a-z_]+", message)
-    return APIError(400, message, param=params.get(match.group()) if match else None)
+def invalid_request(error: ValueError) -> APIError:
+    """A 400 for a request the client got wrong, naming its field when the error does."""
+    return APIError(400, str(error), param=error.param if isinstance(error, InvalidField)
+                    else None)
 
 
 def validation_error(error: RequestValidationError) -> APIError:
@@ -62,8 +61,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
-    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_error(exc).response()
+
+    async def invalid_field(_: Request, exc: InvalidField) -> JSONResponse:
+        return invalid_request(exc).response()
 
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
         return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
@@ -73,6 +75,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(500, "internal server error").response()
 
     app.add_exception_handler(APIError, api_error)
-    app.add_exception_handler(RequestValidationError, invalid_request)
+    app.add_exception_handler(RequestValidationError, invalid_body)
+    app.add_exception_handler(InvalidField, invalid_field)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Exception, server_error)

@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from treadle.core.sampling_params import StructuredOutputsParams
+from treadle.errors import InvalidField
 from treadle.server.validation import CHAT_ROLES, check_text
 
 logger = logging.getLogger(__name__)
@@ -164,7 +165,8 @@ class SamplingRequest(APIRequest):
 
     def structured_output(self) -> tuple[str, StructuredOutputsParams] | None:
         """The constraint the request asks for and the field that asks it (None: none).
-        ValueError starting with that field's name for a malformed one, or for two fields."""
+        InvalidField naming that field, its message starting with the name, for a malformed one
+        or for two fields."""
         given = [(name, getattr(self, name)) for name in STRUCTURED_OUTPUT_FIELDS
                  if getattr(self, name) is not None
                  and not (name == "response_format" and getattr(self, name).get("type") == "text")]
@@ -172,15 +174,13 @@ class SamplingRequest(APIRequest):
             return None
         if len(given) > 1:
             fields = ", ".join(STRUCTURED_OUTPUT_FIELDS)
-            raise ValueError(f"{given[1][0]}: give at most one of {fields}; {given[0][0]} is "
-                             f"given too")
+            raise InvalidField(given[1][0], f"{given[1][0]}: give at most one of {fields}; "
+                               f"{given[0][0]} is given too")
         name, value = given[0]
         try:
             return name, structured_outputs_params(name, value)
-        except ValueError as e:
-            message = str(e)
-            raise ValueError(message if message.startswith(name) else f"{name}: {message}"
-                             ) from None
+        except InvalidField as e:  # StructuredOutputsParams' own, for a guided_* field
+            raise (e if e.param == name else InvalidField(name, f"{name}: {e}")) from None
 
     def sampling_fields(self) -> dict[str, Any]:
         """The SamplingParams fields the client set."""
@@ -197,27 +197,32 @@ STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 def structured_outputs_params(name: str, value: Any) -> StructuredOutputsParams:
-    """One structured-output field's value as SamplingParams' constraint."""
+    """One structured-output field's value as SamplingParams' constraint (InvalidField naming
+    `name`, or structured_outputs, for a malformed one)."""
     if name == "response_format":
         kind = value.get("type")
         if kind == "json_object":
             return StructuredOutputsParams(json_object=True)
         if kind != "json_schema":
-            raise ValueError(f"response_format.type must be text, json_object or json_schema, "
-                             f"got {str(kind)[:64]!r}")
+            raise InvalidField(name, f"response_format.type must be text, json_object or "
+                               f"json_schema, got {str(kind)[:64]!r}")
         spec = value.get("json_schema")
         if not isinstance(spec, dict):
-            raise ValueError('response_format.json_schema must be an object {"name", "schema", '
-                             '"strict"}')
+            raise InvalidField(name, 'response_format.json_schema must be an object {"name", '
+                               '"schema", "strict"}')
         schema = spec.get("schema")
         # OpenAI's schema is optional: without one, any JSON object.
-        return (StructuredOutputsParams(json_object=True) if schema is None
-                else StructuredOutputsParams(json=schema))
+        try:
+            return (StructuredOutputsParams(json_object=True) if schema is None
+                    else StructuredOutputsParams(json=schema))
+        except InvalidField as e:
+            raise InvalidField(name, f"{name}: {e}") from None
     if name == "structured_outputs":
         unknown = [k for k in value if k not in STRUCTURED_OUTPUT_KEYS]
         if unknown:
-            raise ValueError(f"structured_outputs: unsupported key {str(unknown[0])[:64]!r} (one "
-                             f"of {', '.join(STRUCTURED_OUTPUT_KEYS)})")
+            raise InvalidField(name, f"structured_outputs: unsupported key "
+                               f"{str(unknown[0])[:64]!r} (one of "
+                               f"{', '.join(STRUCTURED_OUTPUT_KEYS)})")
         return StructuredOutputsParams(**value)
     return StructuredOutputsParams(**{name.removeprefix("guided_"): value})
 

@@ -1,12 +1,12 @@
 """What every generating route shares: admission, context checks, tokenizing and chat prompts off
-the event loop, one engine request per prompt merged into one stream, running to the end or
-streaming (SSE), and the engine's refusals as OpenAI errors.
+the event loop, one engine request per prompt in one stream, running to the end or streaming
+(SSE), and the engine's refusals as OpenAI errors.
 
 A client request becomes one engine request per prompt (a completions batch has several; each
-runs its n samples), whose updates merge into one stream. A request is refused (4xx) before the
-response starts when the frontend or the engine rejects it; an error after a stream began is its
-last SSE event, then `[DONE]`. A client that disconnects, streaming or not, has its requests
-aborted.
+runs its n samples), admitted together, whose updates come as one stream
+(AsyncEngine.generate_batch). A request is refused (4xx) before the response starts when the
+frontend or the engine rejects it; an error after a stream began is its last SSE event, then
+`[DONE]`. A client that disconnects, streaming or not, has its requests aborted.
 
 Every request field is honoured or refused: a field of OpenAI's API that Treadle does not implement
 yet is accepted at its default only, else a 400 (code unsupported_value) naming it (protocol's
@@ -17,14 +17,16 @@ its `safety_identifier` (OpenAI's successor of `user`), else "default"
 (AsyncEngine.admit); `cache_salt` is vLLM's field; TTFT and TPOT objectives
 come from the `ttft_ms` / `tpot_ms` fields, else the `X-Treadle-TTFT-Ms` / `X-Treadle-TPOT-Ms`
 headers. A tenant over its limits, or (deadline policy) a TTFT the engine cannot meet, is a 429
-whose code names the limit (tenant_requests, tenant_queued_tokens, deadline). A request that
-waits past --max-queue-wait is a 503 of type queue_timeout before its stream starts, else that
-error as its last SSE event, then `[DONE]`.
+whose code names the limit (tenant_requests, tenant_queued_tokens, deadline); a batch of more
+prompts than a tenant may ever have in flight is a 400 naming max_requests_per_tenant. A request
+that waits past --max-queue-wait is a 503 of type queue_timeout before its stream starts, else
+that error as its last SSE event, then `[DONE]`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -36,18 +38,18 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from treadle.core.sampling_params import SamplingParams, StructuredOutputsParams
-from treadle.core.structured_output import check_structured_outputs
+from treadle.core.sampling_params import SamplingParams, StructuredOutputsParams, check_max_logprobs
+from treadle.core.structured_output import ConstraintChecker
+from treadle.errors import InvalidField
 from treadle.frontend.admission import Admitted, EngineOverloaded, check_tenant_name
 from treadle.frontend.async_engine import AsyncEngine, RequestUpdate
 from treadle.frontend.output_processor import RequestState, SampleDelta
 from treadle.frontend.supervisor import EngineUnavailable
 from treadle.observability.explain import e2e, timings
 from treadle.server.chat_template import apply_chat_template
-from treadle.server.openai.errors import APIError, from_value_error
+from treadle.server.openai.errors import APIError, invalid_request
 from treadle.server.openai.logprobs import TokenTable, prompt_logprobs
 from treadle.server.openai.protocol import (
-    STRUCTURED_OUTPUT_FIELDS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -55,7 +57,7 @@ from treadle.server.openai.protocol import (
     Usage,
 )
 from treadle.server.openai.tool_parsers import tool_parser
-from treadle.server.openai.tools import ChatTools, chat_tools, template_inputs
+from treadle.server.openai.tools import ChatTools, check_tool_results, template_inputs
 from treadle.server.validation import check_prompt_text
 
 if TYPE_CHECKING:
@@ -67,11 +69,21 @@ Updates = AsyncIterator[tuple[int, RequestUpdate]]  # (prompt index, update)
 
 TTFT_HEADER = "x-treadle-ttft-ms"
 TPOT_HEADER = "x-treadle-tpot-ms"
-# What AsyncEngine.generate raises when it refuses a request.
+# What AsyncEngine.generate_batch raises when it refuses a request.
 ENGINE_ERRORS = (ValueError, EngineOverloaded, RuntimeError)
+GRAMMAR_ERROR_MESSAGE = ("the output's constraint could not be followed: its grammar failed "
+                         "after the output's start (too complex for the grammar engine); "
+                         "simplify it")
 SERVER_QUEUE_LIMITS = ("queue_full", "queued_tokens_full")  # Admission's server-wide reasons
 QUEUE_TIMEOUT_MESSAGE = ("the request waited longer than the server's queue time limit "
                          "(max_queue_wait) without being scheduled; retry later")
+
+
+def count_prompts(prompt: str | list) -> int:
+    """How many prompts a completions `prompt` (or an embeddings `input`) holds: one text or
+    list of token ids, or a list of them."""
+    return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) \
+        else len(prompt)
 
 
 def prompt_ids(request_id: str, num_prompts: int) -> list[str]:
@@ -99,37 +111,6 @@ class RequestContext:
 def request_context(admitted: Admitted, request: Request) -> RequestContext:
     return RequestContext(admitted.tenant, admitted.cache_salt, admitted.ttft, admitted.tpot,
                           request.state.request_id, request.state.received)
-
-
-async def merge(streams: list[AsyncIterator[RequestUpdate]]) -> Updates:
-    """The updates of several engine requests as one stream; leaving it early closes them all,
-    which aborts their requests."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncIterator[RequestUpdate]) -> None:
-        try:
-            async with aclosing(stream):
-                async for update in stream:
-                    queue.put_nowait((index, update))
-            queue.put_nowait((index, None))
-        except Exception as e:
-            queue.put_nowait((index, e))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def prepend(first: tuple[int, RequestUpdate], rest: Updates) -> Updates:
@@ -166,13 +147,14 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-def engine_error(error: Exception, params: dict[str, str]) -> APIError:
-    """The engine refused a request: the client's fault (ValueError), a full queue, or an engine
-    that is down or died (type engine_error) or a server shutting down (server_shutdown)."""
+def engine_error(error: Exception) -> APIError:
+    """The engine refused a request: the client's fault (InvalidField, naming its field), a full
+    queue, or an engine that is down or died (type engine_error) or a server shutting down
+    (server_shutdown)."""
     if isinstance(error, EngineUnavailable):
         return APIError(503, str(error), error_type=error.kind)
     if isinstance(error, ValueError):
-        return from_value_error(error, params)
+        return invalid_request(error)
     if isinstance(error, EngineOverloaded):
         # The server-wide queue's limits keep OpenAI's code; the others (a tenant's limits, a
         # queue policy's refusal) name theirs.
@@ -191,10 +173,12 @@ def queue_timeout_error() -> APIError:
 
 
 def check_finish(finish_reason: str | None) -> None:
-    """Only stop and length reach a client; an engine failure, abort or queue timeout becomes an
-    error."""
+    """Only stop and length reach a client; an engine failure, abort, queue timeout or a
+    constraint whose grammar failed midway becomes an error."""
     if finish_reason == "error":
         raise APIError(500, "the engine failed while running this request")
+    if finish_reason == "grammar_error":
+        raise APIError(400, GRAMMAR_ERROR_MESSAGE, code="grammar_error")
     if finish_reason == "abort":
         raise APIError(503, "the request was aborted", error_type="service_unavailable")
     if finish_reason == "queue_timeout":
@@ -213,8 +197,7 @@ def usage(prompts: list[list[int]], states: list[RequestState]) -> Usage:
 KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it
 
 
-async def sse(chunks: AsyncIterator[BaseModel], params: dict[str, str], keepalive: float
-              ) -> AsyncIterator[str]:
+async def sse(chunks: AsyncIterator[BaseModel], keepalive: float) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's format: chunks, or chunks and an error event, then
     `[DONE]`: a client reading to `[DONE]` always sees the stream end (as vLLM's do). Each
     `keepalive` seconds without a chunk (the request still queued, text held back) send a
@@ -230,7 +213,7 @@ async def sse(chunks: AsyncIterator[BaseModel], params: dict[str, str], keepaliv
     except StopAsyncIteration:
         pass
     except Exception as e:
-        error = e if isinstance(e, APIError) else engine_error(e, params)
+        error = e if isinstance(e, APIError) else engine_error(e)
         yield f"data: {json.dumps(error.body())}\n\n"
     finally:
         if pending is not None:  # the client left: cancelling it closes the chunks' updates
@@ -250,13 +233,6 @@ async def after(first: asyncio.Future, rest: Updates) -> Updates:
         yield await first
         async for item in rest:
             yield item
-
-
-def sampling_params(fields: dict[str, Any], params: dict[str, str]) -> SamplingParams:
-    try:
-        return SamplingParams(**fields)
-    except ValueError as e:
-        raise from_value_error(e, params) from e
 
 
 def wanted(delta: SampleDelta, logprobs: bool) -> bool:
@@ -289,6 +265,12 @@ class OpenAIServing:
     def model_name(self) -> str:
         return self.model_names[0]
 
+    @functools.cached_property
+    def constraints(self) -> ConstraintChecker:
+        """Made at the first constraint, the engine started: its vocabulary's size is known."""
+        return ConstraintChecker(self.engine.tokenizer_file, self.engine.vocab_size,
+                                 self.engine.tokenizer.eos_token_id)
+
     def sampling_fields(self, body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
         """The SamplingParams fields the client set, over the model's generation config's."""
         return {**self.engine.sampling_defaults, **body.sampling_fields()}
@@ -301,8 +283,8 @@ class OpenAIServing:
     def admit(self, body: CompletionRequest | ChatCompletionRequest, request: Request
               ) -> RequestContext:
         """Refuse a request for another model, or one the full queue or its tenant's limits
-        cannot take, or one asking for what Treadle does not support yet, before any costly
-        work; its tenant, salt and objectives."""
+        cannot take (its prompts counted), or one asking for what Treadle does not support yet,
+        before any costly work; its tenant, salt and objectives."""
         self.check_model(body.model)
         unsupported = body.unsupported()
         if unsupported is not None:
@@ -318,12 +300,10 @@ class OpenAIServing:
                 getattr(request.state, "api_key_name", None), user,
                 ttft_ms=body.ttft_ms if body.ttft_ms is not None else headers.get(TTFT_HEADER),
                 tpot_ms=body.tpot_ms if body.tpot_ms is not None else headers.get(TPOT_HEADER),
-                cache_salt=body.cache_salt)
+                cache_salt=body.cache_salt, num_prompts=count_prompts(body.prompt)
+                if isinstance(body, CompletionRequest) else 1)
         except (EngineUnavailable, EngineOverloaded) as e:
-            raise engine_error(e, {}) from e
-        except ValueError as e:
-            raise from_value_error(e, {name: name for name in (
-                "user", "safety_identifier", "ttft_ms", "tpot_ms", "cache_salt")}) from e
+            raise engine_error(e) from e
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options needs stream", param="stream_options")
         return request_context(admitted, request)
@@ -353,26 +333,28 @@ class OpenAIServing:
                                           add_special_tokens=add_special_tokens)
         return encoded["input_ids"]
 
-    @staticmethod
-    def chat_tools(body: ChatCompletionRequest) -> ChatTools | None:
-        """The request's tools and tool choice (None: none offered, or tool_choice "none")."""
+    def sampling_params(self, fields: dict[str, Any], names: dict[str, str] | None = None
+                        ) -> SamplingParams:
+        """SamplingParams of `fields`, within the server's max_logprobs; InvalidField naming the
+        request's field, which `names` gives where the request names a field otherwise than
+        SamplingParams does."""
         try:
-            return chat_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-        except ValueError as e:
-            raise from_value_error(e, {"tools": "tools", "tool_choice": "tool_choice"}) from e
+            params = SamplingParams(**fields)
+            check_max_logprobs(params, self.engine.config.engine.model.max_logprobs)
+        except InvalidField as e:
+            raise e.renamed(names or {}) from None
+        return params
 
     async def apply_template(self, messages: list[ChatMessage],
                              add_generation_prompt: bool = True,
                              tools: ChatTools | None = None) -> list[int]:
+        check_tool_results(messages)
         template = self.chat_tokenizer.chat_template
         turns, fields, template_tools = template_inputs(
             messages, tools, self.tool_parser, native=template is not None and "tools" in template)
-        try:
-            return await asyncio.to_thread(
-                apply_chat_template, self.chat_tokenizer, turns, self.engine.max_model_len,
-                add_generation_prompt, template_tools, fields)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from e
+        return await asyncio.to_thread(
+            apply_chat_template, self.chat_tokenizer, turns, self.engine.max_model_len,
+            add_generation_prompt, template_tools, fields)
 
     async def structured_output(self, body: CompletionRequest | ChatCompletionRequest,
                                 tools: ChatTools | None = None
@@ -380,10 +362,7 @@ class OpenAIServing:
         """The request's constraint (its structured-output field's, or the one enforcing a
         required or named tool choice), checked to compile (in a thread: a large grammar takes
         a while); a 400 naming its field otherwise."""
-        try:
-            found = body.structured_output()
-        except ValueError as e:
-            raise from_value_error(e, {name: name for name in STRUCTURED_OUTPUT_FIELDS}) from e
+        found = body.structured_output()
         if tools is not None and tools.constrained:
             if found is not None:
                 raise APIError(400, f"tool_choice {tools.choice!r} cannot be combined with "
@@ -393,17 +372,14 @@ class OpenAIServing:
             return None
         name, params = found
         try:
-            await asyncio.to_thread(check_structured_outputs, params)
+            await asyncio.to_thread(self.constraints.check, params)
         except ValueError as e:
             raise APIError(400, f"{name}: {e}", param=name) from e
         return params
 
     def check_prompt_texts(self, texts: list[str]) -> None:
         for text in texts:
-            try:
-                check_prompt_text("prompt", text, self.engine.max_model_len)
-            except ValueError as e:
-                raise APIError(400, str(e), param="prompt") from e
+            check_prompt_text("prompt", text, self.engine.max_model_len)
 
     def prompt_logprobs(self, body: CompletionRequest | ChatCompletionRequest,
                         state: RequestState) -> list | None:
@@ -412,14 +388,15 @@ class OpenAIServing:
         return prompt_logprobs(self.table, state.prompt_logprobs)
 
     def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                 priority: int, context: RequestContext, pooling: bool = False) -> Updates:
-        """`pooling`: embedding requests (AsyncEngine.generate's)."""
-        return merge([self.engine.generate(i, p, params, priority, tenant=context.tenant,
-                                           cache_salt=context.cache_salt, ttft=context.ttft,
-                                           tpot=context.tpot, received=context.received,
-                                           pooling=pooling)
-                      for i, p in zip(prompt_ids(request_id, len(prompts)), prompts,
-                                      strict=True)])
+                 priority: int, context: RequestContext, prompt_field: str,
+                 pooling: bool = False) -> Updates:
+        """`prompt_field`: the request's field the prompts came from (errors name it);
+        `pooling`: embedding requests (AsyncEngine.generate's)."""
+        return self.engine.generate_batch(
+            prompt_ids(request_id, len(prompts)), prompts, params, priority,
+            tenant=context.tenant, cache_salt=context.cache_salt, ttft=context.ttft,
+            tpot=context.tpot, received=context.received, pooling=pooling,
+            prompt_field=prompt_field)
 
     def finish_response(self, request_id: str, num_prompts: int) -> dict[str, float] | None:
         """The response is written, all but its last bytes: mark its samples' timelines; the
@@ -427,20 +404,19 @@ class OpenAIServing:
         timelines = self.engine.response_finished(prompt_ids(request_id, num_prompts))
         return timings(max(timelines, key=e2e)) if timelines else None
 
-    async def run(self, request: Request, updates: Updates, num_prompts: int,
-                  params: dict[str, str]) -> list[RequestState]:
+    async def run(self, request: Request, updates: Updates, num_prompts: int
+                  ) -> list[RequestState]:
         """Run to the end (non-streaming): each prompt's final state."""
         try:
             states = await unless_disconnected(request, collect(updates, num_prompts))
         except ENGINE_ERRORS as e:
-            raise engine_error(e, params) from e
+            raise engine_error(e) from e
         for state in states:
             for sample in state.samples:
                 check_finish(sample.finish_reason)
         return states
 
-    async def start_stream(self, request: Request, updates: Updates,
-                           params: dict[str, str]) -> Updates:
+    async def start_stream(self, request: Request, updates: Updates) -> Updates:
         """Wait for the first update, so that a request the engine refuses is still a 4xx; one
         still queued after the keep-alive interval starts its stream anyway (keep-alives then
         hold it open, and a later refusal is its last SSE event)."""
@@ -456,7 +432,7 @@ class OpenAIServing:
         try:
             first = pending.result()
         except ENGINE_ERRORS as e:
-            raise engine_error(e, params) from e
+            raise engine_error(e) from e
         if any(d.finish_reason == "queue_timeout" for d in first[1].deltas):
             await updates.aclose()  # aborts the request's other prompts and samples
             raise queue_timeout_error()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from treadle.core.sampling_params import MAX_GRAMMAR_CHARS, StructuredOutputsParams
+from treadle.errors import InvalidField
 from treadle.server.openai.protocol import (
     AssistantMessage,
     ChatMessage,
@@ -54,10 +55,12 @@ class ChatTools:
         return self.choice != "auto"
 
     def constraint(self) -> StructuredOutputsParams | None:
-        """The structured output that enforces "required" or a named function."""
+        """The structured output that enforces "required" or a named function; InvalidField
+        (tools) when it is past the structured-output limit, as tools within their own limit
+        may make it."""
         if self.named is not None:
             function = next(f for f in self.functions if f["name"] == self.named)
-            return StructuredOutputsParams(json=function.get("parameters") or ANY_OBJECT)
+            return tool_constraint(function.get("parameters") or ANY_OBJECT)
         if self.choice != "required":
             return None
         calls = {"anyOf": [{"type": "object", "properties": {
@@ -67,7 +70,7 @@ class ChatTools:
         array: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
         if not self.parallel:
             array["maxItems"] = 1
-        return StructuredOutputsParams(json=array)
+        return tool_constraint(array)
 
     def constrained_calls(self, text: str) -> list[ParsedToolCall]:
         """The calls in an output made under `constraint()` (one cut short by max_tokens: what
@@ -82,12 +85,20 @@ class ChatTools:
                 for c in value]
 
 
+def tool_constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(json=schema)
+    except InvalidField as e:
+        raise InvalidField("tools", f"tools: the constraint enforcing the tool choice: {e}") \
+            from None
+
+
 def chat_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
                parallel_tool_calls: bool | None) -> ChatTools | None:
-    """The request's tools, or None when it offers none or chose "none". ValueError naming the
+    """The request's tools, or None when it offers none or chose "none". InvalidField naming the
     field (tools, tool_choice) for a malformed one."""
     if not tools and tool_choice not in (None, "none", "auto"):
-        raise ValueError("tool_choice needs tools")
+        raise InvalidField("tool_choice", "tool_choice needs tools")
     if not tools or tool_choice == "none":
         return None
     functions = check_tools(tools)
@@ -96,46 +107,67 @@ def chat_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
         function = choice.get("function")
         named = function.get("name") if isinstance(function, dict) else None
         if choice.get("type") != "function" or not isinstance(named, str):
-            raise ValueError('tool_choice must be "none", "auto", "required" or {"type": '
-                             '"function", "function": {"name": ...}}')
+            raise InvalidField("tool_choice", 'tool_choice must be "none", "auto", "required" '
+                               'or {"type": "function", "function": {"name": ...}}')
         if named not in {f["name"] for f in functions}:
-            raise ValueError(f"tool_choice names {named[:64]!r}, which is not among the tools")
+            raise InvalidField("tool_choice", f"tool_choice names {named[:64]!r}, which is not "
+                               f"among the tools")
         choice = "function"
     elif choice not in ("auto", "required"):
-        raise ValueError(f'tool_choice must be "none", "auto", "required" or a function, got '
-                         f"{str(choice)[:64]!r}")
+        raise InvalidField("tool_choice", f'tool_choice must be "none", "auto", "required" or a '
+                           f"function, got {str(choice)[:64]!r}")
     return ChatTools(functions, choice, named, parallel_tool_calls is not False)
 
 
 def check_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each tool's function, checked: a name as OpenAI allows, parameters a JSON schema object."""
     if len(tools) > MAX_TOOLS:
-        raise ValueError(f"tools must be at most {MAX_TOOLS} tools, got {len(tools)}")
+        raise InvalidField("tools", f"tools must be at most {MAX_TOOLS} tools, got {len(tools)}")
     size = len(json.dumps(tools))
     if size > MAX_GRAMMAR_CHARS:
-        raise ValueError(f"tools must be at most {MAX_GRAMMAR_CHARS} characters of JSON, got "
-                         f"{size}")
+        raise InvalidField("tools", f"tools must be at most {MAX_GRAMMAR_CHARS} characters of "
+                           f"JSON, got {size}")
     functions, names = [], set()
     for i, tool in enumerate(tools):
         function = tool.get("function")
         if tool.get("type") != "function" or not isinstance(function, dict):
-            raise ValueError(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}')
+            raise InvalidField("tools", f'tools[{i}] must be {{"type": "function", "function": '
+                               f'{{...}}}}')
         name = function.get("name")
         if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
-            raise ValueError(f"tools[{i}].function.name must be 1 to 64 letters, digits, _, . "
-                             f"or -, got {str(name)[:80]!r}")
+            raise InvalidField("tools", f"tools[{i}].function.name must be 1 to 64 letters, "
+                               f"digits, _, . or -, got {str(name)[:80]!r}")
         if name in names:
-            raise ValueError(f"tools[{i}].function.name {name!r} is given twice")
+            raise InvalidField("tools", f"tools[{i}].function.name {name!r} is given twice")
         names.add(name)
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
-            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+            raise InvalidField("tools", f"tools[{i}].function.parameters must be a JSON schema "
+                               f"object")
         description = function.get("description")
         if description is not None and not isinstance(description, str):
-            raise ValueError(f"tools[{i}].function.description must be a string")
+            raise InvalidField("tools", f"tools[{i}].function.description must be a string")
         functions.append({k: function[k] for k in ("name", "description", "parameters")
                           if function.get(k) is not None})
     return functions
+
+
+def check_tool_results(messages: list[ChatMessage]) -> None:
+    """As OpenAI: each tool message answers a call of an earlier assistant message, named by
+    its `tool_call_id` (a template renders a result beside its call; one that answers nothing
+    would reach the model silently). InvalidField naming the message's field otherwise."""
+    calls: set[str] = set()
+    for i, message in enumerate(messages):
+        calls.update(call.id for call in message.tool_calls or () if call.id)
+        if message.role != "tool":
+            continue
+        param = f"messages[{i}].tool_call_id"
+        if message.tool_call_id is None:
+            raise InvalidField(param, f"{param} is required: a tool message answers a call of "
+                               f"an earlier assistant message")
+        if message.tool_call_id not in calls:
+            raise InvalidField(param, f"{param} {message.tool_call_id[:64]!r} names no call of "
+                               f"an earlier assistant message")
 
 
 def template_inputs(messages: list[ChatMessage], tools: ChatTools | None, parser: ToolParser,
