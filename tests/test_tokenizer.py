@@ -322,3 +322,29 @@ def test_loading_and_using_it_never_imports_torch_or_transformers():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("gguf", ["default", "gemma3-270m"])
+def test_a_gguf_converts_to_the_tokenizer_and_config_transformers_reads_from_it(gguf, tmp_path):
+    """The cached conversion names the tokenizer class itself (to skip a second parse of the
+    metadata): the files it writes are those AutoTokenizer and AutoConfig make from the GGUF."""
+    from transformers import AutoConfig
+
+    from treadle.model.source import (
+        default_model_path,
+        gemma3_270m_path,
+        write_gguf_metadata_folder,
+    )
+
+    path = default_model_path() if gguf == "default" else gemma3_270m_path()
+    write_gguf_metadata_folder(path, tmp_path / "ours")
+    AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(
+        tmp_path / "reference")
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(
+        tmp_path / "reference")
+    reference = sorted(p.name for p in (tmp_path / "reference").iterdir())
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == sorted(
+        [*reference, "generation_config.json"])
+    for name in reference:
+        assert (tmp_path / "ours" / name).read_text() == \
+            (tmp_path / "reference" / name).read_text(), name
