@@ -46,6 +46,17 @@ ARCHITECTURES = {
                             "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}}),
     "gemma3-softcap-untied": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, {
         **GEMMA3, "final_logit_softcapping": 2.0, "tie_word_embeddings": False}),
+    # Mixtures of experts: 4 experts, 2 per token; Qwen3-MoE with a dense layer among sparse
+    # ones and renormalized top-k; OLMoE without renormalization, q/k norms over all heads.
+    "qwen3-moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, {
+        "num_hidden_layers": 3, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
+        "sliding_window": None}),
+    "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM, {
+        "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
+        "norm_topk_prob": False}),
 }
 
 

@@ -18,7 +18,9 @@ from treadle.model.kernels import elementwise_kernels
 from treadle.model.linear import Linear, QuantizedLinear
 from treadle.model.quantization import QuantizedWeight
 
-Layer = dict[str, torch.Tensor | Linear | QuantizedLinear | None]
+# A layer's weights by role; a callable is a part with its own forward (experts.SparseMoE).
+Layer = dict[str, torch.Tensor | Linear | QuantizedLinear | Callable[[torch.Tensor], torch.Tensor]
+             | None]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -9,11 +9,12 @@ module through the registry.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -157,6 +158,8 @@ def read_safetensors_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def hf_name_for_gguf(name: str, family: ModelFamily) -> str:
+    """The Hugging Face name of GGUF tensor `name`; a stack of experts' matrices keeps an
+    `{expert}` field for `gguf_matrices` to fill."""
     names = family.gguf_tensor_names
     if name in names:
         return names[name]
@@ -164,8 +167,24 @@ def hf_name_for_gguf(name: str, family: ModelFamily) -> str:
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
         template = names.get(f"blk.{{}}.{parts[2]}")
         if template:
-            return template.format(parts[1])
+            return template.replace("{}", parts[1], 1)
     raise ModelLoadError(f"unknown GGUF tensor {name!r}")
+
+
+def gguf_matrices(t: GGUFTensor, family: ModelFamily) -> Iterator[tuple[str, GGUFTensor]]:
+    """(Hugging Face name, tensor) for GGUF tensor `t`, or for each expert's matrix where `t`
+    stacks a layer's experts (llama.cpp's 3-D `ffn_*_exps`): views of the file, not copies."""
+    hf_name = hf_name_for_gguf(t.name, family)
+    if "{expert}" not in hf_name:
+        yield hf_name, t
+        return
+    if len(t.shape) != 3:
+        raise ModelLoadError(f"GGUF tensor {t.name!r} has {len(t.shape)} dimensions, "
+                             f"expected 3 (experts, rows, columns)")
+    for expert, data in enumerate(t.data):
+        yield hf_name.format(expert=expert), dataclasses.replace(
+            t, shape=t.shape[:2], n_elements=t.n_elements // len(t.data),
+            n_bytes=t.n_bytes // len(t.data), data=data)
 
 
 def read_gguf_weights(path: Path, spec: ModelSpec, keep_quantized: bool = False
@@ -176,15 +195,16 @@ def read_gguf_weights(path: Path, spec: ModelSpec, keep_quantized: bool = False
     reader = read_gguf(path)
     architecture = reader.metadata.get("general.architecture")
     family = family_of(spec)
-    if architecture is not None and family_for_gguf(architecture) is not family:
+    if architecture is not None and architecture not in family.gguf_architectures:
+        family_for_gguf(architecture)  # unsupported: says which are
         raise ModelLoadError(f"{str(path)!r} holds a {architecture!r} model, but its "
                              f"config names {spec.architecture!r}")
     fix = family.gguf_fix or (lambda name, rows, spec, dequantized: rows)
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
-    for t in reader.tensors:
-        if t.name not in family.gguf_ignored_tensors:
-            hf_name = hf_name_for_gguf(t.name, family)
-            weights[hf_name] = gguf_weight(t, hf_name, spec, fix, keep_quantized)
+    for tensor in reader.tensors:
+        if tensor.name not in family.gguf_ignored_tensors:
+            for hf_name, t in gguf_matrices(tensor, family):
+                weights[hf_name] = gguf_weight(t, hf_name, spec, fix, keep_quantized)
     return weights
 
 

@@ -184,13 +184,13 @@ def served_weight_bytes(spec: ModelSpec, itemsize: int, quantization: str,
     stored: dict[str, int] = {}  # HF name -> GGUF type kept as blocks
     if quantization == "gguf" and gguf is not None:
         from treadle.model.gguf_file import read_gguf
-        from treadle.model.loader import hf_name_for_gguf
+        from treadle.model.loader import gguf_matrices
         from treadle.model.registry import family_of
 
         family = family_of(spec)
         for t in read_gguf(gguf).tensors:
             if t.name not in family.gguf_ignored_tensors:
-                stored[hf_name_for_gguf(t.name, family)] = int(t.tensor_type)
+                stored |= {name: int(t.tensor_type) for name, _ in gguf_matrices(t, family)}
     total = 0
     for name, shape in spec.expected_shapes().items():
         numel = math.prod(shape)

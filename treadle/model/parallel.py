@@ -58,6 +58,8 @@ def check_tensor_parallel(spec: ModelSpec, world_size: int) -> None:
     """ValueError, before any worker starts, if `spec`'s heads cannot be split `world_size`
     ways."""
     heads, kv = spec.num_heads, spec.num_kv_heads
+    if world_size > 1 and getattr(spec, "num_experts", 0):
+        raise ValueError("tensor parallelism does not split mixture-of-experts layers")
     if world_size > heads:
         raise ValueError(f"tensor_parallel_size {world_size} exceeds the model's {heads} "
                          f"attention heads")

@@ -11,11 +11,11 @@ import torch
 
 from treadle.model.family import ModelFamily, ModelSpec
 from treadle.model.layers import DecoderModel
-from treadle.model.models import gemma3, llama
+from treadle.model.models import gemma3, llama, moe
 from treadle.model.quantization import QuantizedWeight
 from treadle.model.source import ModelLoadError
 
-FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY, gemma3.FAMILY)
+FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY, gemma3.FAMILY, moe.FAMILY)
 
 
 def spec_from_config(cfg: dict, generation_config: dict | None = None) -> ModelSpec:

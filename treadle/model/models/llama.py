@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +26,7 @@ from treadle.model.family import (
 from treadle.model.kernels import llama_decoder_class
 from treadle.model.layers import (
     DecoderModel,
+    Layer,
     Rotary,
     default_rope_frequencies,
     embed_tokens,
@@ -32,7 +34,7 @@ from treadle.model.layers import (
     self_attention,
     silu_and_mul,
 )
-from treadle.model.linear import QuantizedLinear, make_linear
+from treadle.model.linear import Linear, QuantizedLinear, make_linear
 from treadle.model.quantization import QuantizedWeight
 from treadle.model.source import ModelLoadError
 
@@ -134,13 +136,26 @@ class LlamaModel(DecoderModel):
                 "q_norm": w.get(attn + "q_norm.weight"),
                 "k_norm": w.get(attn + "k_norm.weight"),
                 "o": linear([w[attn + "o_proj.weight"]]),
-                "gate_up": linear([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-                "down": linear([w[p + "mlp.down_proj.weight"]]),
+                **self.feed_forward_weights(w, i, linear),
             })
         self.rotary = Rotary(rope_inverse_frequencies(spec), max_positions, dtype)
 
+    def feed_forward_weights(self, w: dict[str, torch.Tensor | QuantizedWeight], i: int,
+                             linear: Callable[..., Linear | QuantizedLinear]) -> Layer:
+        """Layer `i`'s MLP: gate/up fused, down."""
+        p = f"model.layers.{i}.mlp."
+        return {"gate_up": linear([w[p + "gate_proj.weight"], w[p + "up_proj.weight"]]),
+                "down": linear([w[p + "down_proj.weight"]])}
+
+    def feed_forward(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
+        return layer["down"](silu_and_mul(layer["gate_up"](x)))
+
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.spec.rms_norm_eps)
+
+    def qk_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Qwen3's q/k RMSNorm: over each head of x [tokens, heads, head_dim]."""
+        return self.norm(x, weight)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       attention: dict[int | None, AttentionMetadata], kv_cache: KVCache
@@ -158,10 +173,10 @@ class LlamaModel(DecoderModel):
             x = self.norm(hidden, layer["input_norm"])
             hidden = residual + self_attention(
                 layer, x, rope, kv_cache.keys[i], kv_cache.values[i], meta, spec.num_heads,
-                spec.num_kv_heads, spec.head_dim, self.scale, qk_norm=self.norm)
+                spec.num_kv_heads, spec.head_dim, self.scale, qk_norm=self.qk_norm)
             residual = hidden
             x = self.norm(hidden, layer["post_norm"])
-            hidden = residual + layer["down"](silu_and_mul(layer["gate_up"](x)))
+            hidden = residual + self.feed_forward(layer, x)
         return hidden
 
     def fused_decode(self, meta: AttentionMetadata, hidden: torch.Tensor) -> bool:

@@ -1,0 +1,162 @@
+"""Mixture-of-experts models beyond the per-position logits of test_model_parity.py: greedy
+generation in mixed batches against transformers, experts quantized at load and served from a
+GGUF's stacked expert tensors (llama.cpp's layout, written here with the gguf package), and what
+the engine refuses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from model_utils import build_tiny_model, greedy_decode, make_runner
+from safetensors.torch import load_file
+
+from treadle.config import CacheConfig, ModelConfig
+from treadle.model.batch import ModelInput, ScheduledSequence
+from treadle.model.experts import SparseMoE
+from treadle.model.linear import QuantizedLinear
+from treadle.model.loader import LoadedModel, read_gguf_weights, read_spec
+from treadle.model.memory import served_weight_bytes
+from treadle.model.models.moe import GGUF_TENSOR_NAMES
+from treadle.model.parallel import check_tensor_parallel
+from treadle.model.quantization import QuantizedWeight
+from treadle.model.quantization import dequantize as dequantize_blocks
+from treadle.model.runner import ModelRunner
+
+
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "olmoe"])
+def test_greedy_batches_with_chunked_prefill_match_transformers_generate(arch, tmp_path):
+    model = build_tiny_model(arch, tmp_path)
+    runner = make_runner(tmp_path, block_size=4, num_blocks=256)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 17, 30, 9)]
+    ours = greedy_decode(runner, prompts, max_tokens=16, chunk_size=7)
+    for prompt, tokens in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert tokens == out[0, len(prompt):].tolist()
+
+
+def typical_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """The median over positions of the largest logit error, relative to the largest logit.
+    Quantized activations may flip a near-tied routing choice at a position or two (an error
+    of several percent there); a wiring fault costs every position the whole scale."""
+    errors = (got - expected).abs().max(dim=1).values / expected.abs().max()
+    return errors.median().item()
+
+
+def sparse_layers(runner: ModelRunner) -> list[SparseMoE]:
+    return [layer["moe"] for layer in runner.model.layers if "moe" in layer]
+
+
+def test_experts_quantized_at_load_run_the_integer_and_float_paths(tmp_path):
+    build_tiny_model("qwen3-moe", tmp_path)
+    dense = make_runner(tmp_path, block_size=4, num_blocks=64)
+    quantized = make_runner(tmp_path, block_size=4, num_blocks=64, quantization="int8",
+                            quant_gemv_max_rows=3)
+    moes = sparse_layers(quantized)
+    assert len(moes) == 2  # layer 1 is dense (mlp_only_layers)
+    assert all(isinstance(p, QuantizedLinear) for moe in moes for p in moe.parts())
+    assert all(not isinstance(moe.router, QuantizedWeight) for moe in moes)
+    ids = torch.randint(3, 256, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+    table = list(range(8))
+    expected = dense.execute(ModelInput([ScheduledSequence(ids, 0, table, all_logits=True)]))
+    # The whole prompt gives each expert more rows than 3 (the float path); chunks of 2 give
+    # it at most 2 (the kernel's integer path).
+    whole = quantized.execute(ModelInput([ScheduledSequence(ids, 0, table, all_logits=True)]))
+    chunks = torch.cat([quantized.execute(ModelInput([ScheduledSequence(
+        ids[s:s + 2], s, table, all_logits=True)])) for s in range(0, len(ids), 2)])
+    for got in (whole, chunks):
+        assert typical_error(got, expected) <= 0.03
+
+
+def write_moe_gguf(folder: Path, path: Path, qtype: Q) -> dict[str, np.ndarray]:
+    """A saved Qwen3-MoE model's tensors (one matrix per expert, as checkpoints hold them) as
+    llama.cpp writes them: each layer's experts stacked into one 3-D tensor per matrix in
+    `qtype`, the router and norms in F32. Returns what each tensor should dequantize to."""
+    to_gguf = {hf.replace("{}", "{layer}"): g.replace("{}", "{layer}")
+               for g, hf in GGUF_TENSOR_NAMES.items()}
+    state = {k: v.numpy() for k, v in load_file(str(folder / "model.safetensors")).items()}
+    stacks: dict[str, list[tuple[int, str]]] = {}
+    singles = {}
+    for name in state:
+        parts = name.split(".")
+        if "experts" in parts:
+            layer, expert = parts[2], int(parts[5])
+            template = ".".join([*parts[:2], "{layer}", *parts[3:5], "{expert}", *parts[6:]])
+            stacks.setdefault(to_gguf[template].format(layer=layer), []).append((expert, name))
+        else:
+            layer = parts[2] if name.startswith("model.layers.") else ""
+            template = name.replace(f".{layer}.", ".{layer}.", 1) if layer else name
+            singles[to_gguf[template].format(layer=layer)] = name
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    expected = {}
+    for gguf_name, hf_name in singles.items():
+        kind = qtype if state[hf_name].ndim == 2 and "gate.weight" not in hf_name else Q.F32
+        data = quantize(state[hf_name], kind)
+        writer.add_tensor(gguf_name, data, raw_dtype=kind)
+        expected[hf_name] = dequantize(data, kind).reshape(state[hf_name].shape)
+    for gguf_name, members in stacks.items():
+        names = [name for _, name in sorted(members)]
+        stacked = np.stack([state[name] for name in names])
+        data = quantize(stacked, qtype)
+        writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+        for name, rows in zip(names, dequantize(data, qtype).reshape(stacked.shape),
+                              strict=True):
+            expected[name] = rows
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0])
+def test_a_gguf_with_stacked_experts_is_served_as_stored(qtype, tmp_path):
+    build_tiny_model("qwen3-moe", tmp_path)
+    spec = read_spec(tmp_path)
+    path = tmp_path / "tiny-moe.gguf"
+    expected = write_moe_gguf(tmp_path, path, qtype)
+
+    stored = read_gguf_weights(path, spec, keep_quantized=True)
+    assert stored.keys() == expected.keys()
+    expert = "model.layers.2.mlp.experts.3.down_proj.weight"
+    assert isinstance(stored[expert], QuantizedWeight) and stored[expert].qtype == qtype
+    for name, array in expected.items():
+        weight = stored[name]
+        got = dequantize_blocks(weight) if isinstance(weight, QuantizedWeight) else weight
+        np.testing.assert_array_equal(got.numpy(), array)
+    # The memory plan counts the experts' blocks as the file stores them.
+    assert served_weight_bytes(spec, 4, "gguf", False, path) == sum(
+        w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * 4 for w in stored.values())
+
+    def runner(keep_quantized: bool) -> ModelRunner:
+        weights = read_gguf_weights(path, spec, keep_quantized=keep_quantized)
+        loaded = LoadedModel(spec, weights, tmp_path, "tiny",
+                             "gguf" if keep_quantized else "none")
+        return ModelRunner(loaded, ModelConfig(dtype="float32", quant_gemv_max_rows=4),
+                           CacheConfig(block_size=4, num_blocks=64))
+
+    ids = torch.randint(3, 256, (20,), generator=torch.Generator().manual_seed(4)).tolist()
+    table = list(range(8))
+    dense = runner(False).execute(ModelInput([ScheduledSequence(ids, 0, table,
+                                                                all_logits=True)]))
+    served = runner(True)
+    got = torch.cat([served.execute(ModelInput([ScheduledSequence(
+        ids[s:s + 4], s, table, all_logits=True)])) for s in range(0, len(ids), 4)])
+    assert typical_error(got, dense) <= (0.03 if qtype == Q.Q8_0 else 0.1)
+
+
+def test_tensor_parallelism_refuses_experts(tmp_path):
+    build_tiny_model("mixtral", tmp_path)
+    spec = read_spec(tmp_path)
+    check_tensor_parallel(spec, 1)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        check_tensor_parallel(spec, 2)

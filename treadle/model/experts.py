@@ -1,0 +1,69 @@
+"""A mixture-of-experts feed-forward layer: a router picks each token's top-k experts, and each
+expert chosen in the step runs its gated MLP once over all of its tokens (a GEMM per expert,
+quantized experts through the same integer or float paths as any linear layer).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from treadle.model.layers import silu_and_mul
+from treadle.model.linear import Linear, QuantizedLinear
+
+
+class SparseMoE:
+    """y = sum over each token's top-k experts of weight * down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, router: torch.Tensor, experts: list[tuple[Linear | QuantizedLinear,
+                                                                 Linear | QuantizedLinear]],
+                 top_k: int, normalize_top_k: bool) -> None:
+        self.router = router  # float [num_experts, hidden]
+        self.experts = experts  # (gate/up fused, down) per expert
+        self.top_k = top_k
+        self.normalize_top_k = normalize_top_k  # renormalize the k chosen probabilities to 1
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.route(x)
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        slot_weights = weights.flatten().to(x.dtype)
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            pairs = order[start:start + count]
+            start += count
+            tokens = pairs // self.top_k
+            gate_up, down = self.experts[expert]
+            y = down(silu_and_mul(gate_up(x.index_select(0, tokens))))
+            out.index_add_(0, tokens, y * slot_weights[pairs, None])
+        return out
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts and their float32 weights: a softmax over all experts,
+        the k largest kept (renormalized where the family does), as transformers routes."""
+        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.normalize_top_k:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
+
+    def parts(self) -> list[Linear | QuantizedLinear]:
+        return [linear for expert in self.experts for linear in expert]
+
+    def numel(self) -> int:
+        return self.router.numel() + sum(p.numel for p in self.parts())
+
+    @property
+    def nbytes(self) -> int:
+        """All experts' bytes: what the weights hold (a step reads only the chosen ones)."""
+        return self.router.nbytes + sum(p.nbytes for p in self.parts())
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.router.nbytes + sum(getattr(p, "resident_bytes", p.nbytes)
+                                        for p in self.parts())
+
