@@ -79,7 +79,7 @@ def test_an_engine_serves_dummy_weights(config_folder):
 
 
 @pytest.mark.parametrize("name,billions", [("llama-3.2-1b", 1.0), ("llama-3.2-3b", 3.0),
-                                           ("llama-3.1-8b", 7.3)])
+                                           ("llama-3.1-8b", 7.3), ("qwen3-30b-a3b", 30.1)])
 def test_the_shipped_configs_have_their_models_shapes(name, billions):
     spec = read_spec(CONFIGS / name)
     parameters = sum(torch.Size(s).numel() for s in spec.expected_shapes().values())

@@ -5,6 +5,7 @@ the engine refuses."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -13,10 +14,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
-from model_utils import build_tiny_model, greedy_decode, make_runner
+from model_utils import ARCHITECTURES, TINY, build_tiny_model, greedy_decode, make_runner
 from safetensors.torch import load_file
 
 from treadle.config import CacheConfig, ModelConfig
+from treadle.core.sampling_params import SamplingParams
+from treadle.llm import LLM
 from treadle.model.batch import ModelInput, ScheduledSequence
 from treadle.model.experts import SparseMoE
 from treadle.model.linear import QuantizedLinear
@@ -152,6 +155,19 @@ def test_a_gguf_with_stacked_experts_is_served_as_stored(qtype, tmp_path):
     got = torch.cat([served.execute(ModelInput([ScheduledSequence(
         ids[s:s + 4], s, table, all_logits=True)])) for s in range(0, len(ids), 4)])
     assert typical_error(got, dense) <= (0.03 if qtype == Q.Q8_0 else 0.1)
+
+
+def test_an_engine_serves_a_mixture_of_experts(tmp_path):
+    """The whole path (scheduler, runner, sampler) over a random-weight Qwen3-MoE whose config
+    alone is given, with the default model's tokenizer; experts quantized at load."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **TINY,
+        "vocab_size": 49152, **ARCHITECTURES["qwen3-moe"][2]}))
+    llm = LLM(model=str(tmp_path), load_format="dummy", dtype="float32", quantization="int4",
+              num_blocks=64)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(["Once upon a time", "Hello", "A"], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [6, 6, 6]
 
 
 def test_tensor_parallelism_refuses_experts(tmp_path):
