@@ -17,11 +17,13 @@ from gguf.quants import dequantize, quantize
 from model_utils import ARCHITECTURES, TINY, build_tiny_model, greedy_decode, make_runner
 from safetensors.torch import load_file
 
+from treadle.bench.roofline import DecodeCost
 from treadle.config import CacheConfig, ModelConfig
 from treadle.core.sampling_params import SamplingParams
 from treadle.llm import LLM
 from treadle.model.batch import ModelInput, ScheduledSequence
 from treadle.model.experts import SparseMoE
+from treadle.model.layers import DecoderModel
 from treadle.model.linear import QuantizedLinear
 from treadle.model.loader import LoadedModel, read_gguf_weights, read_spec
 from treadle.model.memory import served_weight_bytes
@@ -33,12 +35,16 @@ from treadle.model.runner import ModelRunner
 
 
 @pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "olmoe"])
-def test_greedy_batches_with_chunked_prefill_match_transformers_generate(arch, tmp_path):
+@pytest.mark.parametrize("together", [True, False], ids=["batched", "one-by-one"])
+def test_greedy_decoding_with_chunked_prefill_matches_transformers_generate(arch, together,
+                                                                            tmp_path):
+    """Batched: experts grouped over the step's tokens; one by one: a lone decode token runs
+    its own experts in turn."""
     model = build_tiny_model(arch, tmp_path)
     runner = make_runner(tmp_path, block_size=4, num_blocks=256)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 17, 30, 9)]
-    ours = greedy_decode(runner, prompts, max_tokens=16, chunk_size=7)
+    ours = greedy_decode(runner, prompts, max_tokens=16, chunk_size=7, together=together)
     for prompt, tokens in zip(prompts, ours, strict=True):
         with torch.no_grad():
             ids = torch.tensor([prompt])
@@ -55,8 +61,8 @@ def typical_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return errors.median().item()
 
 
-def sparse_layers(runner: ModelRunner) -> list[SparseMoE]:
-    return [layer["moe"] for layer in runner.model.layers if "moe" in layer]
+def sparse_layers_of(model: DecoderModel) -> list[SparseMoE]:
+    return [layer["moe"] for layer in model.layers if "moe" in layer]
 
 
 def test_experts_quantized_at_load_run_the_integer_and_float_paths(tmp_path):
@@ -64,7 +70,7 @@ def test_experts_quantized_at_load_run_the_integer_and_float_paths(tmp_path):
     dense = make_runner(tmp_path, block_size=4, num_blocks=64)
     quantized = make_runner(tmp_path, block_size=4, num_blocks=64, quantization="int8",
                             quant_gemv_max_rows=3)
-    moes = sparse_layers(quantized)
+    moes = sparse_layers_of(quantized.model)
     assert len(moes) == 2  # layer 1 is dense (mlp_only_layers)
     assert all(isinstance(p, QuantizedLinear) for moe in moes for p in moe.parts())
     assert all(not isinstance(moe.router, QuantizedWeight) for moe in moes)
@@ -176,3 +182,17 @@ def test_tensor_parallelism_refuses_experts(tmp_path):
     check_tensor_parallel(spec, 1)
     with pytest.raises(ValueError, match="mixture-of-experts"):
         check_tensor_parallel(spec, 2)
+
+
+def test_the_decode_floor_counts_the_experts_a_step_reads(tmp_path):
+    """One token reads k of E experts per layer; a large batch reads nearly all of them."""
+    build_tiny_model("qwen3-moe", tmp_path)
+    model = make_runner(tmp_path, block_size=4, num_blocks=16).model
+    cost = DecodeCost.of(model)
+    moes = sparse_layers_of(model)
+    experts = sum(p.nbytes for moe in moes for p in moe.parts())
+    others = model.weight_bytes() - experts
+    assert cost.bytes_read(1, 0) == others + round(experts * 2 / 4)  # 2 of 4 experts
+    assert cost.bytes_read(64, 0) == others + round(experts * (1 - 0.5 ** 64))
+    expert_params = sum(p.numel for moe in moes for p in moe.parts())
+    assert cost.flops(1) == round(2 * (model.num_parameters() - expert_params / 2))

@@ -43,7 +43,7 @@ def bench_forward(model: str | None, dtype: str, batch_sizes: list[int], threads
                 model_config, CacheConfig(block_size=block_size, num_blocks=num_blocks),
                 SchedulerConfig(max_num_seqs=max(batch_sizes)))
             cost = DecodeCost.of(runner.model)
-            runs.append({**runner.platform_info(), "weight_bytes": cost.weight_bytes,
+            runs.append({**runner.platform_info(), "weight_bytes": cost.bytes_read(1, 0),
                          "resident_bytes": runner.model.resident_bytes()})
             rows += time_decode_steps(runner, cost, batch_sizes, threads, context_len, steps)
     finally:
@@ -87,7 +87,8 @@ def format_forward(report: dict) -> str:
     for run in report["runs"]:
         lines.append(
             f"quantization {run['quantization']} ({run['quantized_types']}): weights read per "
-            f"step {run['weight_bytes'] / 1e6:.0f} MB, resident {run['resident_bytes'] / 1e6:.0f}"
+            f"one-token step {run['weight_bytes'] / 1e6:.0f} MB, resident "
+            f"{run['resident_bytes'] / 1e6:.0f}"
             f" MB; device {run['device']}"
             + (f" (CUDA graphs: {run['cuda_graphs']})" if "cuda_graphs" in run else "")
             + f"; dtype {run['dtype']} ({run['dtype_reason']}); "

@@ -65,24 +65,38 @@ def measure_roofline(dtype: torch.dtype, buffer_bytes: int = 512 << 20,
 
 @dataclass(frozen=True)
 class DecodeCost:
-    """What one decode step of a model must read and compute."""
+    """What one decode step of a model must read and compute. A mixture of experts reads its
+    other weights whole and, per layer, the experts its tokens choose: at `batch` tokens
+    choosing k of E experts each (uniformly, as a trained router roughly does), an expected
+    E * (1 - (1 - k/E)^batch) of them."""
 
-    parameters: int  # read by a decode step (a tied embedding counts once)
-    weight_bytes: int
+    parameters: int  # read by a decode step (a tied embedding counts once), experts too
+    weight_bytes: int  # all of them, as stored
     kv_bytes_per_token: int  # keys and values of one context token, all layers
+    expert_parameters: int = 0  # the part of `parameters` in experts
+    expert_bytes: int = 0  # the part of `weight_bytes` in experts
+    expert_share: float = 0.0  # experts one token runs: k / E
 
     @classmethod
     def of(cls, model: DecoderModel) -> DecodeCost:
         spec, itemsize = model.spec, model.dtype.itemsize
+        moes = model.expert_layers()
         return cls(parameters=model.num_parameters(), weight_bytes=model.weight_bytes(),
                    kv_bytes_per_token=2 * spec.num_layers * spec.num_kv_heads * spec.head_dim
-                   * itemsize)
+                   * itemsize,
+                   expert_parameters=sum(m.expert_numel for m in moes),
+                   expert_bytes=sum(m.expert_bytes for m in moes),
+                   expert_share=moes[0].top_k / len(moes[0].experts) if moes else 0.0)
 
     def bytes_read(self, batch: int, context_len: int) -> int:
-        return self.weight_bytes + batch * context_len * self.kv_bytes_per_token
+        experts_read = 1 - (1 - self.expert_share) ** batch
+        return (self.weight_bytes - self.expert_bytes + round(self.expert_bytes * experts_read)
+                + batch * context_len * self.kv_bytes_per_token)
 
     def flops(self, batch: int) -> int:
-        return 2 * self.parameters * batch
+        active = self.parameters - self.expert_parameters \
+            + self.expert_parameters * self.expert_share
+        return round(2 * active * batch)
 
     def floor_ms(self, roof: Roofline, batch: int, context_len: int) -> float:
         return roof.step_floor_ms(self.bytes_read(batch, context_len), self.flops(batch))

@@ -25,6 +25,12 @@ class SparseMoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)
+        if x.shape[0] == 1:  # one token (a lone decode): its experts in turn, nothing to group
+            out = torch.zeros_like(x)
+            for expert, weight in zip(chosen[0].tolist(), weights[0].tolist(), strict=True):
+                gate_up, down = self.experts[expert]
+                out.add_(down(silu_and_mul(gate_up(x))), alpha=weight)
+            return out
         flat = chosen.flatten()
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
@@ -54,13 +60,21 @@ class SparseMoE:
     def parts(self) -> list[Linear | QuantizedLinear]:
         return [linear for expert in self.experts for linear in expert]
 
+    @property
+    def expert_numel(self) -> int:
+        return sum(p.numel for p in self.parts())
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(p.nbytes for p in self.parts())
+
     def numel(self) -> int:
-        return self.router.numel() + sum(p.numel for p in self.parts())
+        return self.router.numel() + self.expert_numel
 
     @property
     def nbytes(self) -> int:
         """All experts' bytes: what the weights hold (a step reads only the chosen ones)."""
-        return self.router.nbytes + sum(p.nbytes for p in self.parts())
+        return self.router.nbytes + self.expert_bytes
 
     @property
     def resident_bytes(self) -> int:

@@ -151,8 +151,14 @@ class DecoderModel:
                          for p in layer.values() if p is not None)
         return count
 
+    def expert_layers(self) -> list:
+        """The layers' mixtures of experts (`experts.SparseMoE`), if any."""
+        return [layer["moe"] for layer in self.layers if layer.get("moe") is not None]
+
     def quantized_layers(self) -> list[QuantizedLinear]:
-        layers = [self.lm_head, *(p for layer in self.layers for p in layer.values())]
+        """Every quantized linear layer, experts' included."""
+        layers = [self.lm_head, *(p for layer in self.layers for p in layer.values()),
+                  *(p for moe in self.expert_layers() for p in moe.parts())]
         return [p for p in layers if isinstance(p, QuantizedLinear)]
 
     def weight_bytes(self) -> int:
