@@ -12,6 +12,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from model_utils import ARCHITECTURES, TINY, build_tiny_model, greedy_decode, make_runner
@@ -32,6 +33,7 @@ from treadle.model.parallel import check_tensor_parallel
 from treadle.model.quantization import QuantizedWeight
 from treadle.model.quantization import dequantize as dequantize_blocks
 from treadle.model.runner import ModelRunner
+from treadle.model.source import missed_config_fields
 
 
 @pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "olmoe"])
@@ -106,6 +108,8 @@ def write_moe_gguf(folder: Path, path: Path, qtype: Q) -> dict[str, np.ndarray]:
             template = name.replace(f".{layer}.", ".{layer}.", 1) if layer else name
             singles[to_gguf[template].format(layer=layer)] = name
     writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    config = json.loads((folder / "config.json").read_text())
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     expected = {}
     for gguf_name, hf_name in singles.items():
         kind = qtype if state[hf_name].ndim == 2 and "gate.weight" not in hf_name else Q.F32
@@ -196,3 +200,14 @@ def test_the_decode_floor_counts_the_experts_a_step_reads(tmp_path):
     assert cost.bytes_read(64, 0) == others + round(experts * (1 - 0.5 ** 64))
     expert_params = sum(p.numel for moe in moes for p in moe.parts())
     assert cost.flops(1) == round(2 * (model.num_parameters() - expert_params / 2))
+
+
+def test_the_expert_width_transformers_misses_in_a_gguf_is_read_from_its_metadata(tmp_path):
+    """transformers' GGUF conversion leaves Qwen3-MoE's moe_intermediate_size at its default
+    (768); the converted config takes it from `qwen3moe.expert_feed_forward_length`."""
+    build_tiny_model("qwen3-moe", tmp_path)
+    write_moe_gguf(tmp_path, tmp_path / "tiny-moe.gguf", Q.Q8_0)
+    config = transformers.Qwen3MoeConfig()
+    assert config.moe_intermediate_size == 768
+    missed_config_fields(config, tmp_path / "tiny-moe.gguf")
+    assert config.moe_intermediate_size == 32

@@ -187,6 +187,7 @@ def write_gguf_metadata_folder(path: Path, out: Path) -> None:
             str(path.parent), gguf_file=path.name)
     except (ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot read GGUF metadata of {str(path)!r}: {e}") from e
+    missed_config_fields(config, path)
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     # GGUF metadata carries one eos id; the chat template ends turns with it.
@@ -194,6 +195,23 @@ def write_gguf_metadata_folder(path: Path, out: Path) -> None:
         "bos_token_id": config.bos_token_id,
         "eos_token_id": config.eos_token_id,
     }))
+
+
+# GGUF metadata keys (after "<architecture>.") that transformers' conversion leaves at its
+# config's default, by GGUF architecture, and the config field each sets.
+MISSED_GGUF_CONFIG_KEYS = {"qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"}}
+
+
+def missed_config_fields(config: object, path: Path) -> None:
+    """Sets on `config` what transformers' GGUF conversion misses (Qwen3-MoE's expert width:
+    it keeps the default 768, right only for Qwen3-30B-A3B)."""
+    from treadle.model.gguf_file import read_gguf
+
+    metadata = read_gguf(path).metadata
+    architecture = metadata.get("general.architecture")
+    for key, field in MISSED_GGUF_CONFIG_KEYS.get(architecture, {}).items():
+        if f"{architecture}.{key}" in metadata:
+            setattr(config, field, metadata[f"{architecture}.{key}"])
 
 
 def gguf_tokenizer_class(model_type: str) -> type:
