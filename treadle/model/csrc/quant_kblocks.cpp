@@ -232,18 +232,20 @@ constexpr int DECODE_WEIGHTS = 2;
 // the widest layers of an 8B model: 512 KB).
 constexpr int64_t ROW_BLOCK = 64;
 
-template <int64_t QTYPE, int R = TILE_ROWS, int W = TILE_WEIGHTS>
+template <int64_t QTYPE, bool PREFETCH, int R = TILE_ROWS, int W = TILE_WEIGHTS>
 void k_tile_any(int64_t rows, int64_t weights, const uint8_t* w, int64_t row_bytes,
                 const Q8KRows& xq, int64_t r0, float* out, int64_t ldo) {
   if constexpr (R > 1) {
-    if (rows < R) return k_tile_any<QTYPE, R - 1, W>(rows, weights, w, row_bytes, xq, r0, out, ldo);
+    if (rows < R) {
+      return k_tile_any<QTYPE, PREFETCH, R - 1, W>(rows, weights, w, row_bytes, xq, r0, out, ldo);
+    }
   }
   if constexpr (W > 1) {
     if (weights < W) {
-      return k_tile_any<QTYPE, R, W - 1>(rows, weights, w, row_bytes, xq, r0, out, ldo);
+      return k_tile_any<QTYPE, PREFETCH, R, W - 1>(rows, weights, w, row_bytes, xq, r0, out, ldo);
     }
   }
-  k_tile<QTYPE, R, W, false>(w, row_bytes, xq, r0, out, ldo);
+  k_tile<QTYPE, R, W, PREFETCH>(w, row_bytes, xq, r0, out, ldo);
 }
 
 template <int64_t QTYPE>
@@ -266,9 +268,14 @@ void rows_avx2(const uint8_t* w, int64_t n, const Q8KRows& xq, int64_t rows, flo
       const int64_t rb_end = std::min(rows, rb + ROW_BLOCK);
       for (int64_t t = begin; t < end; ++t) {
         const int64_t o = t * TILE_WEIGHTS, count = std::min<int64_t>(TILE_WEIGHTS, n - o);
-        for (int64_t r0 = rb; r0 < rb_end; r0 += TILE_ROWS) {
-          k_tile_any<QTYPE>(std::min<int64_t>(TILE_ROWS, rb_end - r0), count, w + o * row_bytes,
-                            row_bytes, xq, r0, out + r0 * ldo + o, ldo);
+        // The first row tile brings the weight tile in from memory, prefetching ahead as a
+        // decode step does (without it a step of 2-8 rows read 3x slower than one of 1 row);
+        // the others find it in cache.
+        k_tile_any<QTYPE, true>(std::min<int64_t>(TILE_ROWS, rb_end - rb), count,
+                                w + o * row_bytes, row_bytes, xq, rb, out + rb * ldo + o, ldo);
+        for (int64_t r0 = rb + TILE_ROWS; r0 < rb_end; r0 += TILE_ROWS) {
+          k_tile_any<QTYPE, false>(std::min<int64_t>(TILE_ROWS, rb_end - r0), count,
+                                   w + o * row_bytes, row_bytes, xq, r0, out + r0 * ldo + o, ldo);
         }
       }
     }
