@@ -147,9 +147,9 @@ def tiny_model(tmp_path_factory):
 
 
 def make_engine(folder, speculative: dict | None, num_blocks=256, block_size=4,
-                **scheduler) -> EngineCore:
+                quantization="auto", **scheduler) -> EngineCore:
     return EngineCore(EngineConfig(ModelConfig(model=None if folder is None else str(folder),
-                                               dtype="float32"),
+                                               dtype="float32", quantization=quantization),
                                    CacheConfig(block_size=block_size, num_blocks=num_blocks),
                                    SchedulerConfig(**scheduler), speculative_config=speculative))
 
@@ -327,3 +327,55 @@ def test_the_cli_refuses_a_bad_speculative_config():
 def test_a_good_speculative_config_parses_with_defaults():
     config = build_config(EngineConfig, {"speculative_config": '{"method": "ngram"}'})
     assert config.speculative_config == SpeculativeConfig()
+
+
+# --- the default model, where prompt lookup is right often ---
+
+COPY_ASKS = [
+    "Repeat the following text exactly, word for word:\n\n{}",
+    "Copy this passage, changing nothing:\n\n{}",
+]
+
+
+LOOKUP = {**SPEC, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+
+
+@pytest.fixture(scope="module")
+def copy_prompts() -> list[list[int]]:
+    """Chat prompts asking the model to repeat passages of the copy-edit workload's sentences."""
+    import random
+
+    from treadle.bench.copy_workload import sentence
+    from treadle.model.source import resolve_model
+    from treadle.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(resolve_model(None).folder)
+    rng = random.Random(0)
+    prompts = []
+    for i in range(8):
+        passage = " ".join(sentence(rng) for _ in range(3 + i % 4))
+        ask = COPY_ASKS[i % 2].format(passage)
+        prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": ask}],
+                                                     tokenize=True, add_generation_prompt=True))
+    return prompts
+
+
+@pytest.mark.default_model
+def test_default_model_greedy_with_speculation_equals_without(copy_prompts):
+    """Float32 weights (quantization none): batch 1, then all 8 at once in a cache too small
+    for them (preemption) with a 64-token budget (chunked prefill): token for token as without
+    speculation, most proposals right."""
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    limits = dict(block_size=16, num_blocks=30, max_num_batched_tokens=64,
+                  long_prefill_token_threshold=32, quantization="none")
+    plain = make_engine(None, None, **limits)
+    expected = run(plain, copy_prompts, params)
+    assert plain.scheduler.num_preemptions > 0
+    engine = make_engine(None, LOOKUP, **limits)
+    assert [run(engine, [p], params)[0] for p in copy_prompts[:3]] == expected[:3]
+    assert run(engine, copy_prompts, params) == expected
+    assert engine.scheduler.num_preemptions > 0
+    drafts, draft_tokens, accepted = engine.spec_decode_counts
+    assert accepted > draft_tokens / 3, engine.spec_decode_counts
+    assert_engine_empty(engine)
+
