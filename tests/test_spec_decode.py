@@ -379,3 +379,45 @@ def test_default_model_greedy_with_speculation_equals_without(copy_prompts):
     assert accepted > draft_tokens / 3, engine.spec_decode_counts
     assert_engine_empty(engine)
 
+
+
+def test_llm_stop_strings_and_n_samples_with_speculation(tiny_folder):
+    """Through LLM (the frontend's output processing): a stop string completed inside a step's
+    accepted tokens ends the text and the token ids where it would without speculation; n=2
+    sampled samples each get all their tokens."""
+    from treadle.llm import LLM
+
+    prompts = repetitive_prompts(2, seed=9)
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(tiny_folder), dtype="float32")
+    reference = plain.generate(prompts, greedy, use_tqdm=False)
+    text = reference[0].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 4]
+    engine = LLM(str(tiny_folder), dtype="float32", speculative_config=SPEC)
+    outputs = [o.outputs[0].token_ids for o in reference]
+    engine.engine.speculator.proposer = OracleProposer(prompts, [list(t) for t in outputs])
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop])
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = engine.generate(prompts, params, use_tqdm=False)
+    assert [(o.outputs[0].text, list(o.outputs[0].token_ids)) for o in got] == \
+        [(o.outputs[0].text, list(o.outputs[0].token_ids)) for o in want]
+    drafts, _, accepted = engine.engine.spec_decode_counts
+    assert accepted > 0
+    # The random model's sampled distribution is near uniform: its guesses are checked (and
+    # rejected), the samples still get every token.
+    sampled = SamplingParams(max_tokens=30, temperature=0.8, ignore_eos=True, n=2)
+    for output in engine.generate(prompts, sampled, use_tqdm=False):
+        assert [len(o.token_ids) for o in output.outputs] == [30, 30]
+    assert engine.engine.spec_decode_counts[0] > drafts
+    assert_engine_empty(engine.engine)
+
+
+def test_metrics_count_speculative_tokens_with_vllms_names():
+    from treadle.observability.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m", 4)
+    metrics.observe_spec_decode((2, 8, 5))
+    metrics.observe_spec_decode((3, 12, 6))
+    text = metrics.render().decode()
+    for name, value in (("drafts", 3), ("draft_tokens", 12), ("accepted_tokens", 6)):
+        assert f'treadle:spec_decode_num_{name}_total{{model_name="m"}} {value}.0' in text
