@@ -421,3 +421,4 @@ def test_metrics_count_speculative_tokens_with_vllms_names():
     text = metrics.render().decode()
     for name, value in (("drafts", 3), ("draft_tokens", 12), ("accepted_tokens", 6)):
         assert f'treadle:spec_decode_num_{name}_total{{model_name="m"}} {value}.0' in text
+

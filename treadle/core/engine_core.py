@@ -193,10 +193,11 @@ class EngineCore:
         return outputs
 
     def _run(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
-        # Proposed tokens are scored at every position: logits for each.
+        # Proposed tokens are scored at every position, each as a decode row: logits for each.
         sequences = [ScheduledSequence(s.token_ids, s.num_computed_tokens, s.block_ids,
                                        all_logits=bool(s.spec_token_ids) or wants_prompt_logprobs(
                                            s.request, s.num_computed_tokens),
+                                       decode_rows=bool(s.spec_token_ids),
                                        num_hidden_rows=num_hidden_rows(s.request,
                                                                        s.num_computed_tokens,
                                                                        s.num_new_tokens))
