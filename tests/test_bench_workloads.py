@@ -232,3 +232,18 @@ def test_prompts_round_trip_through_the_default_tokenizer():
     tok = AutoTokenizer.from_pretrained(str(converted_gguf_folder(default_model_path())))
     for r in synthetic_chat(tok, 20, seed=0):
         assert tok(r.prompt, add_special_tokens=False)["input_ids"] == r.prompt_token_ids
+
+
+def test_copy_edit_prompts_hold_the_text_their_answers_copy():
+    from treadle.bench.copy_workload import MAX_LEN, MIN_LEN, copy_edit
+    from treadle.model.source import resolve_model
+    from treadle.tokenizer import Tokenizer as ChatTokenizer
+
+    tokenizer = ChatTokenizer.from_folder(resolve_model(None).folder)
+    requests = copy_edit(tokenizer, 4, seed=1)
+    assert [r.prompt_token_ids for r in requests] == \
+        [r.prompt_token_ids for r in copy_edit(tokenizer, 4, seed=1)]
+    assert all(MIN_LEN <= r.output_len <= MAX_LEN + 40 for r in requests)
+    assert all(r.prompt_len > r.output_len for r in requests)
+    assert "Rewrite the passage" in requests[0].prompt and "JSON" in requests[1].prompt
+    assert all(r.output_len == 50 for r in copy_edit(tokenizer, 2, max_output_len=50))

@@ -52,7 +52,7 @@ def test_every_setting_is_a_flag_and_names_are_unique():
                                 AdmissionConfig, SupervisionConfig, ObservabilityConfig,
                                 DataParallelConfig, ServerConfig)
              for f in dataclasses.fields(cls)]
-    names += ["policy", "trace_file"]
+    names += ["policy", "trace_file", "speculative_config"]
     names += [f.name for policy in POLICIES.values() if policy.settings
               for f in dataclasses.fields(policy.settings)]
     assert len(names) == len(set(names)) == len(setting_fields(ServeConfig))

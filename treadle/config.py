@@ -338,6 +338,65 @@ def policy_sections() -> dict[str, Any]:
     return {name: p.settings() for name, p in POLICIES.items() if p.settings}
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (treadle/core/spec_decode/): vLLM's `--speculative-config` keys. The
+    ngram method proposes the tokens that followed the latest earlier occurrence of the
+    sequence's last `prompt_lookup_min`..`prompt_lookup_max` tokens."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # most tokens proposed per request and step
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    # Steps with more running requests than this propose nothing: their model pass already
+    # computes enough rows that extra positions cost time, not just weight reads (vLLM v0's key).
+    disable_by_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {SPECULATIVE_METHODS}, "
+                             f"got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "disable_by_batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1, "
+                                 f"got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) "
+                             f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
+
+
+def speculative_help() -> str:
+    defaults = json.dumps({f.name: f.default for f in fields(SpeculativeConfig)})
+    return (f"speculative decoding, as JSON, e.g. {defaults}; keys other than method left out "
+            "take those values")
+
+
+def parse_speculative_config(value: str | Mapping[str, Any]) -> SpeculativeConfig:
+    """A SpeculativeConfig from its JSON text or a mapping of its keys; ValueError naming the
+    key or the JSON error."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+    known = {f.name for f in fields(SpeculativeConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; known: "
+                         f"{', '.join(sorted(known))}")
+    if "method" not in value:
+        raise ValueError("speculative_config: `method` is required (one of "
+                         f"{', '.join(SPECULATIVE_METHODS)})")
+    return SpeculativeConfig(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine process needs, built once and passed whole."""
@@ -353,10 +412,19 @@ class EngineConfig:
                                         metadata={"title": SCHEDULING, "policies": True})
     trace_file: str | None = setting(None, "write every engine step to this Chrome-trace/"
                                      "Perfetto JSON file", group=OPERATIONS)
+    # Given as JSON (flag, environment) or a mapping (LLM, config file); a SpeculativeConfig
+    # once built.
+    speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = setting(
+        None, lambda: speculative_help(), none="off", group=SCHEDULING,
+        flag={"metavar": "JSON"})
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {tuple(POLICIES)}, got {self.policy!r}")
+        if self.speculative_config is not None and \
+                not isinstance(self.speculative_config, SpeculativeConfig):
+            object.__setattr__(self, "speculative_config",
+                               parse_speculative_config(self.speculative_config))
 
     @property
     def policy_settings(self) -> Any:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from treadle.bench.workloads import BenchRequest
 
-WORKLOADS = ("random", "synthetic-chat", "shared-prefix", "file")
+WORKLOADS = ("random", "synthetic-chat", "shared-prefix", "copy-edit", "file")
 
 
 def float_list(text: str) -> list[float]:
@@ -37,7 +37,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128, help="random, shared-prefix")
     parser.add_argument("--range-ratio", type=float, default=0.0, help="random")
     parser.add_argument("--max-input-len", type=int, default=None, help="synthetic-chat")
-    parser.add_argument("--max-output-len", type=int, default=None, help="synthetic-chat")
+    parser.add_argument("--max-output-len", type=int, default=None,
+                        help="synthetic-chat, copy-edit")
     parser.add_argument("--max-model-len", type=int, default=None, help="synthetic-chat")
     parser.add_argument("--prefix-len", type=int, default=512, help="shared-prefix")
     parser.add_argument("--question-len", type=int, default=32, help="shared-prefix")
@@ -94,6 +95,11 @@ def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
         return workloads.shared_prefix(tokenizer, args.num_prompts, args.prefix_len,
                                        args.question_len, args.output_len, args.group_size,
                                        seed=args.seed, with_text=with_text)
+    if args.workload == "copy-edit":
+        from treadle.bench.copy_workload import copy_edit
+
+        return copy_edit(tokenizer, args.num_prompts, seed=args.seed,
+                         max_output_len=args.max_output_len, with_text=with_text)
     if args.file is None:
         raise ValueError("--workload file needs --file PATH")
     return workloads.file_workload(tokenizer, args.file, with_text=with_text)

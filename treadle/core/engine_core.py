@@ -15,12 +15,14 @@ import torch
 from treadle.config import EngineConfig
 from treadle.core.executor import Executor, build_executor
 from treadle.core.kv_cache import KVCacheManager
-from treadle.core.messages import EngineCoreOutput
+from treadle.core.messages import EngineCoreOutput, TokenLogprobs
 from treadle.core.request import DEFAULT_TENANT, Request, RequestStatus
 from treadle.core.sampler import Sampler, SamplingOptions, gather_logprobs
 from treadle.core.sampling_params import SamplingParams, check_max_logprobs
 from treadle.core.sched.policy import make_policy
-from treadle.core.sched.scheduler import Scheduler, SchedulerOutput
+from treadle.core.sched.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from treadle.core.spec_decode.rejection import verify_drafts
+from treadle.core.spec_decode.speculator import Speculator
 from treadle.core.step_loop import (
     StepLoop,
     StepStats,
@@ -67,11 +69,23 @@ class EngineCore:
         self.compiling: dict[str, tuple[Request, Future]] = {}
         self.generators: dict[str, torch.Generator] = {}  # per-request seeded generators
         self.loop = StepLoop(self.scheduler, self.kv_cache_manager, SystemClock())
+        # None: no speculation, and nothing of it in a step.
+        self.speculator = (Speculator(config.speculative_config)
+                           if config.speculative_config is not None else None)
 
     @property
     def last_step_stats(self) -> StepStats | None:
         """Of the last step that ran a batch."""
         return self.loop.last_step_stats
+
+    @property
+    def spec_decode_counts(self) -> tuple[int, int, int]:
+        """Speculative decoding since the engine started: (proposals, proposed tokens, accepted
+        tokens) checked; zeros without speculation."""
+        if self.speculator is None:
+            return (0, 0, 0)
+        counts = self.speculator.counts
+        return (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens)
 
     @property
     def max_model_len(self) -> int:
@@ -161,18 +175,29 @@ class EngineCore:
                 failed.append(EngineCoreOutput(request_id, [], True, "error"))
         return failed
 
+    def _admit_and_propose(self) -> list[EngineCoreOutput]:
+        """Before a speculating engine's schedule: the compiled grammars' requests, then each
+        running request's proposed tokens."""
+        failed = self._admit_compiled()
+        assert self.speculator is not None
+        self.speculator.propose(self.scheduler.running)
+        return failed
+
     def step(self) -> list[EngineCoreOutput]:
         """Outputs of the step's requests, and of those that waited past max_queue_wait."""
-        outputs = self.loop.step(self._run, self._admit_compiled)
+        outputs = self.loop.step(self._run, self._admit_compiled if self.speculator is None
+                                 else self._admit_and_propose)
         for output in outputs:
             if output.finished:
                 self.generators.pop(output.request_id, None)
         return outputs
 
     def _run(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
+        # Proposed tokens are scored at every position, each as a decode row: logits for each.
         sequences = [ScheduledSequence(s.token_ids, s.num_computed_tokens, s.block_ids,
-                                       all_logits=wants_prompt_logprobs(s.request,
-                                                                        s.num_computed_tokens),
+                                       all_logits=bool(s.spec_token_ids) or wants_prompt_logprobs(
+                                           s.request, s.num_computed_tokens),
+                                       decode_rows=bool(s.spec_token_ids),
                                        num_hidden_rows=num_hidden_rows(s.request,
                                                                        s.num_computed_tokens,
                                                                        s.num_new_tokens))
@@ -214,9 +239,14 @@ class EngineCore:
         logits = output.logits
         self._pool(scheduler_output, output.hidden_states)
         producing: list[tuple[int, Request]] = []
+        speculating: list[tuple[int, ScheduledRequest]] = []  # (first row, share)
         row = 0
         for s in scheduler_output.scheduled:
             if s.request.pooling:
+                continue
+            if s.spec_token_ids:  # a row for its last token and each proposed one
+                speculating.append((row, s))
+                row += s.num_new_tokens
                 continue
             collects = wants_prompt_logprobs(s.request, s.num_computed_tokens)
             num_rows = s.num_new_tokens if collects else 1
@@ -240,12 +270,16 @@ class EngineCore:
             token_bitmask=bitmask)
         sampled = {r.request_id: t
                    for r, t in zip(requests, sampler_output.token_ids, strict=True)}
+        accepted, spec_logprobs = (self._verify(speculating, logits, sampled)
+                                   if speculating else ({}, {}))
+        num_before = {s.request.request_id: s.request.num_output_tokens for _, s in speculating}
         grammar_complete, grammar_failed = advance_matchers(requests, sampler_output.token_ids)
         failed = {r.request_id for r in grammar_failed}
         for request_id in failed:  # ended before its token is appended: the token breaks it
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_GRAMMAR_ERROR)
         first_tokens = {r.request_id for r in requests if r.num_output_tokens == 0}
-        finished_requests = self.scheduler.update_from_output(scheduler_output, sampled)
+        finished_requests = self.scheduler.update_from_output(scheduler_output, sampled,
+                                                              accepted)
         finished = {r.request_id for r in finished_requests} | failed
         for request in grammar_complete:  # its grammar admits nothing more: it stops here
             if not request.is_finished:
@@ -273,7 +307,58 @@ class EngineCore:
                 timings=latency_breakdown(request, now) if done else None,
                 events=request.events if done else None,
                 stats=request.stats if done else None))
+        for _, s in speculating:
+            request = s.request
+            # Those appended: a stop token or max_tokens may end it before all it accepted;
+            # none when it was aborted while the step ran.
+            num_new = request.num_output_tokens - num_before[request.request_id]
+            if not num_new:
+                continue
+            done = request.is_finished
+            if done:
+                request.events.append((now, "finished", 0))
+            token_logprobs = spec_logprobs.get(request.request_id)
+            outputs.append(EngineCoreOutput(
+                request.request_id, request.output_token_ids[-num_new:], done,
+                request.finish_reason, request.num_cached_tokens,
+                logprobs=token_logprobs[:num_new] if token_logprobs else None,
+                timings=latency_breakdown(request, now) if done else None,
+                events=request.events if done else None,
+                stats=request.stats if done else None))
         return outputs
+
+    def _verify(self, speculating: list[tuple[int, ScheduledRequest]], logits: torch.Tensor,
+                sampled: dict[str, int]) -> tuple[dict[str, list[int]],
+                                                  dict[str, list[TokenLogprobs]]]:
+        """Check the speculating requests' proposed tokens (core/spec_decode/rejection.py):
+        their accepted tokens by request, and the sampled token after them added to `sampled`;
+        with the logprobs of each of those tokens for the requests that ask."""
+        assert self.speculator is not None
+        rows, drafts, options = [], [], []
+        eos = self.scheduler.eos_token_ids
+        for start, s in speculating:
+            num_rows = s.num_new_tokens
+            rows.extend(range(start, start + num_rows))
+            drafts.append(s.spec_token_ids)
+            # Row i samples output token num_output_tokens + i: min_tokens may pass inside.
+            options.extend(sampling_options(s.request, eos, s.request.num_output_tokens + i)
+                           for i in range(num_rows))
+        spec_logits = logits[rows]
+        emitted = verify_drafts(spec_logits, drafts, options)
+        accepted, logprobs = {}, {}
+        first_row = 0
+        for (_, s), tokens, proposed in zip(speculating, emitted, drafts, strict=True):
+            request_id = s.request.request_id
+            accepted[request_id], sampled[request_id] = tokens[:-1], tokens[-1]
+            self.speculator.verified(s.request, len(proposed), len(tokens) - 1)
+            num_logprobs = s.request.sampling_params.logprobs
+            if num_logprobs is not None:  # raw logprobs: the row each token was drawn at
+                logprobs[request_id] = gather_logprobs(
+                    spec_logits[first_row:first_row + len(tokens)],
+                    torch.tensor(tokens, device=logits.device), [num_logprobs] * len(tokens))
+            first_row += len(proposed) + 1
+        self.loop.num_accepted_tokens = sum(len(a) for a in accepted.values())
+        return accepted, logprobs
 
     def _pool(self, scheduler_output: SchedulerOutput, hidden: torch.Tensor | None) -> None:
         """Hand each pooling request its rows of the step's final hidden states (None: no
@@ -348,11 +433,16 @@ def wants_prompt_logprobs(request: Request, num_computed_tokens: int) -> bool:
             and num_computed_tokens < request.num_prompt_tokens - 1)
 
 
-def sampling_options(request: Request, eos_token_ids: frozenset[int]) -> SamplingOptions:
+def sampling_options(request: Request, eos_token_ids: frozenset[int],
+                     num_output_tokens: int | None = None) -> SamplingOptions:
+    """The sampler's options for `request`'s next token, or, given `num_output_tokens`, for
+    the token after that many outputs (a proposed token's position)."""
     params = request.sampling_params
+    if num_output_tokens is None:
+        num_output_tokens = request.num_output_tokens
     # Before min_tokens, EOS (even with ignore_eos, as vLLM) and stop tokens cannot be sampled.
     suppressed = (tuple(eos_token_ids) + tuple(params.stop_token_ids)
-                  if request.num_output_tokens < params.min_tokens else ())
+                  if num_output_tokens < params.min_tokens else ())
     return SamplingOptions(
         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
         min_p=params.min_p, presence_penalty=params.presence_penalty,

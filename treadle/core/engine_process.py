@@ -107,7 +107,8 @@ def serve_engine(core: EngineCore, requests: Connection, outputs: Connection,
             scheduler, kv = core.scheduler, core.kv_cache_manager
             load = EngineLoad(scheduler.num_running, scheduler.num_waiting, kv.block_pool.usage,
                               core.has_unfinished_requests(), kv.prefix_cache_queries,
-                              kv.prefix_cache_hits, scheduler.num_preemptions)
+                              kv.prefix_cache_hits, scheduler.num_preemptions,
+                              core.spec_decode_counts)
             census = None
             if now - last_census >= CENSUS_SECONDS:
                 census, last_census = take_census(core), now

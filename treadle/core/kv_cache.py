@@ -271,7 +271,9 @@ class KVCacheManager:
             new_blocks = self.block_pool.get_new_blocks(num_needed)
             table.extend(new_blocks)
             ids.extend(block.block_id for block in new_blocks)
-        first_full, end_full = num_computed // self.block_size, num_tokens // self.block_size
+        # Only blocks full of the request's own tokens: proposed tokens may be rejected.
+        first_full = num_computed // self.block_size
+        end_full = min(num_tokens, request.num_tokens) // self.block_size
         if self.enable_prefix_caching and end_full > first_full:
             # Blocks before num_computed were published when their tokens were scheduled. A block
             # is published as soon as it is allocated full, before the step computes it: the
@@ -280,6 +282,23 @@ class KVCacheManager:
             self.block_pool.cache_full_blocks(table, self._request_block_hashes(request),
                                               first_full, end_full)
         return ids[:]
+
+    def roll_back_proposed(self, request: Request, num_computed_before: int) -> None:
+        """After a step that checked proposed tokens, `request.num_computed_tokens` now counting
+        only the accepted ones: free the blocks past its computed tokens (they held rejected
+        tokens only), and publish the blocks its accepted tokens filled."""
+        table = self.block_tables[request.request_id]
+        ids = self.block_id_tables[request.request_id]
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        if len(table) > keep:
+            dropped = table[keep:]
+            del table[keep:], ids[keep:]
+            self.block_pool.free_blocks(reversed(dropped))
+        first_full = num_computed_before // self.block_size
+        end_full = request.num_computed_tokens // self.block_size
+        if self.enable_prefix_caching and end_full > first_full:
+            self.block_pool.cache_full_blocks(table, self._request_block_hashes(request),
+                                              first_full, end_full)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (after a failed step, whose published blocks may hold

@@ -113,6 +113,8 @@ class EngineLoad:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # Speculative decoding: (proposals, proposed tokens, accepted tokens) checked.
+    spec_decode: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +128,8 @@ class StepRecord:
     num_prefill_tokens: int  # prompt chunks, and recomputation after preemption
     num_decode_tokens: int
     num_preemptions: int
+    num_draft_tokens: int = 0  # proposed tokens checked (speculative decoding)
+    num_accepted_tokens: int = 0  # of those, accepted
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,6 +143,10 @@ class Request:
         # A constrained request's llguidance matcher (engine/structured_output.py), advanced by
         # each sampled token; None: unconstrained.
         self.grammar: Any = None
+        # Speculative decoding (core/spec_decode/): the tokens proposed to follow its tokens,
+        # checked in its next step; and how many it proposes now (0: none measured yet).
+        self.spec_token_ids: Sequence[int] = ()
+        self.draft_length = 0
         # Engine-clock (time.monotonic) marks for the latency breakdown: queue, prefill, decode.
         self.scheduled_time: float | None = None  # first scheduled
         self.first_token_time: float | None = None

@@ -54,22 +54,28 @@ class StepStats:
     scheduled_at: float  # monotonic: the requests' "scheduled" events
     model_duration: float = 0.0  # seconds of `duration` in the model pass; the rest is the
     # engine's own work (scheduling, sampling, updating requests)
+    num_draft_tokens: int = 0  # proposed tokens checked (speculative decoding)
+    num_accepted_tokens: int = 0  # of those, accepted
 
     def record(self) -> StepRecord:
         """This step as the frontend receives it."""
         return StepRecord(self.scheduled_at, self.duration, self.num_requests,
-                          self.num_prefill_tokens, self.num_decode_tokens, self.num_preemptions)
+                          self.num_prefill_tokens, self.num_decode_tokens, self.num_preemptions,
+                          self.num_draft_tokens, self.num_accepted_tokens)
 
     def trace_event(self) -> dict:
         """This step as a Chrome-trace / Perfetto complete event."""
+        args = {"requests": self.num_requests, "prefill_tokens": self.num_prefill_tokens,
+                "decode_tokens": self.num_decode_tokens,
+                "generated_tokens": self.num_generated_tokens,
+                "preemptions": self.num_preemptions,
+                "kv_cache_usage": round(self.kv_cache_usage, 4),
+                "model_ms": round(self.model_duration * 1e3, 3)}
+        if self.num_draft_tokens:
+            args.update(draft_tokens=self.num_draft_tokens,
+                        accepted_tokens=self.num_accepted_tokens)
         return {"name": "step", "ph": "X", "pid": 0, "tid": 0, "ts": self.start * 1e6,
-                "dur": self.duration * 1e6, "args": {
-                    "requests": self.num_requests, "prefill_tokens": self.num_prefill_tokens,
-                    "decode_tokens": self.num_decode_tokens,
-                    "generated_tokens": self.num_generated_tokens,
-                    "preemptions": self.num_preemptions,
-                    "kv_cache_usage": round(self.kv_cache_usage, 4),
-                    "model_ms": round(self.model_duration * 1e3, 3)}}
+                "dur": self.duration * 1e6, "args": args}
 
 
 class StepLoop:
@@ -82,6 +88,8 @@ class StepLoop:
         self.clock = clock
         self.last_step_stats: StepStats | None = None  # of the last step that ran a batch
         self.model_seconds = 0.0  # of the last step's model pass, as the runner measured it
+        self.num_accepted_tokens = 0  # proposed tokens the last step accepted, as the runner
+        # counted them
 
     def step(self, run_batch: BatchRunner,
              before_schedule: Callable[[], list[EngineCoreOutput]] | None = None,
@@ -99,26 +107,30 @@ class StepLoop:
             return outputs
         now = clock.monotonic()
         decodes = []
+        draft_tokens = 0
         for s in batch.scheduled:
             request = s.request
-            decodes.append(is_decode(request, s.num_new_tokens))
+            draft_tokens += len(s.spec_token_ids)
+            decodes.append(is_decode(request, s.num_new_tokens - len(s.spec_token_ids)))
             request.events.append((now, "scheduled", s.num_new_tokens))
             if request.scheduled_time is None:
                 request.scheduled_time = now
         decode_tokens = sum(decodes)
         self.model_seconds = 0.0
+        self.num_accepted_tokens = 0
         produced = run_batch(batch)
         end = clock.monotonic()
         duration = end - started
         scheduler.step_time.update(duration, batch.num_batched_tokens)
-        prefill_tokens = batch.num_batched_tokens - decode_tokens
+        prefill_tokens = batch.num_batched_tokens - decode_tokens - draft_tokens
         for s, decode in zip(batch.scheduled, decodes, strict=True):
             s.request.stats.step_ran(s.num_computed_tokens, s.num_new_tokens, decode,
                                      len(decodes), prefill_tokens, duration, end)
         self.last_step_stats = StepStats(
             start, duration, len(batch.scheduled), prefill_tokens, decode_tokens,
             sum(len(o.new_token_ids) for o in produced), len(batch.preempted),
-            self.kv_cache_manager.block_pool.usage, now, self.model_seconds)
+            self.kv_cache_manager.block_pool.usage, now, self.model_seconds, draft_tokens,
+            self.num_accepted_tokens)
         return outputs + produced
 
     def _expired(self, request: Request) -> EngineCoreOutput:

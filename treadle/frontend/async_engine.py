@@ -215,6 +215,7 @@ class AsyncEngine:
         self._fail_streams(EngineUnavailable(f"the engine died ({how}) while running this "
                                              f"request"), engine_gone=True)
         self.metrics.observe_engine(0, 0, 0.0, (0, 0, 0), None)  # a fresh engine counts from 0
+        self.metrics.observe_spec_decode((0, 0, 0))
         self.live.engine_restarted()
         self.load_state = LoadState()
         self.supervisor.engine_died()
@@ -483,6 +484,7 @@ class AsyncEngine:
             load.num_running, load.num_waiting, load.kv_cache_usage,
             (load.prefix_cache_queries, load.prefix_cache_hits, load.num_preemptions),
             None if step is None else step.num_prefill_tokens + step.num_decode_tokens)
+        self.metrics.observe_spec_decode(load.spec_decode)
         self.live.record_engine(load, step, message.census, self.load_state.last_message)
         state = self.load_state
         if step is not None or not load.has_work:  # a step ran, or no work

@@ -406,7 +406,9 @@ class ReplicaGroup:
                           any(x.has_work for x in loads),
                           counts[0] + sum(x.prefix_cache_queries for x in loads),
                           counts[1] + sum(x.prefix_cache_hits for x in loads),
-                          counts[2] + sum(x.num_preemptions for x in loads))
+                          counts[2] + sum(x.num_preemptions for x in loads),
+                          # The live replicas' (a restarted one counts from 0 again).
+                          tuple(sum(x.spec_decode[k] for x in loads) for k in range(3)))
 
     def _merged_census(self) -> EngineCensus:
         waiting: Counter = Counter()

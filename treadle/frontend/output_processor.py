@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from treadle.core.messages import EngineCoreOutput, TokenLogprobs
 from treadle.core.request import RequestStats
 from treadle.core.sampling_params import SamplingParams
-from treadle.frontend.detokenizer import IncrementalDetokenizer
+from treadle.frontend.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 from treadle.tokenizer import Tokenizer
 
 
@@ -132,11 +132,10 @@ class OutputProcessor:
             state.num_cached_tokens = out.num_cached_tokens
             if out.embedding is not None:
                 state.embedding = out.embedding
-            sample.token_ids += out.new_token_ids
+            new_token_ids, delta, text = add_tokens(sample.detokenizer, out.new_token_ids)
+            sample.token_ids += new_token_ids
             if sample.logprobs is not None and out.logprobs:
-                sample.logprobs += out.logprobs
-            delta = sample.detokenizer.add_tokens(out.new_token_ids)
-            text = delta.text
+                sample.logprobs += out.logprobs[:len(new_token_ids)]
             if not delta.stopped and out.finished:
                 delta = sample.detokenizer.flush()
                 text += delta.text
@@ -149,8 +148,26 @@ class OutputProcessor:
                 last = sample.token_ids[-1] if sample.token_ids else None
                 if out.finish_reason == "stop" and last in state.params.stop_token_ids:
                     sample.stop_reason = last
-            deltas.append(SampleDelta(state.request_id, sample.index, text, out.new_token_ids,
-                                      out.logprobs, sample.finished, sample.finish_reason,
+            deltas.append(SampleDelta(state.request_id, sample.index, text, new_token_ids,
+                                      out.logprobs and out.logprobs[:len(new_token_ids)],
+                                      sample.finished, sample.finish_reason,
                                       sample.stop_reason, out.timings, out.events,
                                       out.stats))
         return deltas, to_abort
+
+
+def add_tokens(detokenizer: IncrementalDetokenizer, token_ids: list[int]
+               ) -> tuple[list[int], DetokenizerDelta, str]:
+    """Feed a step's tokens to a sample's detokenizer: those kept (up to the one completing a
+    stop string), the last delta, and the text they release. Several tokens come from one step
+    under speculative decoding: fed one by one, so tokens past a stop string are dropped."""
+    if len(token_ids) <= 1:
+        delta = detokenizer.add_tokens(token_ids)
+        return token_ids, delta, delta.text
+    text = ""
+    for kept, token in enumerate(token_ids, 1):
+        delta = detokenizer.add_tokens([token])
+        text += delta.text
+        if delta.stopped:
+            return token_ids[:kept], delta, text
+    return token_ids, delta, text

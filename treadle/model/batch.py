@@ -16,6 +16,10 @@ class ScheduledSequence:
     num_computed_tokens: int  # tokens of this sequence already in the KV cache
     block_table: list[int]  # blocks covering num_computed_tokens + len(token_ids) slots
     all_logits: bool = False  # logits at every position (prompt logprobs), not only the last
+    # Each token a decode row of its own, attending to the keys up to its position: proposed
+    # tokens checked by the kernels of a plain decode step (the fused decoder where it serves),
+    # so their logits are those plain decoding would compute, and no prefill path's overhead.
+    decode_rows: bool = False
     # A pooling (embedding) sequence: the final hidden states of its last `num_hidden_rows`
     # tokens of this step (0 .. all of them), and no logits. None: a generating sequence.
     num_hidden_rows: int | None = None

@@ -187,6 +187,11 @@ class ModelRunner:
                 decode_rows.append(row)
                 decode_tables.append(table[:(context_len + bs - 1) // bs])
                 decode_lens.append(context_len)
+            elif seq.decode_rows:  # every token's KV is written before any attention reads
+                for i in range(n):
+                    decode_rows.append(row + i)
+                    decode_tables.append(table[:(start + i + bs) // bs])
+                    decode_lens.append(start + i + 1)
             else:
                 prefills.append(self.prefill_chunk(row, start, n, table))
                 for window, chunks in windowed_prefills.items():

@@ -97,7 +97,15 @@ class ServerMetrics:
         self.iteration_tokens = histogram("iteration_tokens_total",
                                           "Tokens computed per engine step.",
                                           ITERATION_TOKEN_BUCKETS, per_tenant=False)
+        # vLLM's names: proposals checked, their tokens, and of those the tokens accepted.
+        self.spec_decode = (counter("spec_decode_num_drafts",
+                                    "Speculative proposals checked (a request's in one step)."),
+                            counter("spec_decode_num_draft_tokens",
+                                    "Speculative tokens proposed and checked."),
+                            counter("spec_decode_num_accepted_tokens",
+                                    "Speculative tokens accepted."))
         self._cache_counts = (0, 0, 0)  # last cumulative (queries, hits, preemptions) seen
+        self._spec_decode_counts = (0, 0, 0)
 
     def labels(self, metric, **extra):
         return metric.labels(model_name=self.model_name, **extra)
@@ -127,6 +135,16 @@ class ServerMetrics:
         self._cache_counts = cumulative
         if iteration_tokens is not None:
             self.labels(self.iteration_tokens).observe(iteration_tokens)
+
+    def observe_spec_decode(self, cumulative: tuple[int, int, int]) -> None:
+        """The engine's cumulative speculative (proposals, proposed tokens, accepted tokens)."""
+        if cumulative == self._spec_decode_counts:
+            return
+        for metric, now, before in zip(self.spec_decode, cumulative, self._spec_decode_counts,
+                                       strict=True):
+            if now > before:
+                self.labels(metric).inc(now - before)
+        self._spec_decode_counts = cumulative
 
     def observe_replica(self, replica: str, up: bool, running: int, waiting: int,
                         kv_usage: float) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 import time
 from bisect import insort
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from treadle.config import SchedulerConfig
@@ -54,10 +54,15 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: list[int]  # the request's whole block table, covering the new tokens
     produces_token: bool  # the step reaches the last known token: sample the next one
+    # Proposed tokens after its last token (speculative decoding), the last of num_new_tokens:
+    # the step checks them, and they stay only as far as they are accepted.
+    spec_token_ids: Sequence[int] = ()
 
     @property
     def token_ids(self) -> list[int]:
         start = self.num_computed_tokens
+        if self.spec_token_ids:
+            return [*self.request.all_token_ids[start:], *self.spec_token_ids]
         return self.request.all_token_ids[start:start + self.num_new_tokens]
 
 
@@ -227,6 +232,13 @@ class Scheduler:
             num_new = uncomputed_tokens(request)
             if num_new > 1:
                 num_new = min(num_new, self._chunk_tokens(request), budget)
+            elif request.spec_token_ids:
+                scheduled = self._schedule_proposed(request, budget, len(self.running) - i - 1)
+                if scheduled is not None:
+                    output.scheduled.append(scheduled)
+                    budget -= scheduled.num_new_tokens
+                    i += 1
+                    continue
             if head is not None and num_new > 1 and self.policy.defers_prefill(request, head):
                 deferred.append(request)
                 i += 1
@@ -244,6 +256,25 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget
+
+    def _schedule_proposed(self, request: Request, budget: int,
+                           num_running_after: int) -> ScheduledRequest | None:
+        """A decoding request's last token and its proposed tokens, as many as the budget takes,
+        like a prefill chunk; None (a plain decode instead) when none fit, or when their blocks
+        would leave fewer free than one for each running request after it: a guess never costs
+        another request its place."""
+        drafts = request.spec_token_ids[:budget - 1]
+        if not drafts:
+            return None
+        kv = self.kv_cache_manager
+        num_new = 1 + len(drafts)
+        if kv.num_free_blocks_needed(request, num_new) > kv.num_free_blocks - num_running_after:
+            return None
+        block_ids = kv.allocate_slots(request, num_new)
+        if block_ids is None:
+            return None
+        return ScheduledRequest(request, request.num_computed_tokens, num_new, block_ids,
+                                produces_token=True, spec_token_ids=drafts)
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int,
                           yielding: frozenset[str]) -> int:
@@ -342,15 +373,23 @@ class Scheduler:
                         if r.tenant == request.tenant)
         return committed > 0 and committed + cdiv(request.num_tokens, block_size) > cap
 
-    def update_from_output(self, output: SchedulerOutput,
-                           sampled: Mapping[str, int]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, int],
+                           accepted: Mapping[str, Sequence[int]] | None = None
+                           ) -> list[Request]:
         """Advance the step's requests; `sampled` holds a token for each one that
-        `produces_token`. A pooling request finishes when its prompt is computed. Returns the
-        requests that finished, their blocks already freed."""
+        `produces_token`; `accepted`, for each that checked proposed tokens, those accepted
+        (which come before its sampled token). A pooling request finishes when its prompt is
+        computed. Returns the requests that finished, their blocks already freed."""
         finished = []
         for scheduled in output.scheduled:
             request = scheduled.request
             if request.is_finished:  # aborted while the step ran
+                continue
+            if scheduled.spec_token_ids:
+                assert accepted is not None
+                if self._accept(scheduled, accepted[request.request_id],
+                                sampled[request.request_id]):
+                    finished.append(request)
                 continue
             request.num_computed_tokens += scheduled.num_new_tokens
             if request.pooling and request.num_computed_tokens == request.num_tokens:
@@ -368,6 +407,26 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if not r.is_finished]
         return finished
+
+    def _accept(self, scheduled: ScheduledRequest, accepted: Sequence[int], token: int) -> bool:
+        """Append a speculating request's accepted tokens and sampled token, stopping at the
+        first that ends it (a stop token, max_tokens); its KV stays for its last token and the
+        accepted ones, the rest rolled back. True when it finished."""
+        request = scheduled.request
+        num_appended, status = 0, None
+        for new in (*accepted, token):
+            request.append_output_token(new)
+            num_appended += 1
+            status = self._stop_status(request, new)
+            if status is not None:
+                break
+        self.policy.on_tokens_generated(request, num_appended)
+        if status is not None:
+            self._end(request, status)
+            return True
+        request.num_computed_tokens += 1 + len(accepted)
+        self.kv_cache_manager.roll_back_proposed(request, scheduled.num_computed_tokens)
+        return False
 
     def expire_waiting(self, now: float) -> list[Request]:
         """End with FINISHED_QUEUE_TIMEOUT each request never scheduled max_queue_wait seconds

@@ -1,0 +1,424 @@
+"""Speculative decoding (n-gram prompt lookup): the proposer against a brute-force search, the
+rejection rule's output distribution against the target's (chi-square), and the engine's
+outputs with speculation against those without, token for token, leaving no KV blocks held."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, assert_engine_empty
+from model_utils import build_tiny_model
+
+from treadle.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    build_config,
+)
+from treadle.core.engine_core import EngineCore
+from treadle.core.sampler import Sampler, SamplingOptions
+from treadle.core.sampling_params import SamplingParams
+from treadle.core.spec_decode.ngram import NgramProposer
+from treadle.core.spec_decode.rejection import verify_drafts
+
+
+def chisquare_p(observed: np.ndarray, expected: np.ndarray) -> float:
+    """Pearson's chi-square test's p-value (scipy.stats.chisquare's), by the regularized upper
+    incomplete gamma function of torch."""
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    dof = len(observed) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+def brute_force_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The longest suffix of min_n..max_n tokens found earlier (ending before the last token),
+    its latest occurrence; the k tokens after it."""
+    n = len(tokens)
+    for length in range(min(max_n, n - 1), min_n - 1, -1):
+        suffix = tokens[n - length:]
+        starts = [i for i in range(n - length) if tokens[i:i + length] == suffix]
+        if starts:
+            start = starts[-1] + length
+            return tokens[start:start + k]
+    return []
+
+
+@pytest.mark.parametrize("vocab", [2, 3, 8, 50])
+def test_ngram_proposer_matches_brute_force(vocab):
+    rng = np.random.default_rng(vocab)
+    for _ in range(300):
+        n = int(rng.integers(1, 60))
+        tokens = rng.integers(0, vocab, n).tolist()
+        min_n = int(rng.integers(1, 4))
+        max_n = min_n + int(rng.integers(0, 4))
+        k = int(rng.integers(1, 6))
+        expected = brute_force_lookup(tokens, min_n, max_n, k)
+        assert NgramProposer(min_n, max_n).propose(tokens, k) == expected, (tokens, min_n,
+                                                                           max_n, k)
+
+
+def test_ngram_proposer_copies_a_repeated_passage():
+    passage = list(range(100, 140))
+    tokens = [1, 2, 3, *passage, 7, 8, *passage[:10]]
+    assert NgramProposer(2, 5).propose(tokens, 4) == passage[10:14]
+    assert NgramProposer(2, 5).propose([5, 6, 7, 8], 4) == []  # nothing recurs
+
+
+def test_ngram_proposer_is_fast_enough_for_long_prompts():
+    """Behaviour on a 1,000-token prompt: the same answer as brute force (its speed is measured
+    in the bench, not asserted here)."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 500, 1000).tolist()
+    tokens += tokens[300:310]
+    assert NgramProposer(2, 5).propose(tokens, 5) == brute_force_lookup(tokens, 2, 5, 5)
+
+
+TOY_LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+
+
+@pytest.mark.parametrize("draft", [0, 2, 5, 7])  # likely, less so, cut by top-p, the least
+def test_rejection_sampling_keeps_the_target_distribution(draft):
+    """With temperature 0.8 and top-p 0.9, the first token a request gets after proposing
+    `draft` is distributed as the plain sampler's p, whatever the proposal (chi-square)."""
+    torch.manual_seed(draft)
+    num = 20000
+    options = SamplingOptions(temperature=0.8, top_p=0.9)
+    target = Sampler.probabilities(TOY_LOGITS[None], [options])[0].double()
+    logits = TOY_LOGITS.repeat(2 * num, 1)  # each request: a row for its draft, one after
+    emitted = verify_drafts(logits, [[draft]] * num, [options] * (2 * num))
+    first = np.array([tokens[0] for tokens in emitted])
+    counts = np.bincount(first, minlength=len(TOY_LOGITS))
+    support = target > 0
+    assert counts[~support.numpy()].sum() == 0, "a token outside top-p was sampled"
+    expected = target[support].numpy() * num
+    p_value = chisquare_p(counts[support.numpy()], expected)
+    assert p_value > 1e-3, (counts, expected)
+    # Accepted: two tokens; rejected: one, never the proposal itself.
+    assert all(len(t) == 2 if t[0] == draft else len(t) == 1 for t in emitted)
+
+
+def test_rejection_sampling_of_two_drafts_keeps_the_joint_distribution():
+    """Two proposed tokens over rows with different logits: the pair of first two tokens is
+    distributed as p0(a) * p1(b) (the second row conditioned on the accepted first)."""
+    torch.manual_seed(7)
+    num = 30000
+    options = SamplingOptions(temperature=0.8, top_p=0.9)
+    rows = torch.stack([TOY_LOGITS, TOY_LOGITS.flip(0), TOY_LOGITS.roll(3)])
+    p0, p1 = Sampler.probabilities(rows[:2], [options] * 2).double()
+    emitted = verify_drafts(rows.repeat(num, 1), [[0, 7]] * num, [options] * (3 * num))
+    # Where the first token is the accepted proposal 0, the second is drawn from row 1's p.
+    seconds = np.array([t[1] for t in emitted if t[0] == 0])
+    counts = np.bincount(seconds, minlength=8)
+    support = (p1 > 0).numpy()
+    p_value = chisquare_p(counts[support], p1[support].numpy() * len(seconds))
+    assert p_value > 1e-3
+    firsts = np.bincount([t[0] for t in emitted], minlength=8)
+    support = (p0 > 0).numpy()
+    p_value = chisquare_p(firsts[support], p0[support].numpy() * num)
+    assert p_value > 1e-3
+
+
+def test_greedy_verification_accepts_the_argmax_prefix():
+    logits = torch.full((4, 8), -1.0)
+    logits[0, 3] = logits[1, 5] = logits[2, 6] = logits[3, 1] = 1.0
+    greedy = [SamplingOptions()] * 4
+    assert verify_drafts(logits, [[3, 5, 6]], greedy) == [[3, 5, 6, 1]]  # all, and a bonus
+    assert verify_drafts(logits, [[3, 4, 6]], greedy) == [[3, 5]]  # stops at the first miss
+    biased = [SamplingOptions(logit_bias={2: 5.0})] * 4  # processing applies at every row
+    assert verify_drafts(logits, [[3, 5, 6]], biased) == [[2]]
+
+
+# --- the engine ---
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama-spec")
+    build_tiny_model("llama", folder)
+    return folder
+
+
+def make_engine(folder, speculative: dict | None, num_blocks=256, block_size=4,
+                quantization="auto", **scheduler) -> EngineCore:
+    return EngineCore(EngineConfig(ModelConfig(model=None if folder is None else str(folder),
+                                               dtype="float32", quantization=quantization),
+                                   CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                                   SchedulerConfig(**scheduler), speculative_config=speculative))
+
+
+def run(engine: EngineCore, prompts: list[list[int]], params: SamplingParams
+        ) -> list[list[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    return [tokens[str(i)] for i in range(len(prompts))]
+
+
+def repetitive_prompts(count: int, seed: int = 3) -> list[list[int]]:
+    """Prompts that repeat a passage, so the lookup finds matches."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(count):
+        passage = torch.randint(3, 256, (8 + 3 * i,), generator=gen).tolist()
+        prompts.append(passage * 3 + passage[:4])
+    return prompts
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3, "disable_by_batch_size": 16}
+GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("batch", [1, 10])
+def test_tiny_greedy_with_speculation_equals_without(tiny_model, batch):
+    """Chunked prefill (a 16-token budget) and preemption (too few blocks for the batch) in the
+    mix; accepted tokens counted, so the test cannot pass without speculating."""
+    prompts = repetitive_prompts(batch)
+    limits = dict(max_num_batched_tokens=16, long_prefill_token_threshold=8,
+                  num_blocks=40 if batch > 1 else 256)
+    plain = make_engine(tiny_model, None, **limits)
+    expected = run(plain, prompts, GREEDY)
+    engine = make_engine(tiny_model, SPEC, **limits)
+    assert run(engine, prompts, GREEDY) == expected
+    drafts, draft_tokens, accepted = engine.spec_decode_counts
+    assert drafts > 0 and 0 < accepted <= draft_tokens
+    if batch > 1:
+        assert engine.scheduler.num_preemptions > 0
+    assert_engine_empty(engine)
+
+
+class OracleProposer:
+    """Proposes the tokens a plain run produced, the last of every other proposal wrong: the
+    tiny random model never copies its prompt, so the n-gram lookup alone would seldom be
+    right, and these tests are about what the engine does with accepted and rejected tokens."""
+
+    def __init__(self, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+        self.runs = list(zip(prompts, outputs, strict=True))
+        self.calls = 0
+
+    def propose(self, token_ids, max_tokens: int) -> list[int]:
+        self.calls += 1
+        for prompt, output in self.runs:
+            if token_ids[:len(prompt)] == prompt:
+                done = len(token_ids) - len(prompt)
+                guess = output[done:done + max_tokens]
+                if guess and self.calls % 2:
+                    guess[-1] = (guess[-1] + 1) % 256
+                return guess
+        return []
+
+
+def with_oracle(engine: EngineCore, prompts, outputs) -> EngineCore:
+    engine.speculator.proposer = OracleProposer(prompts, outputs)
+    return engine
+
+
+def test_stops_inside_accepted_tokens_and_max_tokens_hold(tiny_model):
+    """A stop token, max_tokens or min_tokens inside a step's accepted tokens end the output
+    there, as without speculation."""
+    prompts = repetitive_prompts(3, seed=5)
+    plain = run(make_engine(tiny_model, None), prompts, GREEDY)
+    stop_token = plain[0][10]
+    for params in (SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True),
+                   SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_token]),
+                   SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                  min_tokens=20, stop_token_ids=[stop_token])):
+        engine = with_oracle(make_engine(tiny_model, SPEC), prompts, plain)
+        expected = run(make_engine(tiny_model, None), prompts, params)
+        assert run(engine, prompts, params) == expected, params
+        drafts, draft_tokens, accepted = engine.spec_decode_counts
+        assert 0 < accepted < draft_tokens
+        assert_engine_empty(engine)
+
+
+def test_logprobs_come_per_accepted_token(tiny_model):
+    prompts = repetitive_prompts(1)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+
+    def tokens_and_logprobs(engine):
+        engine.add_request("0", prompts[0], params)
+        tokens, logprobs = [], []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens += out.new_token_ids
+                logprobs += out.logprobs or []
+        return tokens, logprobs
+
+    plain_tokens, plain_logprobs = tokens_and_logprobs(make_engine(tiny_model, None))
+    engine = with_oracle(make_engine(tiny_model, SPEC), prompts, [plain_tokens])
+    tokens, logprobs = tokens_and_logprobs(engine)
+    assert engine.spec_decode_counts[2] > 0
+    assert tokens == plain_tokens and len(logprobs) == len(tokens)
+    for got, want in zip(logprobs, plain_logprobs, strict=True):
+        assert got.token_id == want.token_id and got.top_token_ids == want.top_token_ids
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+
+
+def test_sampled_outputs_run_and_leave_no_blocks(tiny_model):
+    """Temperature 0.8 with top-p over a batch: outputs of the right length, drafts both
+    accepted and rejected, the cache empty after."""
+    torch.manual_seed(0)
+    prompts = repetitive_prompts(6)
+    plain = run(make_engine(tiny_model, None), prompts, GREEDY)  # likely guesses
+    engine = with_oracle(make_engine(tiny_model, SPEC, num_blocks=48,
+                                     max_num_batched_tokens=32), prompts, plain)
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, ignore_eos=True)
+    outputs = run(engine, prompts, params)
+    assert all(len(tokens) == 20 for tokens in outputs)
+    drafts, draft_tokens, accepted = engine.spec_decode_counts
+    assert 0 < accepted < draft_tokens
+    assert_engine_empty(engine)
+
+
+def test_speculation_is_off_for_large_batches_and_excluded_requests(tiny_model):
+    prompts = repetitive_prompts(6)
+    engine = make_engine(tiny_model, {**SPEC, "disable_by_batch_size": 2})
+    run(engine, prompts, GREEDY)  # six running: no step proposes until few are left
+    few = engine.spec_decode_counts[0]
+    engine = make_engine(tiny_model, SPEC)
+    penalized = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                               repetition_penalty=1.2)
+    seeded = SamplingParams(max_tokens=24, temperature=0.8, seed=1, ignore_eos=True)
+    run(engine, prompts, penalized)
+    run(engine, prompts, seeded)
+    assert engine.spec_decode_counts == (0, 0, 0)
+    everyone = make_engine(tiny_model, SPEC)
+    run(everyone, prompts, GREEDY)
+    assert few < everyone.spec_decode_counts[0]
+
+
+@pytest.mark.parametrize("value, message", [
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+    ('{"method": "eagle"}', "method must be one of"),
+    ('{"num_speculative_tokens": 3}', "method` is required"),
+    ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+    ('{"method": "ngram", "lookahead": 2}', "unknown key 'lookahead'"),
+    ('{"method": "ngram", "num_speculative_tokens": "4"}', "num_speculative_tokens"),
+    ("{method: ngram}", "not valid JSON"),
+    ("[1, 2]", "must be a JSON object"),
+])
+def test_bad_speculative_configs_are_refused(value, message):
+    with pytest.raises(ValueError, match=message):
+        build_config(EngineConfig, {"speculative_config": value})
+    with pytest.raises(ValueError, match=message):
+        build_config(EngineConfig, {"speculative_config": json.loads(value)}
+                     if value.startswith("{\"") else {"speculative_config": value})
+
+
+def test_the_cli_refuses_a_bad_speculative_config():
+    result = subprocess.run([sys.executable, "-m", "treadle.cli", "serve", "--speculative-config",
+                             '{"method": "ngram", "prompt_lookup_max": 0}'],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "prompt_lookup_max must be an integer >= 1" in result.stderr
+
+
+def test_a_good_speculative_config_parses_with_defaults():
+    config = build_config(EngineConfig, {"speculative_config": '{"method": "ngram"}'})
+    assert config.speculative_config == SpeculativeConfig()
+
+
+# --- the default model, where prompt lookup is right often ---
+
+COPY_ASKS = [
+    "Repeat the following text exactly, word for word:\n\n{}",
+    "Copy this passage, changing nothing:\n\n{}",
+]
+
+
+LOOKUP = {**SPEC, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+
+
+@pytest.fixture(scope="module")
+def copy_prompts() -> list[list[int]]:
+    """Chat prompts asking the model to repeat passages of the copy-edit workload's sentences."""
+    import random
+
+    from treadle.bench.copy_workload import sentence
+    from treadle.model.source import resolve_model
+    from treadle.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(resolve_model(None).folder)
+    rng = random.Random(0)
+    prompts = []
+    for i in range(8):
+        passage = " ".join(sentence(rng) for _ in range(3 + i % 4))
+        ask = COPY_ASKS[i % 2].format(passage)
+        prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": ask}],
+                                                     tokenize=True, add_generation_prompt=True))
+    return prompts
+
+
+@pytest.mark.default_model
+def test_default_model_greedy_with_speculation_equals_without(copy_prompts):
+    """Float32 weights (quantization none): batch 1, then all 8 at once in a cache too small
+    for them (preemption) with a 64-token budget (chunked prefill): token for token as without
+    speculation, most proposals right."""
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    limits = dict(block_size=16, num_blocks=30, max_num_batched_tokens=64,
+                  long_prefill_token_threshold=32, quantization="none")
+    plain = make_engine(None, None, **limits)
+    expected = run(plain, copy_prompts, params)
+    assert plain.scheduler.num_preemptions > 0
+    engine = make_engine(None, LOOKUP, **limits)
+    assert [run(engine, [p], params)[0] for p in copy_prompts[:3]] == expected[:3]
+    assert run(engine, copy_prompts, params) == expected
+    assert engine.scheduler.num_preemptions > 0
+    drafts, draft_tokens, accepted = engine.spec_decode_counts
+    assert accepted > draft_tokens / 3, engine.spec_decode_counts
+    assert_engine_empty(engine)
+
+
+
+def test_llm_stop_strings_and_n_samples_with_speculation(tiny_folder):
+    """Through LLM (the frontend's output processing): a stop string completed inside a step's
+    accepted tokens ends the text and the token ids where it would without speculation; n=2
+    sampled samples each get all their tokens."""
+    from treadle.llm import LLM
+
+    prompts = repetitive_prompts(2, seed=9)
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(tiny_folder), dtype="float32")
+    reference = plain.generate(prompts, greedy, use_tqdm=False)
+    text = reference[0].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 4]
+    engine = LLM(str(tiny_folder), dtype="float32", speculative_config=SPEC)
+    outputs = [o.outputs[0].token_ids for o in reference]
+    engine.engine.speculator.proposer = OracleProposer(prompts, [list(t) for t in outputs])
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop])
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = engine.generate(prompts, params, use_tqdm=False)
+    assert [(o.outputs[0].text, list(o.outputs[0].token_ids)) for o in got] == \
+        [(o.outputs[0].text, list(o.outputs[0].token_ids)) for o in want]
+    drafts, _, accepted = engine.engine.spec_decode_counts
+    assert accepted > 0
+    # The random model's sampled distribution is near uniform: its guesses are checked (and
+    # rejected), the samples still get every token.
+    sampled = SamplingParams(max_tokens=30, temperature=0.8, ignore_eos=True, n=2)
+    for output in engine.generate(prompts, sampled, use_tqdm=False):
+        assert [len(o.token_ids) for o in output.outputs] == [30, 30]
+    assert engine.engine.spec_decode_counts[0] > drafts
+    assert_engine_empty(engine.engine)
+
+
+def test_metrics_count_speculative_tokens_with_vllms_names():
+    from treadle.observability.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m", 4)
+    metrics.observe_spec_decode((2, 8, 5))
+    metrics.observe_spec_decode((3, 12, 6))
+    text = metrics.render().decode()
+    for name, value in (("drafts", 3), ("draft_tokens", 12), ("accepted_tokens", 6)):
+        assert f'treadle:spec_decode_num_{name}_total{{model_name="m"}} {value}.0' in text
+

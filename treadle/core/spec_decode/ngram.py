@@ -1,0 +1,46 @@
+"""N-gram prompt lookup: find the sequence's last tokens earlier in the sequence and propose
+the tokens that followed them (vLLM's `ngram`, llama.cpp's lookup decoding)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class NgramProposer:
+    def __init__(self, min_n: int, max_n: int) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """The tokens after the earlier occurrence of the longest suffix of `token_ids`, of
+        min_n..max_n tokens, that occurs before the end (the latest such occurrence among equally
+        long ones), up to `max_tokens` of them; [] when no suffix of min_n tokens recurs.
+
+        Vectorised over the candidates: every earlier position holding the last token is one,
+        and each round compares one more token back, so the work is ~len * max_n element
+        compares in numpy, not a Python loop over the sequence."""
+        n = len(token_ids)
+        if max_tokens < 1 or n <= self.min_n:
+            return []
+        tokens = np.fromiter(token_ids, dtype=np.int64, count=n)
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # where an earlier match would end
+        if ends.size == 0:
+            return []
+        lengths = np.ones(ends.size, dtype=np.int64)
+        alive = np.ones(ends.size, dtype=bool)
+        for back in range(1, self.max_n):
+            before = ends - back
+            alive &= before >= 0
+            alive[alive] = tokens[before[alive]] == tokens[n - 1 - back]
+            if not alive.any():
+                break
+            lengths += alive
+        best = int(lengths.max())
+        if best < self.min_n:
+            return []
+        end = int(ends[lengths == best][-1])
+        return tokens[end + 1:end + 1 + max_tokens].tolist()
