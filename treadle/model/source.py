@@ -205,9 +205,9 @@ MISSED_GGUF_CONFIG_KEYS = {"qwen3moe": {"expert_feed_forward_length": "moe_inter
 def missed_config_fields(config: object, path: Path) -> None:
     """Sets on `config` what transformers' GGUF conversion misses (Qwen3-MoE's expert width:
     it keeps the default 768, right only for Qwen3-30B-A3B)."""
-    from treadle.model.gguf_file import read_gguf
+    from transformers.integrations.gguf import read_gguf_metadata
 
-    metadata = read_gguf(path).metadata
+    metadata, _ = read_gguf_metadata(str(path))
     architecture = metadata.get("general.architecture")
     for key, field in MISSED_GGUF_CONFIG_KEYS.get(architecture, {}).items():
         if f"{architecture}.{key}" in metadata:
