@@ -218,7 +218,9 @@ def test_client_ids_are_labels_never_engine_ids(server):
             reference = (await http.post(f"{server.url}/v1/completions", json={
                 "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
                 "ignore_eos": True})).json()["choices"][0]
-            a_call = a.Generate(generate(LONG, 8, request_id="victim", n=2), timeout=TIMEOUT)
+            # Long enough to stay in flight while B runs and the client sends the duplicate:
+            # with 8 tokens a loaded machine's slow client saw A finish first.
+            a_call = a.Generate(generate(LONG, 64, request_id="victim", n=2), timeout=TIMEOUT)
             assert (await a_call.read()).HasField("chunk")
 
             # B names its request as A's first sample would be named: B gets its own tokens.
