@@ -108,6 +108,7 @@ def add_plan_args(plan: argparse.ArgumentParser) -> None:
                        ("max_model_len", "tokens per request"),
                        ("dense_batch_weights", "with quantization, also a dense copy"),
                        ("block_size", None),
+                       ("kv_cache_dtype", None),
                        ("max_num_batched_tokens", None),
                        ("long_prefill_token_threshold", "most prompt tokens of one request per "
                         "step")):

@@ -1,7 +1,8 @@
 // Decode attention straight from the paged KV cache: one query token per sequence, keys and
 // values read in place through the block table (no gathered copy, no padding to the longest
 // context). With a window (sliding-window layers), only the last `window` positions are read:
-// blocks wholly before them are skipped.
+// blocks wholly before them are skipped. An int8 cache (a float32 scale per slot and KV head
+// beside it) is read as int8, half the bytes of bfloat16, and converted to float a slot at a time.
 #include "kernels.h"
 #include <ATen/Parallel.h>
 
@@ -24,6 +25,44 @@ inline float to_float(at::BFloat16 x) {
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
+}
+
+// int8 lanes times their vector's scale, as float.
+inline void dequantize_row(const int8_t* src, float scale, float* dst, int64_t n) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 s = _mm512_set1_ps(scale);
+  for (; d + 16 <= n; d += 16) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
+    _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), s));
+  }
+#elif defined(__AVX2__)
+  const __m256 s = _mm256_set1_ps(scale);
+  for (; d + 8 <= n; d += 8) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d));
+    _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), s));
+  }
+#endif
+  for (; d < n; ++d) dst[d] = static_cast<float>(src[d]) * scale;
+}
+
+// Cache slot `slot`'s row (every KV head's vector) as float: a cache in the model's dtype
+// widened (no scales); an int8 cache's vectors each times its scale.
+template <typename C>
+inline void load_row(const C* cache, const float* /*scales*/, int64_t slot, float* dst,
+                     int64_t kv_heads, int64_t head_dim) {
+  const int64_t row = kv_heads * head_dim;
+  const C* src = cache + slot * row;
+#pragma omp simd
+  for (int64_t i = 0; i < row; ++i) dst[i] = to_float(src[i]);
+}
+inline void load_row(const int8_t* cache, const float* scales, int64_t slot, float* dst,
+                     int64_t kv_heads, int64_t head_dim) {
+  const int8_t* src = cache + slot * kv_heads * head_dim;
+  const float* slot_scales = scales + slot * kv_heads;
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    dequantize_row(src + h * head_dim, slot_scales[h], dst + h * head_dim, head_dim);
+  }
 }
 
 // a . b. An `omp simd reduction` here compiled (GCC 12) to a store and 16 dependent scalar
@@ -58,9 +97,12 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // merge costs 3-9% at one thread or 16 sequences.
 constexpr int64_t PART = 128;
 
-template <typename T>
+// T: the queries' and output's type; C: the cache's (T, or int8_t with `k_scale_ptr`,
+// `v_scale_ptr` [blocks, block_size, kv_heads]; else those are null).
+template <typename T, typename C>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
-                   const at::Tensor& v_cache, const at::Tensor& block_tables,
+                   const at::Tensor& v_cache, const float* k_scale_ptr,
+                   const float* v_scale_ptr, const at::Tensor& block_tables,
                    const at::Tensor& context_lens, double scale, int64_t window,
                    at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
@@ -69,8 +111,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t max_blocks = block_tables.size(1);
   const int64_t row = num_kv_heads * head_dim;  // one slot: every KV head's vector, contiguous
   const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
+  const C* k_ptr = k_cache.data_ptr<C>();
+  const C* v_ptr = v_cache.data_ptr<C>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* out_ptr = out.data_ptr<T>();
@@ -111,12 +153,11 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
       // Block by block from the one holding position p0; `pos` counts from p0.
       for (int64_t pos = 0; pos < count;) {
         const int64_t abs_pos = first + p0 + pos, start_off = abs_pos % block_size;
-        const T* block = k_ptr + table[abs_pos / block_size] * block_size * row;
+        const int64_t block_slot = table[abs_pos / block_size] * block_size;
         const int64_t n = std::min(block_size - start_off, count - pos);
         for (int64_t j = 0; j < n; ++j, ++pos) {
-          const T* key = block + (start_off + j) * row;
-#pragma omp simd
-          for (int64_t i = 0; i < row; ++i) slot_row[i] = to_float(key[i]);
+          const int64_t slot = block_slot + start_off + j;
+          load_row(k_ptr, k_scale_ptr, slot, slot_row.data(), num_kv_heads, head_dim);
           for (int64_t h = 0; h < num_heads; ++h) {
             scores[h * PART + pos] =
                 dot(query.data() + h * head_dim, slot_row.data() + kv_offset[h],
@@ -140,12 +181,11 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
       std::fill(acc, acc + num_heads * head_dim, 0.f);
       for (int64_t pos = 0; pos < count;) {
         const int64_t abs_pos = first + p0 + pos, start_off = abs_pos % block_size;
-        const T* block = v_ptr + table[abs_pos / block_size] * block_size * row;
+        const int64_t block_slot = table[abs_pos / block_size] * block_size;
         const int64_t n = std::min(block_size - start_off, count - pos);
         for (int64_t j = 0; j < n; ++j, ++pos) {
-          const T* value = block + (start_off + j) * row;
-#pragma omp simd
-          for (int64_t i = 0; i < row; ++i) slot_row[i] = to_float(value[i]);
+          const int64_t slot = block_slot + start_off + j;
+          load_row(v_ptr, v_scale_ptr, slot, slot_row.data(), num_kv_heads, head_dim);
           for (int64_t h = 0; h < num_heads; ++h) {
             const float p = scores[h * PART + pos];
             const float* vh = slot_row.data() + kv_offset[h];
@@ -185,27 +225,56 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
 
 }  // namespace
 
-// q [seqs, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim]; block_tables
+// q [seqs, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim] in q's dtype, or
+// int8 with k_scales, v_scales [blocks, block_size, kv_heads] float32; block_tables
 // [seqs, max_blocks] int64; context_lens [seqs] int64 (each >= 1); window: attend to the last
 // `window` positions only (0: all). Returns [seqs, heads, head_dim].
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor context_lens,
-                                  double scale, int64_t window) {
+                                  double scale, int64_t window,
+                                  c10::optional<at::Tensor> k_scales,
+                                  c10::optional<at::Tensor> v_scales) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.is_contiguous() &&
-              v_cache.is_contiguous());
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              v_cache.scalar_type() == k_cache.scalar_type());
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong);
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3));
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
+              "float32 or bfloat16 only");
+  const bool quantized = k_scales.has_value();
+  TORCH_CHECK(quantized == v_scales.has_value(), "scales for both keys and values, or neither");
+  const float* k_scale_ptr = nullptr;
+  const float* v_scale_ptr = nullptr;
+  if (quantized) {
+    TORCH_CHECK(k_cache.scalar_type() == at::kChar, "scales come with an int8 cache");
+    for (const at::Tensor& scales : {*k_scales, *v_scales}) {
+      TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                      scales.sizes() == k_cache.sizes().slice(0, 3),
+                  "scales: float32 [blocks, block_size, kv_heads], contiguous");
+    }
+    k_scale_ptr = k_scales->data_ptr<float>();
+    v_scale_ptr = v_scales->data_ptr<float>();
+  } else {
+    TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "a cache in q's dtype, or int8 with "
+                "scales");
+  }
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
   auto out = at::empty_like(q);
-  if (q.scalar_type() == at::kBFloat16) {
-    decode_kernel<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, scale, window,
-                                out);
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  if (quantized && bf16) {
+    decode_kernel<at::BFloat16, int8_t>(q, k_cache, v_cache, k_scale_ptr, v_scale_ptr,
+                                        block_tables, context_lens, scale, window, out);
+  } else if (quantized) {
+    decode_kernel<float, int8_t>(q, k_cache, v_cache, k_scale_ptr, v_scale_ptr, block_tables,
+                                 context_lens, scale, window, out);
+  } else if (bf16) {
+    decode_kernel<at::BFloat16, at::BFloat16>(q, k_cache, v_cache, nullptr, nullptr,
+                                              block_tables, context_lens, scale, window, out);
   } else {
-    TORCH_CHECK(q.scalar_type() == at::kFloat, "float32 or bfloat16 only");
-    decode_kernel<float>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
+    decode_kernel<float, float>(q, k_cache, v_cache, nullptr, nullptr, block_tables,
+                                context_lens, scale, window, out);
   }
   return out;
 }
