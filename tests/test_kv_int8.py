@@ -355,3 +355,13 @@ def test_default_model_greedy_picks_with_int8_kv(default_tokenizer):
     print(f"int8 KV greedy picks equal to the bfloat16 cache's: {100 * rate:.1f}% of "
           f"{len(prompts) * GREEDY_TOKENS}")
     assert rate >= 0.9
+
+
+def test_bench_forward_measures_each_kv_cache_dtype(tiny_llama):
+    from treadle.bench.forward import bench_forward, format_forward
+
+    report = bench_forward(str(tiny_llama), "float32", [2], [1], context_len=32, steps=1,
+                           quantizations=("none",), kv_cache_dtypes=("auto", "int8"))
+    assert [r["kv_cache_dtype"] for r in report["rows"]] == ["float32", "int8"]
+    assert [r["kv_cache_dtype"] for r in report["runs"]] == ["float32", "int8"]
+    assert "KV cache int8" in format_forward(report)

@@ -72,11 +72,13 @@ class DecodeCost:
     kv_bytes_per_token: int  # keys and values of one context token, all layers
 
     @classmethod
-    def of(cls, model: DecoderModel) -> DecodeCost:
-        spec, itemsize = model.spec, model.dtype.itemsize
+    def of(cls, model: DecoderModel, kv_cache_dtype: str = "auto") -> DecodeCost:
+        """`kv_cache_dtype`: the cache's storage as resolved (auto: the model's dtype)."""
+        from treadle.model.memory import kv_bytes_per_token
+
         return cls(parameters=model.num_parameters(), weight_bytes=model.weight_bytes(),
-                   kv_bytes_per_token=2 * spec.num_layers * spec.num_kv_heads * spec.head_dim
-                   * itemsize)
+                   kv_bytes_per_token=kv_bytes_per_token(model.spec, model.dtype.itemsize,
+                                                         kv_cache_dtype))
 
     def bytes_read(self, batch: int, context_len: int) -> int:
         return self.weight_bytes + batch * context_len * self.kv_bytes_per_token
