@@ -79,13 +79,15 @@ def build_tiny_model(arch: str, folder: Path, seed: int = 0) -> torch.nn.Module:
 def make_runner(model: str | Path | None, dtype: str = "float32", block_size: int = 16,
                 num_blocks: int = 512, quantization: str = "none",
                 quant_gemv_max_rows: int | None = None, device: str = "auto",
-                enforce_eager: bool = False, max_num_seqs: int = 16) -> ModelRunner:
+                enforce_eager: bool = False, max_num_seqs: int = 16,
+                kv_cache_dtype: str = "auto") -> ModelRunner:
     """`max_num_seqs`: the largest decode step captured as a CUDA graph, on a GPU."""
     model_config = ModelConfig(model=None if model is None else str(model), dtype=dtype,
                                quantization=quantization, device=device,
                                quant_gemv_max_rows=quant_gemv_max_rows,
                                enforce_eager=enforce_eager)
-    cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks)
+    cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                               kv_cache_dtype=kv_cache_dtype)
     device = resolve_device(device)
     loaded = load_model(model_config.model, torch_dtype(dtype, device), quantization,
                         device=device)

@@ -52,13 +52,16 @@ def test_gpu_kv_cache_takes_what_the_utilization_leaves():
     cache = CacheConfig(block_size=block, gpu_memory_utilization=0.9)
     # 80 GiB card, 10 GiB in use (weights, context, others), 1 GiB of activations:
     # 72 - 10 - 1 = 61 GiB of blocks.
-    size = size_kv_cache_on_gpu(cache, per_token, 2048, GIB, free=70 * GIB, total=80 * GIB)
+    size = size_kv_cache_on_gpu(cache, per_token, 2048, GIB, free=70 * GIB, total=80 * GIB,
+                                dtype="bfloat16")
     assert size.num_blocks == 61 * GIB // (per_token * block)
     with pytest.raises(InsufficientMemoryError, match="no GPU memory left"):
-        size_kv_cache_on_gpu(cache, per_token, 2048, GIB, free=8 * GIB, total=80 * GIB)
+        size_kv_cache_on_gpu(cache, per_token, 2048, GIB, free=8 * GIB, total=80 * GIB,
+                             dtype="bfloat16")
     fixed = CacheConfig(block_size=block, num_blocks=4 * GIB // (per_token * block))
     with pytest.raises(InsufficientMemoryError, match="do not fit"):
-        size_kv_cache_on_gpu(fixed, per_token, 2048, GIB, free=4 * GIB, total=80 * GIB)
+        size_kv_cache_on_gpu(fixed, per_token, 2048, GIB, free=4 * GIB, total=80 * GIB,
+                             dtype="bfloat16")
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         CacheConfig(gpu_memory_utilization=1.5)
 

@@ -39,14 +39,15 @@ SCHEDULER = SchedulerConfig(max_num_seqs=8)
 
 def test_explicit_sizes_are_honoured():
     assert size_kv_cache(CacheConfig(block_size=16, num_blocks=100), SCHEDULER, 1000, 4096,
-                         0, GIB).num_blocks == 100
+                         0, GIB, "float32").num_blocks == 100
     size = size_kv_cache(CacheConfig(block_size=16, kv_cache_memory_bytes=10 << 20), SCHEDULER,
-                         1000, 4096, 0, GIB)
+                         1000, 4096, 0, GIB, "float32")
     assert size.num_blocks == (10 << 20) // 16000 and size.bytes <= 10 << 20
 
 
 def test_default_holds_max_num_seqs_full_requests_when_memory_allows():
-    size = size_kv_cache(CacheConfig(block_size=16), SCHEDULER, 1000, 4000, 0, 64 * GIB)
+    size = size_kv_cache(CacheConfig(block_size=16), SCHEDULER, 1000, 4000, 0, 64 * GIB,
+                         "float32")
     assert size.num_blocks == 8 * math.ceil(4000 / 16)
     assert size.max_concurrency == pytest.approx(8 * 250 * 16 / 4000)
 
@@ -54,7 +55,7 @@ def test_default_holds_max_num_seqs_full_requests_when_memory_allows():
 def test_default_is_capped_by_free_memory_less_activations():
     available, activations = 100 << 20, 20 << 20
     size = size_kv_cache(CacheConfig(block_size=16), SchedulerConfig(max_num_seqs=1000), 1000,
-                         4000, activations, available)
+                         4000, activations, available, "float32")
     assert size.num_blocks == int(DEFAULT_KV_MEMORY_FRACTION * (available - activations)) // 16000
     assert size.bytes + activations <= available
 
@@ -65,7 +66,7 @@ def test_default_is_capped_by_free_memory_less_activations():
 def test_what_does_not_fit_is_refused(cache):
     available = 1 << 20 if cache.num_blocks or cache.kv_cache_memory_bytes else 10 << 20
     with pytest.raises(InsufficientMemoryError, match="KV cache|no memory left"):
-        size_kv_cache(cache, SCHEDULER, 1000, 4096, 20 << 20, available)
+        size_kv_cache(cache, SCHEDULER, 1000, 4096, 20 << 20, available, "float32")
 
 
 def test_available_memory_is_memavailable_or_less():

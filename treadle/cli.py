@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from treadle.config import (
+    KV_CACHE_DTYPES,
     OPERATIONS,
     QUANTIZATION_CHOICES,
     SCHEDULING,
@@ -46,6 +47,14 @@ def quantization_list(text: str) -> list[str]:
     for name in names:
         if name not in QUANTIZATION_CHOICES:
             raise argparse.ArgumentTypeError(f"{name!r} is not one of {QUANTIZATION_CHOICES}")
+    return names
+
+
+def kv_cache_dtype_list(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    for name in names:
+        if name not in KV_CACHE_DTYPES:
+            raise argparse.ArgumentTypeError(f"{name!r} is not one of {KV_CACHE_DTYPES}")
     return names
 
 
@@ -108,6 +117,7 @@ def add_plan_args(plan: argparse.ArgumentParser) -> None:
                        ("max_model_len", "tokens per request"),
                        ("dense_batch_weights", "with quantization, also a dense copy"),
                        ("block_size", None),
+                       ("kv_cache_dtype", None),
                        ("max_num_batched_tokens", None),
                        ("long_prefill_token_threshold", "most prompt tokens of one request per "
                         "step")):
@@ -170,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     fwd.add_argument("--batch-sizes", type=int_list, default=[1, 8, 32, 128])
     fwd.add_argument("--thread-counts", type=int_list, default=[1, 2])
     fwd.add_argument("--context-len", type=int, default=128)
+    fwd.add_argument("--kv-cache-dtype", type=kv_cache_dtype_list, default=["auto"],
+                     help="comma-separated, each measured in turn: auto (the model's dtype), "
+                          "int8")
     fwd.add_argument("--json", action="store_true", help="print the report as JSON")
 
     off = bench.add_parser("offline", help="LLM.generate against Hugging Face generate")
@@ -248,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         report = bench_forward(args.model, args.dtype, args.batch_sizes, args.thread_counts,
                                context_len=args.context_len,
                                quantizations=tuple(args.quantization), device=args.device,
-                               load_format=args.load_format)
+                               load_format=args.load_format,
+                               kv_cache_dtypes=tuple(args.kv_cache_dtype))
         print(json.dumps(report, indent=2) if args.json else format_forward(report))
         return 0
     if args.bench in ("serve", "roofline"):

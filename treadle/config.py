@@ -40,6 +40,9 @@ LOAD_FORMATS = ("auto", "dummy")
 # How /v1/embeddings pools a prompt's final hidden states (treadle/model/pooling.py): the last
 # token's, vLLM's default for decoder LLMs, or the mean of all.
 POOLING_TYPES = ("last", "mean")
+# The KV cache's storage (vLLM's flag): auto, the model's dtype; int8, keys and values in 8 bits
+# with a float32 scale per token slot and KV head (treadle/model/attention.py), half the bytes.
+KV_CACHE_DTYPES = ("auto", "int8")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 # The titles the settings' flags are grouped under in `treadle serve --help`.
@@ -150,6 +153,10 @@ class CacheConfig:
                                             "left")  # vLLM's flag and default
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of prompts' shared "
                                           "prefixes")
+    kv_cache_dtype: str = setting("auto", "keys and values stored as: auto, the model's dtype; "
+                                  "int8, 8 bits with a float32 scale per token and KV head "
+                                  "(half the bytes, twice the tokens; CPU only)",
+                                  choices=KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -158,6 +165,9 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError("kv_cache_memory_bytes must be >= 1 (or None: from free memory)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")

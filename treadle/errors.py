@@ -6,6 +6,9 @@ catches those still catches it) that names the field as the layer raising it kno
 (`param`): SamplingParams' and the engine's own names, which the REST and gRPC frontends send
 as they are, but for the prompt, which each endpoint names itself (`prompt`, `messages`,
 `input`). REST answers it with a 400 whose `param` is the field, gRPC with INVALID_ARGUMENT.
+
+`UnsupportedSetting`: a valid setting this device or build cannot serve (the engine refuses to
+start; the CLI exits with its message).
 """
 
 from __future__ import annotations
@@ -25,3 +28,12 @@ class InvalidField(ValueError):
         """The same error, its field named as `names` maps the raiser's name to the caller's."""
         param = names.get(self.param, self.param) if self.param is not None else None
         return self if param == self.param else InvalidField(param, str(self))
+
+
+class UnsupportedSetting(ValueError):
+    """A setting's value that is valid but not served here (`setting` names it, the message
+    says why and what to use instead)."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(message)
+        self.setting = setting

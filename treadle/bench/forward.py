@@ -8,6 +8,7 @@ bytes read per step, and 2 x params x batch multiply-add FLOPs.
 from __future__ import annotations
 
 import time
+from itertools import product
 
 import torch
 
@@ -23,8 +24,10 @@ from treadle.model.source import resolve_model
 def bench_forward(model: str | None, dtype: str, batch_sizes: list[int], threads: list[int],
                   context_len: int = 128, block_size: int = 16, steps: int = 10,
                   quantizations: tuple[str, ...] = ("none", "auto"), device: str = "auto",
-                  load_format: str = "auto") -> dict:
-    """Each quantization's runner in turn, in this one run, so their rows compare. On CUDA
+                  load_format: str = "auto", kv_cache_dtypes: tuple[str, ...] = ("auto",)
+                  ) -> dict:
+    """Each quantization's runner with each KV cache dtype in turn, in this one run, so their
+    rows compare. On CUDA
     every quantization is served as `none` (one runner), torch's thread count does not apply,
     and decode steps replay CUDA graphs captured up to the largest batch."""
     device = resolve_device(device)
@@ -34,15 +37,16 @@ def bench_forward(model: str | None, dtype: str, batch_sizes: list[int], threads
     rows, runs = [], []
     saved_threads = torch.get_num_threads()
     try:
-        for quantization in quantizations:
+        for quantization, kv_cache_dtype in product(quantizations, kv_cache_dtypes):
             model_config = ModelConfig(model=model, dtype=dtype, quantization=quantization,
                                        device=device, load_format=load_format)
             runner = ModelRunner(
                 load_model(model, torch_dtype(dtype, device), quantization, device=device,
                            load_format=load_format),
-                model_config, CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                model_config, CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                          kv_cache_dtype=kv_cache_dtype),
                 SchedulerConfig(max_num_seqs=max(batch_sizes)))
-            cost = DecodeCost.of(runner.model)
+            cost = DecodeCost.of(runner.model, runner.kv_cache_dtype)
             runs.append({**runner.platform_info(), "weight_bytes": cost.bytes_read(1, 0),
                          "resident_bytes": runner.model.resident_bytes()})
             rows += time_decode_steps(runner, cost, batch_sizes, threads, context_len, steps)
@@ -70,7 +74,8 @@ def time_decode_steps(runner: ModelRunner, cost: DecodeCost, batch_sizes: list[i
                                   cuda=cuda)
             floor_ms = cost.floor_ms(roof, batch, context_len)
             rows.append({
-                "quantization": runner.quantization, "threads": n_threads, "batch": batch,
+                "quantization": runner.quantization, "kv_cache_dtype": runner.kv_cache_dtype,
+                "threads": n_threads, "batch": batch,
                 "ms_per_step": step_s * 1e3, "tokens_per_s": batch / step_s,
                 "floor_ms": floor_ms, "ratio_to_floor": step_s * 1e3 / floor_ms,
                 "bandwidth_gbs": roof.read_bandwidth_gbs, "matmul_gflops": roof.matmul_gflops})
@@ -91,14 +96,16 @@ def format_forward(report: dict) -> str:
             f"{run['resident_bytes'] / 1e6:.0f}"
             f" MB; device {run['device']}"
             + (f" (CUDA graphs: {run['cuda_graphs']})" if "cuda_graphs" in run else "")
-            + f"; dtype {run['dtype']} ({run['dtype_reason']}); "
+            + f"; dtype {run['dtype']} ({run['dtype_reason']}), KV cache "
+            f"{run['kv_cache_dtype']}; "
             f"{run['isa']}, oneDNN linear {on_off(run['onednn_linear'])}, native attention "
             f"{on_off(run['native_attention'])}, quantized kernels "
             f"{on_off(run['quant_kernels'])} (integer path up to rows: {run['gemv_rows']})")
-    lines.append(f"{'quant':>6} {'threads':>7} {'batch':>5} {'ms/step':>8} {'tok/s':>8} "
-                 f"{'floor ms':>8} {'x floor':>7} {'GB/s':>6} {'GFLOP/s':>8}")
+    lines.append(f"{'quant':>6} {'KV':>8} {'threads':>7} {'batch':>5} {'ms/step':>8} "
+                 f"{'tok/s':>8} {'floor ms':>8} {'x floor':>7} {'GB/s':>6} {'GFLOP/s':>8}")
     for r in report["rows"]:
-        lines.append(f"{r['quantization']:>6} {r['threads']:>7} {r['batch']:>5} "
+        lines.append(f"{r['quantization']:>6} {r['kv_cache_dtype']:>8} {r['threads']:>7} "
+                     f"{r['batch']:>5} "
                      f"{r['ms_per_step']:>8.2f} {r['tokens_per_s']:>8.1f} {r['floor_ms']:>8.2f} "
                      f"{r['ratio_to_floor']:>7.2f} {r['bandwidth_gbs']:>6.1f} "
                      f"{r['matmul_gflops']:>8.0f}")

@@ -78,12 +78,14 @@ class DecodeCost:
     expert_share: float = 0.0  # experts one token runs: k / E
 
     @classmethod
-    def of(cls, model: DecoderModel) -> DecodeCost:
-        spec, itemsize = model.spec, model.dtype.itemsize
+    def of(cls, model: DecoderModel, kv_cache_dtype: str = "auto") -> DecodeCost:
+        """`kv_cache_dtype`: the cache's storage as resolved (auto: the model's dtype)."""
+        from treadle.model.memory import kv_bytes_per_token
+
         moes = model.expert_layers()
         return cls(parameters=model.num_parameters(), weight_bytes=model.weight_bytes(),
-                   kv_bytes_per_token=2 * spec.num_layers * spec.num_kv_heads * spec.head_dim
-                   * itemsize,
+                   kv_bytes_per_token=kv_bytes_per_token(model.spec, model.dtype.itemsize,
+                                                         kv_cache_dtype),
                    expert_parameters=sum(m.expert_numel for m in moes),
                    expert_bytes=sum(m.expert_bytes for m in moes),
                    expert_share=moes[0].top_k / len(moes[0].experts) if moes else 0.0)

@@ -8,6 +8,14 @@ Decode tokens (one query each) are attended in one batched call over block table
 longest context; prefill chunks go one sequence at a time (few per step, many tokens each), causal
 inside the chunk and full over the context computed before it.
 
+An int8 cache (`--kv-cache-dtype int8`) stores each new key and value vector as int8 with a
+float32 scale per token slot and KV head (absmax / 127 over head_dim, symmetric: llama.cpp's q8_0
+at a head's granularity), in scale tensors [num_blocks, block_size, num_kv_heads] beside the
+blocks. A scale per slot, not per block, so a token landing in a part-filled block never rescales
+the ones before it. Every read sees the stored values: the native decode kernel converts int8
+lanes to float itself; the torch path dequantizes the blocks it gathers, and its prefill chunks
+attend over the cache even for their own keys, so chunked and whole prefills agree.
+
 Sliding-window layers (Gemma 3's local layers) attend only to the last `window` positions: the
 runner builds their own metadata, whose prefill chunks start at the first block inside the window
 and whose decode reads (native kernel and torch fallback) skip the blocks before it. The blocks
@@ -59,7 +67,8 @@ class AttentionMetadata:
 class KVCache:
     """Preallocated key and value blocks for every layer: `num_blocks` for sequences, and one
     more (`pad_block`) that none owns, which the padding rows of a captured decode step write
-    and read (treadle/model/cuda_graphs.py)."""
+    and read (treadle/model/cuda_graphs.py). `dtype` torch.int8: quantized blocks, with
+    `key_scales` and `value_scales` per layer; else None there."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | None = None) -> None:
@@ -67,6 +76,7 @@ class KVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.pad_block = num_blocks
+        self.dtype = dtype
         if device is None or device.type == "cpu":
             self.keys = [lazy_zeros(shape, dtype) for _ in range(num_layers)]
             self.values = [lazy_zeros(shape, dtype) for _ in range(num_layers)]
@@ -74,11 +84,38 @@ class KVCache:
             self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
             self.values = [torch.zeros(shape, dtype=dtype, device=device)
                            for _ in range(num_layers)]
+        self.key_scales: list[torch.Tensor | None] = [None] * num_layers
+        self.value_scales: list[torch.Tensor | None] = [None] * num_layers
+        if dtype == torch.int8:
+            if device is not None and device.type != "cpu":
+                raise ValueError("an int8 KV cache is served on the CPU only")
+            self.key_scales = [lazy_zeros(shape[:3], torch.float32) for _ in range(num_layers)]
+            self.value_scales = [lazy_zeros(shape[:3], torch.float32)
+                                 for _ in range(num_layers)]
 
-    @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vectors x [..., head_dim] -> (int8 [..., head_dim], float32 scales [...]): each vector
+    over its absmax / 127, rounded to nearest (a zero vector: scale 0, zeros)."""
+    x = x.float()
+    scales = x.abs().amax(-1) / 127
+    divisor = scales.clamp(min=torch.finfo(torch.float32).tiny)[..., None]
+    return (x / divisor).round().clamp(-127, 127).to(torch.int8), scales
+
+
+def dequantize_kv(quantized: torch.Tensor, scales: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """quantize_kv's inverse: int8 [..., head_dim] times scales [...], as `dtype`."""
+    return (quantized.float() * scales[..., None]).to(dtype)
+
+
+def read_blocks(cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The cache's `blocks` (any index shape) in `dtype`: [*blocks.shape, block_size, kv_heads,
+    head_dim], dequantized where the cache is int8."""
+    if scales is None:
+        return cache[blocks]
+    return dequantize_kv(cache[blocks], scales[blocks], dtype)
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -90,33 +127,48 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
+def write_slots(cache: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor,
+                slots: torch.Tensor) -> None:
+    """x [T, Hkv, D] into the cache's `slots`, quantized where the cache is int8."""
+    num_kv_heads, head_dim = x.shape[1], x.shape[2]
+    if scales is None:
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, x)
+        return
+    quantized, x_scales = quantize_kv(x)
+    cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, quantized)
+    scales.view(-1, num_kv_heads).index_copy_(0, slots, x_scales)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [T, Hkv, D] for the batch's new tokens; returns [T, H, D]."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    k_scales: torch.Tensor | None = None,
+                    v_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] for the batch's new tokens; returns [T, H, D]. `k_scales`,
+    `v_scales`: an int8 cache's scales (KVCache), None for a cache in the model's dtype."""
+    write_slots(k_cache, k_scales, k, meta.slot_mapping)
+    write_slots(v_cache, v_scales, v, meta.slot_mapping)
 
     if meta.decode_indices is None and not meta.prefills:
-        return decode_attention(q, k_cache, v_cache, meta, scale)
+        return decode_attention(q, k_cache, v_cache, meta, scale, k_scales, v_scales)
     out = torch.empty_like(q)
     if meta.decode_indices is not None:
         out[meta.decode_indices] = decode_attention(
-            q[meta.decode_indices], k_cache, v_cache, meta, scale)
+            q[meta.decode_indices], k_cache, v_cache, meta, scale, k_scales, v_scales)
     for chunk in meta.prefills:
         out[chunk.start:chunk.end] = prefill_attention(
             q[chunk.start:chunk.end], k[chunk.start:chunk.end], v[chunk.start:chunk.end],
-            k_cache, v_cache, chunk, scale)
+            k_cache, v_cache, chunk, scale, k_scales, v_scales)
     return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                     meta: AttentionMetadata, scale: float, k_scales: torch.Tensor | None = None,
+                     v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence, [num_decodes, H, D]."""
     kernel = paged_decode_attention(q.device.type)
     if kernel is not None:  # reads the blocks in place
         return kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                      scale, meta.window or 0, meta.max_context_len)
+                      scale, meta.window or 0, meta.max_context_len, k_scales, v_scales)
     # Fallback: gather each sequence's blocks, padded to the longest context, and mask. The
     # query heads sharing a KV head lie along SDPA's query axis: no copy of keys per head.
     num_seqs, num_heads, head_dim = q.shape
@@ -130,8 +182,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             max=tables.shape[1] - 1)
         tables = tables.gather(1, columns)
         first_position = first_block * block_size
-    keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
-    values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    keys = read_blocks(k_cache, k_scales, tables, q.dtype).flatten(1, 2).transpose(1, 2)
+    values = read_blocks(v_cache, v_scales, tables, q.dtype).flatten(1, 2).transpose(1, 2)
     positions = first_position[:, None] + torch.arange(keys.shape[2], device=lens.device)
     mask = positions < lens[:, None]
     if meta.window is not None:
@@ -143,15 +195,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+                      v_cache: torch.Tensor, chunk: PrefillChunk, scale: float,
+                      k_scales: torch.Tensor | None = None,
+                      v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's chunk: causal inside it, over the context before it (the part its mask
     and block table cover)."""
-    if chunk.mask is None:  # the whole context is this chunk: no need to read the cache
+    if chunk.mask is None and k_scales is None:  # the context is this chunk, as stored
         keys, values = k, v
     else:
         num_keys = chunk.context_len - chunk.key_start
-        keys = k_cache[chunk.block_table].flatten(0, 1)[:num_keys]
-        values = v_cache[chunk.block_table].flatten(0, 1)[:num_keys]
+        keys = read_blocks(k_cache, k_scales, chunk.block_table, q.dtype).flatten(0, 1)[:num_keys]
+        values = read_blocks(v_cache, v_scales, chunk.block_table,
+                             q.dtype).flatten(0, 1)[:num_keys]
     # Repeat KV heads for the query heads that share them: SDPA's grouped-query mode falls back
     # to its slow unfused path on CPU.
     group = q.shape[1] // k.shape[1]

@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from treadle.config import DEVICES
+from treadle.config import DEVICES, KV_CACHE_DTYPES
+from treadle.errors import UnsupportedSetting
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,20 @@ def resolve_dtype(requested: str, device: str = "cpu") -> tuple[str, str]:
 def torch_dtype(name: str, device: str = "cpu") -> torch.dtype:
     """A dtype name (`auto` resolved here, for a resolved `device`) as torch's dtype."""
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[resolve_dtype(name, device)[0]]
+
+
+def resolve_kv_cache_dtype(requested: str, model_dtype: str, device: str) -> str:
+    """`--kv-cache-dtype` on a resolved `device`, for a model served in the resolved
+    `model_dtype` -> the KV cache's storage: auto is the model's dtype. UnsupportedSetting for
+    int8 on CUDA: the Triton decode kernel reads keys in the model's dtype only."""
+    if requested not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {requested!r}")
+    if requested == "auto":
+        return model_dtype
+    if device != "cpu":
+        raise UnsupportedSetting("kv_cache_dtype", f"--kv-cache-dtype {requested} is served on "
+                                 f"the CPU only, not on {device}; use --kv-cache-dtype auto")
+    return requested
 
 
 def use_onednn_linear(dtype: torch.dtype) -> bool:

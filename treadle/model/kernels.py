@@ -235,9 +235,9 @@ def native_paged_decode_attention() -> Callable | None:
         return None
 
     def native(q, k_cache, v_cache, block_tables, context_lens, scale, window=0,
-               max_context_len=0):  # the CPU kernel needs no splits
+               max_context_len=0, k_scales=None, v_scales=None):  # the CPU needs no splits
         return module.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
-                                             scale, window)
+                                             scale, window, k_scales, v_scales)
     return native
 
 

@@ -92,12 +92,13 @@ def embed_tokens(embed: torch.Tensor | QuantizedWeight | EmbeddingLookup,
 
 
 def self_attention(layer: Layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                   kv_cache: KVCache, layer_index: int, meta: AttentionMetadata,
                    num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                    qk_norm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
                    ) -> torch.Tensor:
     """Fused q/k/v projection, q/k norms (where the layer has them), rope, attention over the
-    paged cache, output projection. `layer`: "qkv", "o", and "q_norm"/"k_norm" or None."""
+    paged cache (layer `layer_index`'s), output projection. `layer`: "qkv", "o", and
+    "q_norm"/"k_norm" or None."""
     num_tokens = x.shape[0]
     qkv = layer["qkv"](x)
     qk = qkv[:, :(num_heads + num_kv_heads) * head_dim].view(
@@ -107,7 +108,9 @@ def self_attention(layer: Layer, x: torch.Tensor, rope: tuple[torch.Tensor, torc
         qk = torch.cat((qk_norm(qk[:, :num_heads], layer["q_norm"]),
                         qk_norm(qk[:, num_heads:], layer["k_norm"])), dim=1)
     q, k = apply_rope(qk, *rope).split([num_heads, num_kv_heads], dim=1)
-    attn = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    i = layer_index
+    attn = paged_attention(q, k, v, kv_cache.keys[i], kv_cache.values[i], meta, scale,
+                           kv_cache.key_scales[i], kv_cache.value_scales[i])
     return layer["o"](attn.reshape(num_tokens, num_heads * head_dim))
 
 

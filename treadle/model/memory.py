@@ -51,9 +51,16 @@ def available_memory() -> int:
     return available if limit == "max" else min(available, max(0, int(limit) - used))
 
 
-def kv_bytes_per_token(spec: ModelSpec, itemsize: int) -> int:
-    """Keys and values of one token over all layers (sliding-window layers keep every block)."""
-    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * itemsize
+KV_SCALE_BYTES = 4  # an int8 KV cache's float32 scale per token slot and KV head, K and V each
+
+
+def kv_bytes_per_token(spec: ModelSpec, itemsize: int, kv_cache_dtype: str) -> int:
+    """Keys and values of one token over all layers (sliding-window layers keep every block):
+    each KV head's vector in `itemsize`-byte elements, or for an `int8` cache in bytes plus
+    its scale."""
+    per_head = (spec.head_dim + KV_SCALE_BYTES if kv_cache_dtype == "int8"
+                else spec.head_dim * itemsize)
+    return 2 * spec.num_layers * spec.num_kv_heads * per_head
 
 
 def activation_bytes(spec: ModelSpec, itemsize: int, scheduler: SchedulerConfig,
@@ -83,6 +90,7 @@ class KVCacheSize:
     num_blocks: int
     bytes_per_token: int
     max_model_len: int
+    dtype: str  # the keys' and values' storage: float32, bfloat16 or int8
 
     @property
     def tokens(self) -> int:
@@ -97,24 +105,26 @@ class KVCacheSize:
         """Requests of the full context (max_model_len tokens) the cache holds at once."""
         return self.tokens / self.max_model_len
 
-    def as_dict(self) -> dict[str, int | float]:
+    def as_dict(self) -> dict[str, int | float | str]:
         return {**asdict(self), "tokens": self.tokens, "bytes": self.bytes,
                 "max_concurrency": round(self.max_concurrency, 2)}
 
     def describe(self) -> str:
         return (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens = {self.tokens} "
-                f"tokens, {self.bytes_per_token} bytes/token, {gib(self.bytes)}; maximum "
+                f"tokens, {self.dtype}, {self.bytes_per_token} bytes/token, "
+                f"{gib(self.bytes)}; maximum "
                 f"concurrency for {self.max_model_len} tokens per request: "
                 f"{self.max_concurrency:.2f}x")
 
 
 def size_kv_cache(cache: CacheConfig, scheduler: SchedulerConfig, bytes_per_token: int,
-                  max_model_len: int, activations: int, available: int) -> KVCacheSize:
-    """The KV cache's blocks: `num_blocks` if set, else as many as `kv_cache_memory_bytes`
-    holds, else (the default) enough for max_num_seqs requests of max_model_len tokens, capped
-    at DEFAULT_KV_MEMORY_FRACTION of the memory `available` (measured with the weights loaded)
-    less `activations`. InsufficientMemoryError when the cache and the activations would not
-    fit in `available`."""
+                  max_model_len: int, activations: int, available: int, dtype: str
+                  ) -> KVCacheSize:
+    """The KV cache's blocks, of keys and values stored as `dtype`: `num_blocks` if set, else as
+    many as `kv_cache_memory_bytes` holds, else (the default) enough for max_num_seqs requests
+    of max_model_len tokens, capped at DEFAULT_KV_MEMORY_FRACTION of the memory `available`
+    (measured with the weights loaded) less `activations`. InsufficientMemoryError when the
+    cache and the activations would not fit in `available`."""
     block_bytes = bytes_per_token * cache.block_size
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
@@ -129,7 +139,7 @@ def size_kv_cache(cache: CacheConfig, scheduler: SchedulerConfig, bytes_per_toke
                 f"no memory left for the KV cache: {gib(available)} available with the weights "
                 f"loaded, a step's activations need about {gib(activations)}; free memory, or "
                 f"lower max_num_batched_tokens / max_model_len")
-    size = KVCacheSize(cache.block_size, num_blocks, bytes_per_token, max_model_len)
+    size = KVCacheSize(cache.block_size, num_blocks, bytes_per_token, max_model_len, dtype)
     if size.bytes + activations > available:
         raise InsufficientMemoryError(
             f"a KV cache of {num_blocks} blocks ({gib(size.bytes)}) and a step's activations "
@@ -140,14 +150,14 @@ def size_kv_cache(cache: CacheConfig, scheduler: SchedulerConfig, bytes_per_toke
 
 
 def size_kv_cache_on_gpu(cache: CacheConfig, bytes_per_token: int, max_model_len: int,
-                         activations: int, free: int, total: int) -> KVCacheSize:
-    """The KV cache's blocks on a GPU whose memory is `free` of `total` with the weights
-    loaded: `num_blocks` or `kv_cache_memory_bytes` if set, else, as vLLM does, all that
-    `gpu_memory_utilization` of `total` leaves after what is in use now (`total - free`: the
-    weights, the CUDA context, other processes) and a step's `activations`. Unlike the CPU's
-    default it is not capped by max_num_seqs: on a GPU the memory is the engine's, and a larger
-    cache keeps more prefixes. InsufficientMemoryError when that leaves no block, or a set size
-    does not fit in what is free."""
+                         activations: int, free: int, total: int, dtype: str) -> KVCacheSize:
+    """The KV cache's blocks, of keys and values stored as `dtype`, on a GPU whose memory is
+    `free` of `total` with the weights loaded: `num_blocks` or `kv_cache_memory_bytes` if set,
+    else, as vLLM does, all that `gpu_memory_utilization` of `total` leaves after what is in use
+    now (`total - free`: the weights, the CUDA context, other processes) and a step's
+    `activations`. Unlike the CPU's default it is not capped by max_num_seqs: on a GPU the
+    memory is the engine's, and a larger cache keeps more prefixes. InsufficientMemoryError when
+    that leaves no block, or a set size does not fit in what is free."""
     block_bytes = bytes_per_token * cache.block_size
     budget = int(cache.gpu_memory_utilization * total) - (total - free) - activations
     if cache.num_blocks is not None:
@@ -163,7 +173,7 @@ def size_kv_cache_on_gpu(cache: CacheConfig, bytes_per_token: int, max_model_len
                 f"{gib(activations)}, and --gpu-memory-utilization "
                 f"{cache.gpu_memory_utilization} allows {gib(cache.gpu_memory_utilization * total)}"
                 f"; raise it, or lower max_num_batched_tokens / max_model_len")
-    size = KVCacheSize(cache.block_size, num_blocks, bytes_per_token, max_model_len)
+    size = KVCacheSize(cache.block_size, num_blocks, bytes_per_token, max_model_len, dtype)
     if size.bytes + activations > free:
         raise InsufficientMemoryError(
             f"a KV cache of {num_blocks} blocks ({gib(size.bytes)}) and a step's activations "
@@ -249,10 +259,17 @@ def plan(config: EngineConfig, concurrency: int | None = None) -> dict:
     `concurrency` requests (None: max_num_seqs) of max_model_len tokens, against this machine's
     available memory, and the concurrency that fits in what the weights and a step's
     activations leave."""
-    from treadle.model.capabilities import probe, torch_dtype
+    from treadle.model.capabilities import (
+        probe,
+        resolve_device,
+        resolve_kv_cache_dtype,
+        torch_dtype,
+    )
 
     weights = served_weights(config.model)
     spec, itemsize = weights.spec, torch_dtype(weights.dtype).itemsize
+    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, weights.dtype,
+                                      resolve_device(config.model.device))
     context = min(config.model.max_model_len or spec.context_limit, spec.context_limit)
     concurrency = concurrency or config.scheduler.max_num_seqs
     activations = activation_bytes(spec, itemsize, config.scheduler, context,
@@ -260,7 +277,7 @@ def plan(config: EngineConfig, concurrency: int | None = None) -> dict:
     block_size = config.cache.block_size
     blocks_per_request = math.ceil(context / block_size)
     kv = KVCacheSize(block_size, concurrency * blocks_per_request,
-                     kv_bytes_per_token(spec, itemsize), context)
+                     kv_bytes_per_token(spec, itemsize, kv_dtype), context, kv_dtype)
     request_bytes = blocks_per_request * block_size * kv.bytes_per_token
     available = available_memory()
     total = weights.bytes + activations + kv.bytes
@@ -282,7 +299,7 @@ def format_plan(report: dict) -> str:
         f"activations  {gib(report['activations_bytes']):>12}  (one step, upper estimate)",
         f"KV cache     {gib(kv['bytes']):>12}  ({report['concurrency']} x "
         f"{report['max_model_len']} tokens: {kv['num_blocks']} blocks of {kv['block_size']}, "
-        f"{kv['bytes_per_token']} bytes/token)",
+        f"{kv['dtype']}, {kv['bytes_per_token']} bytes/token)",
         f"total        {gib(report['total_bytes']):>12}  {verdict} in "
         f"{gib(report['available_bytes'])} available (MemAvailable)",
         f"concurrency that fits at {report['max_model_len']} tokens per request: "

@@ -18,6 +18,7 @@ from treadle.model.capabilities import (
     probe,
     resolve_device,
     resolve_dtype,
+    resolve_kv_cache_dtype,
     torch_dtype,
     use_onednn_linear,
 )
@@ -51,6 +52,9 @@ class ModelRunner:
         limit = spec.context_limit
         self.max_model_len = min(model_config.max_model_len or limit, limit)
         self.block_size = cache_config.block_size
+        # Refused before the weights load where the device cannot serve it.
+        self.kv_cache_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype,
+                                                     self.dtype_name, device)
         # On CUDA the weights are plain tensors (resolve_quantization) moved there, and what the
         # model builds (rope tables, scales) is built there.
         weights = loaded.weights if device == "cpu" else {
@@ -67,7 +71,7 @@ class ModelRunner:
         native_decode = paged_decode_attention(device) is not None
         # Sized after the model is built: what is available then excludes the weights, their
         # dense copies and prepacked forms.
-        per_token = kv_bytes_per_token(spec, self.dtype.itemsize)
+        per_token = kv_bytes_per_token(spec, self.dtype.itemsize, self.kv_cache_dtype)
         activations = activation_bytes(spec, self.dtype.itemsize, scheduler_config,
                                        self.max_model_len, native_decode)
         capture = device == "cuda" and native_decode and not model_config.enforce_eager
@@ -77,16 +81,22 @@ class ModelRunner:
             torch.cuda.empty_cache()  # what the build freed counts as free
             free, total = torch.cuda.mem_get_info(self.device)
             self.kv_size = size_kv_cache_on_gpu(cache_config, per_token, self.max_model_len,
-                                                activations, free, total)
+                                                activations, free, total, self.kv_cache_dtype)
         else:
             self.kv_size = size_kv_cache(cache_config, scheduler_config, per_token,
-                                         self.max_model_len, activations, available_memory())
+                                         self.max_model_len, activations, available_memory(),
+                                         self.kv_cache_dtype)
         self.kv_cache = KVCache(spec.num_layers, self.kv_size.num_blocks, self.block_size,
-                                spec.num_kv_heads, spec.head_dim, self.dtype, self.device)
+                                spec.num_kv_heads, spec.head_dim, self.kv_storage_dtype(),
+                                self.device)
         # Only over the Triton kernel (`capture`): the torch path would gather every row's
         # blocks to the static tables' full width, max_model_len, at every step.
         self.decode_graphs = (capture_decode_graphs(self, scheduler_config.max_num_seqs)
                               if capture else None)
+
+    def kv_storage_dtype(self) -> torch.dtype:
+        """The KV cache tensors' dtype: int8 (scaled), else the model's."""
+        return torch.int8 if self.kv_cache_dtype == "int8" else self.dtype
 
     @classmethod
     def from_config(cls, model_config: ModelConfig, cache_config: CacheConfig) -> ModelRunner:
@@ -116,6 +126,7 @@ class ModelRunner:
                                    f"{self.decode_graphs.sizes[-1]}, captured in "
                                    f"{self.decode_graphs.capture_seconds:.1f} s")
         return {**info, "dtype": self.dtype_name, "dtype_reason": self.dtype_reason,
+                "kv_cache_dtype": self.kv_cache_dtype,
                 "isa": caps.isa,
                 "onednn_linear": device == "cpu" and use_onednn_linear(self.dtype),
                 "native_attention": paged_decode_attention(device) is not None,

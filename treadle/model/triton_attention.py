@@ -125,11 +125,17 @@ def _merge_splits(part_ptr, max_ptr, sum_ptr, out_ptr, stride_os, stride_oh,
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           window: int = 0, max_context_len: int = 0) -> torch.Tensor:
+                           window: int = 0, max_context_len: int = 0,
+                           k_scales: torch.Tensor | None = None,
+                           v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """q [seqs, heads, dim] -> [seqs, heads, dim]; block_tables [seqs, max_blocks] and
     context_lens [seqs] on q's device. The number of splits follows `max_context_len` (0: the
     tables' width), not the lengths, so that a captured CUDA graph's launch fits every replay,
-    and a step splits alike whatever its tables' width."""
+    and a step splits alike whatever its tables' width. Caches in q's dtype only: `k_scales`,
+    `v_scales` (an int8 cache's) are refused, as the runner refuses int8 KV on CUDA."""
+    if k_scales is not None or v_scales is not None or k_cache.dtype != q.dtype:
+        raise ValueError(f"the Triton decode kernel reads a KV cache in the queries' dtype "
+                         f"({q.dtype}), not {k_cache.dtype}: an int8 KV cache is CPU-only")
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()

@@ -179,7 +179,7 @@ def agree_on_kv_blocks(runner: ModelRunner) -> None:
     if num_blocks < runner.num_blocks:
         spec = runner.spec
         runner.kv_cache = KVCache(spec.num_layers, num_blocks, runner.block_size,
-                                  spec.num_kv_heads, spec.head_dim, runner.dtype)
+                                  spec.num_kv_heads, spec.head_dim, runner.kv_storage_dtype())
         runner.kv_size = replace(runner.kv_size, num_blocks=num_blocks)
 
 

@@ -70,7 +70,8 @@ at::Tensor LlamaDecoder::forward(at::Tensor hidden, at::Tensor cos, at::Tensor s
                 kv_width);
     write_slots(v_cache, v_bytes, qkv.size(1), slot, tokens, kv_width);
     const at::Tensor attn = paged_decode_attention(qk.narrow(1, 0, heads), k_cache, v_cache,
-                                                      block_tables, context_lens, scale_, 0);
+                                                      block_tables, context_lens, scale_, 0,
+                                                      c10::nullopt, c10::nullopt);
     hidden.add_(quant_linear_parts(attn.view({tokens, heads * dim}), layer.o, layer.o_types,
                                    c10::nullopt));
     x = rms_norm(hidden, layer.post_norm, eps_, false);

@@ -17,9 +17,13 @@ at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor silu_and_mul(at::Tensor gate_up);
 
 // paged_attention.cpp
+// k_scales, v_scales: an int8 cache's float32 scale per slot and KV head; none for a cache in
+// q's dtype.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                      at::Tensor block_tables, at::Tensor context_lens,
-                                     double scale, int64_t window);
+                                     double scale, int64_t window,
+                                     c10::optional<at::Tensor> k_scales,
+                                     c10::optional<at::Tensor> v_scales);
 
 // quant_linear.cpp (the K-quants' kernels in quant_kblocks.cpp)
 at::Tensor quant_linear(at::Tensor x, at::Tensor weight, int64_t qtype,

@@ -1,7 +1,9 @@
 // Decode attention straight from the paged KV cache: one query token per sequence, keys and
 // values read in place through the block table (no gathered copy, no padding to the longest
 // context). With a window (sliding-window layers), only the last `window` positions are read:
-// blocks wholly before them are skipped.
+// blocks wholly before them are skipped. An int8 cache (a float32 scale per slot and KV head
+// beside it) is read as int8, half the bytes of bfloat16: a slot's lanes widened to float as
+// bfloat16's are, each vector's scale applied to its heads' scores and softmax weights.
 #include "kernels.h"
 #include <ATen/Parallel.h>
 
@@ -9,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -25,6 +28,9 @@ inline float to_float(at::BFloat16 x) {
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
+// An int8 cache's lanes unscaled: each vector's scale multiplies its scores and weights instead
+// (one multiply per head and position, not per element).
+inline float to_float(int8_t x) { return static_cast<float>(x); }
 
 // a . b. An `omp simd reduction` here compiled (GCC 12) to a store and 16 dependent scalar
 // adds per dot; with a 64-bit division per head that cost ~1 us per position (9 heads, 64 wide,
@@ -58,9 +64,12 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // merge costs 3-9% at one thread or 16 sequences.
 constexpr int64_t PART = 128;
 
-template <typename T>
+// T: the queries' and output's type; C: the cache's (T, or int8_t with `k_scale_ptr`,
+// `v_scale_ptr` [blocks, block_size, kv_heads]; else those are null and unread).
+template <typename T, typename C>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
-                   const at::Tensor& v_cache, const at::Tensor& block_tables,
+                   const at::Tensor& v_cache, const float* k_scale_ptr,
+                   const float* v_scale_ptr, const at::Tensor& block_tables,
                    const at::Tensor& context_lens, double scale, int64_t window,
                    at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
@@ -69,8 +78,9 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t max_blocks = block_tables.size(1);
   const int64_t row = num_kv_heads * head_dim;  // one slot: every KV head's vector, contiguous
   const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
+  constexpr bool kInt8 = std::is_same_v<C, int8_t>;
+  const C* k_ptr = k_cache.data_ptr<C>();
+  const C* v_ptr = v_cache.data_ptr<C>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* out_ptr = out.data_ptr<T>();
@@ -94,8 +104,11 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
     std::vector<float> query(num_heads * head_dim), scores(num_heads * PART), slot_row(row);
     // Where each query head's KV head starts in a slot's row (a 64-bit division per head and
     // position was a fifth of the loop's time).
-    std::vector<int64_t> kv_offset(num_heads);
-    for (int64_t h = 0; h < num_heads; ++h) kv_offset[h] = h / group * head_dim;
+    std::vector<int64_t> kv_head(num_heads), kv_offset(num_heads);
+    for (int64_t h = 0; h < num_heads; ++h) {
+      kv_head[h] = h / group;
+      kv_offset[h] = kv_head[h] * head_dim;
+    }
     int64_t seq = std::upper_bound(first_task.begin(), first_task.end(), begin) -
                   first_task.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
@@ -111,16 +124,18 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
       // Block by block from the one holding position p0; `pos` counts from p0.
       for (int64_t pos = 0; pos < count;) {
         const int64_t abs_pos = first + p0 + pos, start_off = abs_pos % block_size;
-        const T* block = k_ptr + table[abs_pos / block_size] * block_size * row;
+        const int64_t block_slot = table[abs_pos / block_size] * block_size;
         const int64_t n = std::min(block_size - start_off, count - pos);
         for (int64_t j = 0; j < n; ++j, ++pos) {
-          const T* key = block + (start_off + j) * row;
+          const int64_t slot = block_slot + start_off + j;
+          const C* key = k_ptr + slot * row;
 #pragma omp simd
           for (int64_t i = 0; i < row; ++i) slot_row[i] = to_float(key[i]);
           for (int64_t h = 0; h < num_heads; ++h) {
-            scores[h * PART + pos] =
-                dot(query.data() + h * head_dim, slot_row.data() + kv_offset[h],
-                    head_dim);
+            float score = dot(query.data() + h * head_dim, slot_row.data() + kv_offset[h],
+                              head_dim);
+            if constexpr (kInt8) score *= k_scale_ptr[slot * num_kv_heads + kv_head[h]];
+            scores[h * PART + pos] = score;
           }
         }
       }
@@ -140,14 +155,16 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
       std::fill(acc, acc + num_heads * head_dim, 0.f);
       for (int64_t pos = 0; pos < count;) {
         const int64_t abs_pos = first + p0 + pos, start_off = abs_pos % block_size;
-        const T* block = v_ptr + table[abs_pos / block_size] * block_size * row;
+        const int64_t block_slot = table[abs_pos / block_size] * block_size;
         const int64_t n = std::min(block_size - start_off, count - pos);
         for (int64_t j = 0; j < n; ++j, ++pos) {
-          const T* value = block + (start_off + j) * row;
+          const int64_t slot = block_slot + start_off + j;
+          const C* value = v_ptr + slot * row;
 #pragma omp simd
           for (int64_t i = 0; i < row; ++i) slot_row[i] = to_float(value[i]);
           for (int64_t h = 0; h < num_heads; ++h) {
-            const float p = scores[h * PART + pos];
+            float p = scores[h * PART + pos];
+            if constexpr (kInt8) p *= v_scale_ptr[slot * num_kv_heads + kv_head[h]];
             const float* vh = slot_row.data() + kv_offset[h];
             float* a = acc + h * head_dim;
 #pragma omp simd
@@ -185,27 +202,56 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
 
 }  // namespace
 
-// q [seqs, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim]; block_tables
+// q [seqs, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim] in q's dtype, or
+// int8 with k_scales, v_scales [blocks, block_size, kv_heads] float32; block_tables
 // [seqs, max_blocks] int64; context_lens [seqs] int64 (each >= 1); window: attend to the last
 // `window` positions only (0: all). Returns [seqs, heads, head_dim].
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor context_lens,
-                                  double scale, int64_t window) {
+                                  double scale, int64_t window,
+                                  c10::optional<at::Tensor> k_scales,
+                                  c10::optional<at::Tensor> v_scales) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.is_contiguous() &&
-              v_cache.is_contiguous());
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              v_cache.scalar_type() == k_cache.scalar_type());
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong);
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3));
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
+              "float32 or bfloat16 only");
+  const bool quantized = k_scales.has_value();
+  TORCH_CHECK(quantized == v_scales.has_value(), "scales for both keys and values, or neither");
+  const float* k_scale_ptr = nullptr;
+  const float* v_scale_ptr = nullptr;
+  if (quantized) {
+    TORCH_CHECK(k_cache.scalar_type() == at::kChar, "scales come with an int8 cache");
+    for (const at::Tensor& scales : {*k_scales, *v_scales}) {
+      TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                      scales.sizes() == k_cache.sizes().slice(0, 3),
+                  "scales: float32 [blocks, block_size, kv_heads], contiguous");
+    }
+    k_scale_ptr = k_scales->data_ptr<float>();
+    v_scale_ptr = v_scales->data_ptr<float>();
+  } else {
+    TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "a cache in q's dtype, or int8 with "
+                "scales");
+  }
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
   auto out = at::empty_like(q);
-  if (q.scalar_type() == at::kBFloat16) {
-    decode_kernel<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, scale, window,
-                                out);
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  if (quantized && bf16) {
+    decode_kernel<at::BFloat16, int8_t>(q, k_cache, v_cache, k_scale_ptr, v_scale_ptr,
+                                        block_tables, context_lens, scale, window, out);
+  } else if (quantized) {
+    decode_kernel<float, int8_t>(q, k_cache, v_cache, k_scale_ptr, v_scale_ptr, block_tables,
+                                 context_lens, scale, window, out);
+  } else if (bf16) {
+    decode_kernel<at::BFloat16, at::BFloat16>(q, k_cache, v_cache, nullptr, nullptr,
+                                              block_tables, context_lens, scale, window, out);
   } else {
-    TORCH_CHECK(q.scalar_type() == at::kFloat, "float32 or bfloat16 only");
-    decode_kernel<float>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
+    decode_kernel<float, float>(q, k_cache, v_cache, nullptr, nullptr, block_tables,
+                                context_lens, scale, window, out);
   }
   return out;
 }

@@ -171,7 +171,7 @@ class Gemma3Model(DecoderModel):
         for i, layer in enumerate(self.layers):
             window = self.windows[i]
             x = self.norm(hidden, layer["input_norm"])
-            x = self_attention(layer, x, ropes[window], kv_cache.keys[i], kv_cache.values[i],
+            x = self_attention(layer, x, ropes[window], kv_cache, i,
                                attention[window], spec.num_heads, spec.num_kv_heads,
                                spec.head_dim, self.scale, qk_norm=self.norm)
             hidden = hidden + self.norm(x, layer["post_attn_norm"])

@@ -164,7 +164,8 @@ class LlamaModel(DecoderModel):
         spec, meta = self.spec, attention[None]
         rope = self.rotary.at(positions)
         hidden = embed_tokens(self.embed, input_ids, self.dtype)
-        if self.fused_decode(meta, hidden):
+        # The native decoder writes keys as they come: an int8 cache takes the layers' path.
+        if kv_cache.dtype == hidden.dtype and self.fused_decode(meta, hidden):
             return self.native_decoder.forward(
                 hidden, *rope, kv_cache.keys, kv_cache.values, meta.slot_mapping,
                 meta.decode_block_tables, meta.decode_context_lens)
@@ -172,7 +173,7 @@ class LlamaModel(DecoderModel):
             residual = hidden
             x = self.norm(hidden, layer["input_norm"])
             hidden = residual + self_attention(
-                layer, x, rope, kv_cache.keys[i], kv_cache.values[i], meta, spec.num_heads,
+                layer, x, rope, kv_cache, i, meta, spec.num_heads,
                 spec.num_kv_heads, spec.head_dim, self.scale, qk_norm=self.qk_norm)
             residual = hidden
             x = self.norm(hidden, layer["post_norm"])

@@ -495,8 +495,9 @@ class ModelCard(BaseModel):
     max_model_len: int
     dtype: str  # what --dtype resolved to on this CPU
     platform: dict[str, str | bool]  # why that dtype, the CPU's level, which fast paths run
-    # weights_bytes, and kv_cache: blocks, tokens, bytes per token, max concurrency at full context
-    memory: dict[str, int | dict[str, int | float]]
+    # weights_bytes, and kv_cache: blocks, tokens, bytes per token, max concurrency at full
+    # context, dtype (float32, bfloat16, int8)
+    memory: dict[str, int | dict[str, int | float | str]]
 
 
 class ModelList(BaseModel):
