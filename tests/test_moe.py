@@ -5,6 +5,8 @@ the engine refuses."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from model_utils import ARCHITECTURES, TINY, build_tiny_model, greedy_decode, ma
 from safetensors.torch import load_file
 
 from treadle.bench.roofline import DecodeCost
+from treadle.cli import main
 from treadle.config import CacheConfig, ModelConfig
 from treadle.core.sampling_params import SamplingParams
 from treadle.llm import LLM
@@ -27,13 +30,15 @@ from treadle.model.experts import SparseMoE
 from treadle.model.layers import DecoderModel
 from treadle.model.linear import QuantizedLinear
 from treadle.model.loader import LoadedModel, read_gguf_weights, read_spec
-from treadle.model.memory import served_weight_bytes
+from treadle.model.memory import format_plan, served_weight_bytes
 from treadle.model.models.moe import GGUF_TENSOR_NAMES
 from treadle.model.parallel import check_tensor_parallel
 from treadle.model.quantization import QuantizedWeight
 from treadle.model.quantization import dequantize as dequantize_blocks
 from treadle.model.runner import ModelRunner
 from treadle.model.source import missed_config_fields
+
+CONFIGS = Path(__file__).parent.parent / "bench" / "configs"
 
 
 @pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "olmoe"])
@@ -211,3 +216,23 @@ def test_the_expert_width_transformers_misses_in_a_gguf_is_read_from_its_metadat
     assert config.moe_intermediate_size == 768
     missed_config_fields(config, tmp_path / "tiny-moe.gguf")
     assert config.moe_intermediate_size == 32
+
+
+def test_the_plan_counts_all_parameters_and_those_a_token_runs():
+    """Qwen3-30B-A3B's shape (with the default model's vocabulary): every expert is held, 8 of
+    128 run per token; counted here from the config's numbers."""
+    config = json.loads((CONFIGS / "qwen3-30b-a3b" / "config.json").read_text())
+    h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    d, heads, kv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+    attention = h * d * (2 * heads + 2 * kv) + 2 * d  # q, o; k, v; q/k norms
+    expert = 3 * h * config["moe_intermediate_size"]
+    per_layer = attention + 2 * h + h * config["num_experts"]  # norms, router
+    total = 2 * vocab * h + h + layers * (per_layer + config["num_experts"] * expert)
+    active = total - layers * (config["num_experts"] - config["num_experts_per_tok"]) * expert
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plan", "--model", str(CONFIGS / "qwen3-30b-a3b"), "--quantization",
+                     "int4", "--max-model-len", "2048", "--concurrency", "1", "--json"]) == 0
+    report = json.loads(out.getvalue())
+    assert (report["parameters"], report["active_parameters"]) == (total, active)
+    assert "active per token" in format_plan(report)

@@ -8,6 +8,7 @@ families.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,13 @@ class ModelSpec:
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the model needs, under its Hugging Face name, with its shape."""
         raise NotImplementedError
+
+    def num_parameters(self) -> int:
+        return sum(math.prod(shape) for shape in self.expected_shapes().values())
+
+    def active_parameters(self) -> int:
+        """Parameters one token runs through (a mixture of experts: only its chosen ones)."""
+        return self.num_parameters()
 
 
 def common_spec_fields(cfg: dict, generation_config: dict | None) -> dict[str, Any]:

@@ -282,6 +282,7 @@ def plan(config: EngineConfig, concurrency: int | None = None) -> dict:
     available = available_memory()
     total = weights.bytes + activations + kv.bytes
     return {"model": weights.name, "dtype": weights.dtype, "quantization": weights.quantization,
+            "parameters": spec.num_parameters(), "active_parameters": spec.active_parameters(),
             "max_model_len": context, "concurrency": concurrency, "weights_bytes": weights.bytes,
             "activations_bytes": activations, "kv_cache": kv.as_dict(), "total_bytes": total,
             "available_bytes": available, "fits": total <= available,
@@ -295,6 +296,9 @@ def format_plan(report: dict) -> str:
     return "\n".join([
         f"{report['model']}: dtype {report['dtype']}, quantization {report['quantization']}, "
         f"max_model_len {report['max_model_len']}",
+        f"parameters   {report['parameters'] / 1e9:>10.2f} B"
+        + (f"  ({report['active_parameters'] / 1e9:.2f} B active per token)"
+           if report["active_parameters"] != report["parameters"] else ""),
         f"weights      {gib(report['weights_bytes']):>12}",
         f"activations  {gib(report['activations_bytes']):>12}  (one step, upper estimate)",
         f"KV cache     {gib(kv['bytes']):>12}  ({report['concurrency']} x "

@@ -63,6 +63,13 @@ class MoESpec(llama.LlamaSpec):
         return shapes
 
 
+    def active_parameters(self) -> int:
+        expert = 3 * self.hidden_size * self.expert_intermediate_size
+        sparse = self.num_layers - len(self.dense_layers)
+        idle = sparse * (self.num_experts - self.experts_per_token) * expert
+        return self.num_parameters() - idle
+
+
 def spec_from_config(cfg: dict, generation_config: dict | None, variant: str) -> MoESpec:
     if cfg.get("clip_qkv") is not None:
         raise ModelLoadError("OLMoE's clip_qkv is not supported")
