@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from treadle.config import (
@@ -42,20 +42,15 @@ def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def quantization_list(text: str) -> list[str]:
-    names = [x for x in text.split(",") if x]
-    for name in names:
-        if name not in QUANTIZATION_CHOICES:
-            raise argparse.ArgumentTypeError(f"{name!r} is not one of {QUANTIZATION_CHOICES}")
-    return names
-
-
-def kv_cache_dtype_list(text: str) -> list[str]:
-    names = [x for x in text.split(",") if x]
-    for name in names:
-        if name not in KV_CACHE_DTYPES:
-            raise argparse.ArgumentTypeError(f"{name!r} is not one of {KV_CACHE_DTYPES}")
-    return names
+def choice_list(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """An argparse type: comma-separated names, each one of `choices`."""
+    def parse(text: str) -> list[str]:
+        names = [x for x in text.split(",") if x]
+        for name in names:
+            if name not in choices:
+                raise argparse.ArgumentTypeError(f"{name!r} is not one of {choices}")
+        return names
+    return parse
 
 
 def add_model_args(parser: argparse.ArgumentParser, several_quantizations: bool = False,
@@ -67,7 +62,7 @@ def add_model_args(parser: argparse.ArgumentParser, several_quantizations: bool 
         if name == "device" and not device:
             continue
         if name == "quantization" and several_quantizations:
-            parser.add_argument("--quantization", type=quantization_list,
+            parser.add_argument("--quantization", type=choice_list(QUANTIZATION_CHOICES),
                                 default=["none", "auto"], help="comma-separated, each measured "
                                 "in turn; " + f.metadata["help"])
         else:
@@ -180,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     fwd.add_argument("--batch-sizes", type=int_list, default=[1, 8, 32, 128])
     fwd.add_argument("--thread-counts", type=int_list, default=[1, 2])
     fwd.add_argument("--context-len", type=int, default=128)
-    fwd.add_argument("--kv-cache-dtype", type=kv_cache_dtype_list, default=["auto"],
+    fwd.add_argument("--kv-cache-dtype", type=choice_list(KV_CACHE_DTYPES), default=["auto"],
                      help="comma-separated, each measured in turn: auto (the model's dtype), "
                           "int8")
     fwd.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -216,8 +216,7 @@ def missed_config_fields(config: object, path: Path) -> None:
 
 def gguf_tokenizer_class(model_type: str) -> type:
     """The tokenizer class `AutoTokenizer` picks for `model_type`. Asking `AutoTokenizer` itself
-    would parse the GGUF's whole metadata a second time for the config (4 s for the default
-    model, 14 s for Gemma 3's 262k-token vocabulary)."""
+    would parse the GGUF's whole metadata a second time, for the config."""
     from transformers.models.auto.tokenization_auto import (
         TOKENIZER_MAPPING_NAMES,
         tokenizer_class_from_name,

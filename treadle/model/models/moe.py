@@ -149,7 +149,7 @@ FAMILY = ModelFamily(
     name="moe",
     hf_architectures={"Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
                       "OlmoeForCausalLM": "olmoe"},
-    gguf_architectures=("qwen3moe", "olmoe"),
+    gguf_architectures=("qwen3moe",),  # transformers converts no OLMoE GGUF config
     spec_from_config=spec_from_config,
     model_class=MoEModel,
     gguf_tensor_names=GGUF_TENSOR_NAMES,
