@@ -200,19 +200,18 @@ def test_kernel_matches_its_reference(qtype, rows, dtype, kernels):
                                                 (Q.Q8_0, 288), (Q.Q5_0, 288), (Q.Q4_K, 768),
                                                 (Q.Q5_K, 768), (Q.Q6_K, 768)])
 def test_kernel_matches_its_reference_for_every_row_tile(qtype, in_features, kernels):
-    """The kernel unpacks each weight block once for a tile of up to 4 activation rows (8 with
-    AVX-512; the K-quants 2 or 4 rows by 2 weight rows, 4 weight rows for one activation row)
-    and converts the scales of 8 blocks at a time: 1-9 rows give every partial tile, 7 and 9
-    blocks a row (224, 288 weights) a partial group of scales, and 37 output rows are no
-    multiple of the threads' chunks of 16 nor of the weight tiles."""
+    """The kernel runs tiles of weight rows by activation rows (the 32-wide types 4 by 2; the
+    K-quants 2 by 2 or 4, 4 weight rows for one activation row): 1-9 rows give every partial
+    tile, 7 and 9 blocks a row (224, 288 weights) odd counts of blocks, and 37 output rows are
+    no multiple of the threads' chunks of 16 nor of the weight tiles."""
     weight = random_blocks(qtype, out_features=37, in_features=in_features, seed=in_features)
     x = torch.randn(9, in_features, generator=torch.Generator().manual_seed(5))
     for rows in range(1, 10):
         assert_kernel_matches_its_reference(weight, x[:rows], kernels)
 
 
-@pytest.mark.parametrize("qtype", K_QUANTS)
-def test_k_quant_rows_do_not_depend_on_the_batch(qtype, kernels):
+@pytest.mark.parametrize("qtype", QTYPES + GGUF_ONLY_QTYPES)
+def test_rows_do_not_depend_on_the_batch(qtype, kernels):
     """A row's output is the same bits alone as in a batch of any size (a decode step against a
     prefill chunk): every tile runs the same arithmetic for each (row, output) pair. 70 rows
     span two of the GEMM's blocks of 64 rows."""

@@ -5,14 +5,11 @@
 // dpbusd where built for it; a scalar loop elsewhere). One activation block of 32 meets one
 // weight block, or one K-quant sub-block, so every type shares the activation path.
 //
-// Speed (Xeon 2.0 GHz without VNNI, one thread; gate_up 3072x576 Q4_1 at 1 / 4 / 16 rows):
-// 0.33 / 1.29 / 5.23 ms when each activation row re-unpacked every weight block, with one
-// accumulator and each block's fp16 scales converted on their own; 0.28 / 0.50 / 2.08 ms now
-// (the dense float GEMM: 0.52 / 0.52 / 0.93). The 32-wide types convert the scales of 8 blocks
-// at once (a vector of scale products and one of offset terms per activation row), unpack each
-// weight block once for a tile of activation rows, and keep two accumulators for a lone row.
-// Two blocks per 512-bit register (zmm maddubs) measured 15-40% slower than this 256-bit code
-// on that Xeon: AVX-512 builds run it too, with twice the rows a tile.
+// The 32-wide types run tiles of 4 weight rows x 2 activation rows (4 with AVX-512): each weight
+// block is unpacked once for the tile's activation rows and each activation block loaded once
+// for its weight rows, and a row's result does not depend on the rows beside it. Two blocks per
+// 512-bit register (zmm maddubs) measured 15-40% slower than 256-bit code on a Xeon: AVX-512
+// builds run the 256-bit code with more rows a tile.
 #include "kernels.h"
 #include "quant_blocks.h"
 
@@ -49,29 +46,24 @@ inline void q6_k_values(const BlockQ6_K* blk, int j, uint8_t* q) {
   }
 }
 
-constexpr int64_t SCALE_GROUP = 8;  // blocks whose scales are converted together (one vector)
-
-// Activation rows quantized per block: int8 values, each block's scale and its exact sum. The
-// scales and sums of a row are padded with zeros to a whole number of SCALE_GROUPs, so that a
-// group's vector load never reads past the row and a missing block adds nothing.
+// Activation rows quantized per block: int8 values, each block's scale and its exact sum.
 struct QuantizedRows {
-  int64_t k, nb, stride;      // row length, blocks a row, floats a row of d and sum
+  int64_t k, nb;              // row length, blocks a row
   std::vector<int8_t> q;      // [rows, k]
-  std::vector<float> d;       // [rows, stride]
-  std::vector<float> sum;     // [rows, stride]
+  std::vector<float> d;       // [rows, nb]
+  std::vector<float> sum;     // [rows, nb]
   const int8_t* q_row(int64_t r) const { return q.data() + r * k; }
-  const float* d_row(int64_t r) const { return d.data() + r * stride; }
-  const float* sum_row(int64_t r) const { return sum.data() + r * stride; }
+  const float* d_row(int64_t r) const { return d.data() + r * nb; }
+  const float* sum_row(int64_t r) const { return sum.data() + r * nb; }
 };
 
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
-  const int64_t nb = k / QK, stride = (nb + SCALE_GROUP - 1) / SCALE_GROUP * SCALE_GROUP;
-  QuantizedRows out{k, nb, stride, std::vector<int8_t>(rows * k),
-                    std::vector<float>(rows * stride, 0.f), std::vector<float>(rows * stride, 0.f)};
+  const int64_t nb = k / QK;
+  QuantizedRows out{k, nb, std::vector<int8_t>(rows * k), std::vector<float>(rows * nb),
+                    std::vector<float>(rows * nb)};
   at::parallel_for(0, rows * nb, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t slot = i / nb * stride + i % nb;
       const T* src = x + i * QK;
       float v[QK];
       float amax = 0.f, sum = 0.f;
@@ -83,8 +75,8 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
       const float d = amax / 127.f;
       const float id = d > 0.f ? 1.f / d : 0.f;
       for (int j = 0; j < QK; ++j) out.q[i * QK + j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
-      out.d[slot] = d;
-      out.sum[slot] = sum;
+      out.d[i] = d;
+      out.sum[i] = sum;
     }
   });
   return out;
@@ -221,85 +213,9 @@ template <> struct Block32<Q5_0> {  // w = d (q - 16)
   static __m256i dot(__m256i w, __m256i a) { return dot_pairs_u8_s8(w, a); }
 };
 
-// The fp16 values `half(block)` of `count` <= SCALE_GROUP consecutive blocks as 8 floats, zeros
-// past count: one conversion for the group instead of one a block.
-template <typename Block, typename Half>
-inline __m256 group_halves(const Block* blk, int64_t count, Half half) {
-  if (count == SCALE_GROUP) {
-    return _mm256_cvtph_ps(_mm_setr_epi16(half(blk[0]), half(blk[1]), half(blk[2]),
-                                          half(blk[3]), half(blk[4]), half(blk[5]),
-                                          half(blk[6]), half(blk[7])));
-  }
-  alignas(16) uint16_t h[SCALE_GROUP] = {};
-  for (int64_t j = 0; j < count; ++j) h[j] = half(blk[j]);
-  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
-}
-
-// Activation rows per pass over a weight row: each weight block is unpacked once for all of
-// them. Their accumulators stay in registers: 16 ymm registers hold 4 rows' (an accumulator and
-// an offset sum each, plus the block and temporaries), AVX-512's 32 hold 8.
-#if defined(__AVX512VL__)
-constexpr int ROW_TILE = 8;
-#else
-constexpr int ROW_TILE = 4;
-#endif
-
-// out[r * n] = weight row . activation row r0 + r, for R rows. Per group of 8 blocks the weight
-// scales are converted at once and multiplied by each row's activation scales (a vector of 8
-// scale products a row, broadcast block by block); the offset terms accumulate as vectors.
-template <int64_t QTYPE, int R>
-void rows_dot(const uint8_t* w_row, const QuantizedRows& xq, int64_t r0, float* out,
-              int64_t n) {
-  using T = Block32<QTYPE>;
-  constexpr bool has_offset = T::offset_factor != 0.f;
-  // One row alone would chain every block's multiply-add on the last (4 cycles each): two
-  // accumulators, even and odd blocks. Two or more rows are independent chains already.
-  constexpr int CHAINS = R == 1 ? 2 : 1;
-  const auto* blocks = reinterpret_cast<const typename T::Block*>(w_row);
-  __m256 acc[CHAINS][R], offset[R];
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < CHAINS; ++c) acc[c][r] = _mm256_setzero_ps();
-    offset[r] = _mm256_setzero_ps();
-  }
-  for (int64_t g = 0; g < xq.nb; g += SCALE_GROUP) {
-    const int64_t count = std::min(SCALE_GROUP, xq.nb - g);
-    const __m256 d = group_halves(blocks + g, count, [](const auto& b) { return b.d; });
-    __m256 offset_d = d;
-    if constexpr (has_offset && QTYPE == Q4_1) {
-      offset_d = group_halves(blocks + g, count, [](const auto& b) { return b.m; });
-    }
-    alignas(32) float scale[R][SCALE_GROUP];
-    for (int r = 0; r < R; ++r) {
-      _mm256_store_ps(scale[r], _mm256_mul_ps(d, _mm256_loadu_ps(xq.d_row(r0 + r) + g)));
-      if constexpr (has_offset) {
-        offset[r] = _mm256_fmadd_ps(offset_d, _mm256_loadu_ps(xq.sum_row(r0 + r) + g), offset[r]);
-      }
-    }
-#pragma GCC unroll 8
-    for (int j = 0; j < SCALE_GROUP; ++j) {
-      if (j == count) break;
-      const __m256i w = T::weights(blocks[g + j]);
-      for (int r = 0; r < R; ++r) {
-        const __m256i a = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(xq.q_row(r0 + r) + (g + j) * QK));
-        acc[j % CHAINS][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(T::dot(w, a)),
-                                             _mm256_set1_ps(scale[r][j]), acc[j % CHAINS][r]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    __m256 total = acc[0][r];
-    if constexpr (CHAINS == 2) total = _mm256_add_ps(total, acc[1][r]);
-    if constexpr (has_offset) {
-      total = _mm256_fmadd_ps(offset[r], _mm256_set1_ps(T::offset_factor), total);
-    }
-    out[r * n] = hsum(total);
-  }
-}
-
-// Every fp16 value as a float: one activation row's pass reads each block's scales on their own,
-// and a broadcast load from this table needs no shuffle, where converting them in registers
-// took 2-3 port-5 shuffles a block (the port-bound part of the loop on a Skylake Xeon).
+// Every fp16 value as a float: a block's scales read through this table need no shuffle, where
+// converting them in registers took 2-3 port-5 shuffles a block (the port-bound part of the loop
+// on a Skylake Xeon).
 const float* half_table() {
   static const std::vector<float> table = [] {
     std::vector<float> t(1 << 16);
@@ -309,59 +225,84 @@ const float* half_table() {
   return table.data();
 }
 
-// One activation row (a decode step's) against W consecutive weight rows: out[i] for each.
-// Each activation block is loaded once for the W rows, whose accumulators are W independent
-// chains. rows_dot's loop for one row waited on one row's short chain (18 blocks at 576 wide)
-// and its per-group scale gathers. Xeon 2.0 GHz without VNNI, one thread, Q4_1, the median of
-// 7 alternating best-of-200 runs in one process: 3072x576 235 -> 148 us and 287 -> 180 us
-// (1.6x), 576x576 1.6x, 960x576 1.6x, 576x1536 1.2x.
 // A decode step streams every weight from memory (the default model's 85 MB do not stay in
-// cache), and the hardware prefetcher alone left the one-row loop waiting on it: prefetching
-// 4 KB ahead made the whole batch-1 decode step 63 -> 55 ms (median of 9 rounds alternating
-// distances in one process; 2-8 KB alike, 0.5-1 KB less; six old/new process pairs, whose
-// spread is +-15% here, gave medians 49.7 -> 48.6 ms). At 4 rows it gained nothing.
+// cache), and the hardware prefetcher alone left the loop waiting on it: each pass prefetches
+// the bytes this far ahead (docs/decisions.md).
 constexpr int64_t PREFETCH_AHEAD = 4096;
 
-template <int64_t QTYPE, int W>
-void weight_rows_dot(const uint8_t* w, int64_t row_bytes, const QuantizedRows& xq, float* out) {
+// out[r * ldo + i] = weight row i . activation row r0 + r for a tile of W consecutive weight
+// rows and R activation rows. Each weight block is unpacked once for the R rows and each
+// activation block loaded once for the W rows. Every (weight row, activation row) pair runs the
+// same operations in the same order whatever W, R and the step's row count, so a row's result
+// is the same bits alone as in any batch (greedy decoding and speculative verification agree).
+template <int64_t QTYPE, int W, int R>
+void tile_dot(const uint8_t* w, int64_t row_bytes, const QuantizedRows& xq, int64_t r0,
+              float* out, int64_t ldo, bool prefetch) {
   using T = Block32<QTYPE>;
   constexpr bool has_offset = T::offset_factor != 0.f;
   const float* half = half_table();
-  const int8_t* aq = xq.q_row(0);
-  const float *ad = xq.d_row(0), *asum = xq.sum_row(0);
-  __m256 acc[W];
-  float offset[W];
-  for (int i = 0; i < W; ++i) {
-    acc[i] = _mm256_setzero_ps();
-    offset[i] = 0.f;
+  __m256 acc[R][W];
+  float offset[R][W];
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < W; ++i) {
+      acc[r][i] = _mm256_setzero_ps();
+      offset[r][i] = 0.f;
+    }
   }
-  // The W rows' bytes PREFETCH_AHEAD further on, a share each block (see PREFETCH_AHEAD).
+  // The W rows' bytes PREFETCH_AHEAD further on, a share each block.
   const int64_t lines_per_block = (W * row_bytes / 64 + xq.nb - 1) / xq.nb;
   for (int64_t b = 0; b < xq.nb; ++b) {
-    const uint8_t* ahead = w + PREFETCH_AHEAD + b * lines_per_block * 64;
-    for (int64_t l = 0; l < lines_per_block; ++l) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * l), _MM_HINT_T0);
+    if (prefetch) {
+      const uint8_t* ahead = w + PREFETCH_AHEAD + b * lines_per_block * 64;
+      for (int64_t l = 0; l < lines_per_block; ++l) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * l), _MM_HINT_T0);
+      }
     }
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + b * QK));
-    const __m256 da = _mm256_broadcast_ss(ad + b);
+    __m256i a[R];
+    __m256 da[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q_row(r0 + r) + b * QK));
+      da[r] = _mm256_broadcast_ss(xq.d_row(r0 + r) + b);
+    }
     for (int i = 0; i < W; ++i) {
       const auto& blk = reinterpret_cast<const typename T::Block*>(w + i * row_bytes)[b];
-      if constexpr (has_offset) offset[i] += half[T::offset_half(blk)] * asum[b];
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(T::dot(T::weights(blk), a)),
-                               _mm256_mul_ps(_mm256_broadcast_ss(half + blk.d), da), acc[i]);
+      const __m256i weights = T::weights(blk);
+      const __m256 dw = _mm256_broadcast_ss(half + blk.d);
+      for (int r = 0; r < R; ++r) {
+        if constexpr (has_offset) {
+          offset[r][i] = std::fma(half[T::offset_half(blk)], xq.sum_row(r0 + r)[b],
+                                  offset[r][i]);
+        }
+        acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(T::dot(weights, a[r])),
+                                    _mm256_mul_ps(dw, da[r]), acc[r][i]);
+      }
     }
   }
-  for (int i = 0; i < W; ++i) out[i] = hsum(acc[i]) + T::offset_factor * offset[i];
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < W; ++i) {
+      out[r * ldo + i] = std::fma(T::offset_factor, offset[r][i], hsum(acc[r][i]));
+    }
+  }
 }
 
-// rows_dot for `count` (1..R) rows.
-template <int64_t QTYPE, int R = ROW_TILE>
-void rows_dot_tile(int64_t count, const uint8_t* w_row, const QuantizedRows& xq, int64_t r0,
-                   float* out, int64_t n) {
-  if constexpr (R > 1) {
-    if (count < R) return rows_dot_tile<QTYPE, R - 1>(count, w_row, xq, r0, out, n);
+// Activation rows a tile takes: its 4 x 2 accumulators stay in AVX2's 16 registers beside the
+// blocks (Zen 3, the default model's layers at 1-8 rows: 4 x 4 and 1 x 4 spilled and ran
+// 1.5-2x slower, 2 x 4 and 2 x 2 10-30% slower).
+constexpr int ROW_TILE = 2;
+
+// tile_dot for W weight rows and every activation row, ROW_TILE at a time while the W rows'
+// blocks stay in L1; only the first pass prefetches.
+template <int64_t QTYPE, int W>
+void weight_tile_dot(const uint8_t* w, int64_t row_bytes, const QuantizedRows& xq,
+                     int64_t rows, float* out, int64_t ldo) {
+  for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+    const bool first = r0 == 0;
+    float* o = out + r0 * ldo;
+    switch (std::min<int64_t>(ROW_TILE, rows - r0)) {
+      case 1: tile_dot<QTYPE, W, 1>(w, row_bytes, xq, r0, o, ldo, first); break;
+      default: tile_dot<QTYPE, W, ROW_TILE>(w, row_bytes, xq, r0, o, ldo, first);
+    }
   }
-  rows_dot<QTYPE, R>(w_row, xq, r0, out, n);
 }
 #endif
 
@@ -370,27 +311,15 @@ template <int64_t QTYPE>
 void gemv_rows(const uint8_t* w, int64_t n, int64_t k, const QuantizedRows& xq, int64_t rows,
                float* out, int64_t ldo) {
   const int64_t row_bytes = k / QK * block_bytes(QTYPE);
-  // Each weight row is read once and used for every activation row while it is in L1.
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
 #if defined(__AVX2__)
-    if (rows == 1) {
-      constexpr int W = 4;  // 2 and 8 measured slower on the Xeon above
-      int64_t o = begin;
-      for (; o + W <= end; o += W) {
-        weight_rows_dot<QTYPE, W>(w + o * row_bytes, row_bytes, xq, out + o);
-      }
-      for (; o < end; ++o) weight_rows_dot<QTYPE, 1>(w + o * row_bytes, row_bytes, xq, out + o);
-      return;
+    constexpr int W = 4;  // weight rows a tile (2 and 8 measured slower at one row on a Xeon)
+    int64_t o = begin;
+    for (; o + W <= end; o += W) {
+      weight_tile_dot<QTYPE, W>(w + o * row_bytes, row_bytes, xq, rows, out + o, ldo);
     }
-    for (int64_t o = begin; o < end; ++o) {
-      // A row's worth of the weights PREFETCH_AHEAD on, as the one-row path streams them:
-      // the hardware prefetcher alone leaves a few-row step waiting on memory.
-      const char* ahead = reinterpret_cast<const char*>(w + o * row_bytes + PREFETCH_AHEAD);
-      for (int64_t l = 0; l < row_bytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
-      for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-        rows_dot_tile<QTYPE>(std::min<int64_t>(ROW_TILE, rows - r0), w + o * row_bytes, xq, r0,
-                             out + r0 * ldo + o, ldo);
-      }
+    for (; o < end; ++o) {
+      weight_tile_dot<QTYPE, 1>(w + o * row_bytes, row_bytes, xq, rows, out + o, ldo);
     }
 #else
     for (int64_t o = begin; o < end; ++o) {
