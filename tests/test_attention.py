@@ -31,8 +31,10 @@ def naive_attention(q, k_cache, v_cache, tables, lens, scale, window=None):
 
 @pytest.mark.parametrize("window", [None, 1, 3, 6, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("path", ["native", "torch", "triton"])
-def test_decode_attention_matches_naive(dtype, path, window, monkeypatch, request):
+@pytest.mark.parametrize("path, head_dim", [("native", 16), ("torch", 16), ("triton", 16),
+                                            # native: 3, 4 + 1 vectors a head, or not whole
+                                            ("native", 24), ("native", 40), ("native", 12)])
+def test_decode_attention_matches_naive(dtype, path, head_dim, window, monkeypatch, request):
     if path == "native" and kernels.paged_decode_attention() is None:
         pytest.skip("native kernel unavailable")
     if path == "torch":
@@ -42,7 +44,7 @@ def test_decode_attention_matches_naive(dtype, path, window, monkeypatch, reques
             request.getfixturevalue("triton_attention").paged_decode_attention)
         monkeypatch.setattr(attention, "paged_decode_attention", lambda device: triton_kernel)
     gen = torch.Generator().manual_seed(0)
-    block_size, num_blocks, num_kv_heads, heads, head_dim = 4, 64, 3, 9, 16
+    block_size, num_blocks, num_kv_heads, heads = 4, 64, 3, 9
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     lens = torch.tensor([1, 4, 5, 17, 30])
