@@ -147,9 +147,10 @@ def tiny_model(tmp_path_factory):
 
 
 def make_engine(folder, speculative: dict | None, num_blocks=256, block_size=4,
-                quantization="auto", **scheduler) -> EngineCore:
+                quantization="auto", quant_gemv_max_rows=None, **scheduler) -> EngineCore:
     return EngineCore(EngineConfig(ModelConfig(model=None if folder is None else str(folder),
-                                               dtype="float32", quantization=quantization),
+                                               dtype="float32", quantization=quantization,
+                                               quant_gemv_max_rows=quant_gemv_max_rows),
                                    CacheConfig(block_size=block_size, num_blocks=num_blocks),
                                    SchedulerConfig(**scheduler), speculative_config=speculative))
 
@@ -375,6 +376,23 @@ def test_default_model_greedy_with_speculation_equals_without(copy_prompts):
     assert [run(engine, [p], params)[0] for p in copy_prompts[:3]] == expected[:3]
     assert run(engine, copy_prompts, params) == expected
     assert engine.scheduler.num_preemptions > 0
+    drafts, draft_tokens, accepted = engine.spec_decode_counts
+    assert accepted > draft_tokens / 3, engine.spec_decode_counts
+    assert_engine_empty(engine)
+
+
+@pytest.mark.default_model
+def test_default_model_greedy_with_speculation_equals_without_on_the_quantized_path(
+        copy_prompts):
+    """The GGUF's blocks as stored, one request at a time: the integer kernels give a row the
+    same bits in a step of several rows (its proposed tokens) as alone. The crossover to the
+    float path is fixed above the rows of a verifying step, where a busy machine's tuning could
+    otherwise put it below them."""
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    plain = make_engine(None, None, block_size=16, quant_gemv_max_rows=8)
+    expected = [run(plain, [p], params)[0] for p in copy_prompts[:4]]
+    engine = make_engine(None, LOOKUP, block_size=16, quant_gemv_max_rows=8)
+    assert [run(engine, [p], params)[0] for p in copy_prompts[:4]] == expected
     drafts, draft_tokens, accepted = engine.spec_decode_counts
     assert accepted > draft_tokens / 3, engine.spec_decode_counts
     assert_engine_empty(engine)
