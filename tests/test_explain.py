@@ -102,6 +102,17 @@ def test_decode_blames_others_prefills_or_the_batch():
     assert alone["main_cause"] == "generated 20 tokens in 2.9 s: decode"
     for explained in (slowed, shared, alone):
         assert_sums_to_e2e(explained)
+    assert "proposed" not in alone["parts"][4]["detail"]
+
+
+def test_decode_says_how_many_proposed_tokens_were_accepted():
+    events = [(0.0, "queued"), (0.01, "scheduled"), (0.1, "first_token"), (1.0, "finished")]
+    speculated = explain(timeline(events, decode={
+        "steps": 8, "avg_batch": 1.0, "steps_with_prefill": 0, "with_prefill_s": 0.0,
+        "decode_only_s": 0.9, "draft_tokens": 24, "accepted_tokens": 18}))
+    assert speculated["parts"][4]["detail"].endswith(
+        "; 18 of 24 proposed tokens accepted (75%, speculative decoding)")
+    assert_sums_to_e2e(speculated)
 
 
 def test_a_request_the_engine_never_reported_is_all_queue_and_timings_are_milliseconds():

@@ -434,9 +434,35 @@ def test_metrics_count_speculative_tokens_with_vllms_names():
     from treadle.observability.metrics import ServerMetrics
 
     metrics = ServerMetrics("m", 4)
-    metrics.observe_spec_decode((2, 8, 5))
-    metrics.observe_spec_decode((3, 12, 6))
+    metrics.observe_spec_decode((2, 8, 5), (2, 2, 1, 0))
+    metrics.observe_spec_decode((3, 12, 6), (3, 2, 1, 0))
     text = metrics.render().decode()
     for name, value in (("drafts", 3), ("draft_tokens", 12), ("accepted_tokens", 6)):
         assert f'treadle:spec_decode_num_{name}_total{{model_name="m"}} {value}.0' in text
+    for position, value in enumerate((3, 2, 1)):
+        assert ('treadle:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",'
+                f'position="{position}"}} {value}.0') in text
+
+
+def test_accepted_per_position_counts_each_proposals_accepted_prefix(tiny_model):
+    """Position i counts the proposals whose first i + 1 tokens were accepted: so the counts
+    fall with the position, the first is at most the proposals and they sum to the accepted
+    tokens; the requests' own counts add up to the engine's."""
+    prompts = repetitive_prompts(2)
+    engine = make_engine(tiny_model, None)
+    expected = run(engine, prompts, GREEDY)
+    engine = with_oracle(make_engine(tiny_model, SPEC), prompts, expected)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, GREEDY)
+    finished = []  # each request's own counts, as explain reports them
+    while engine.has_unfinished_requests():
+        finished += [out.stats for out in engine.step() if out.finished]
+    drafts, draft_tokens, accepted = engine.spec_decode_counts
+    assert sum(s.draft_tokens for s in finished) == draft_tokens
+    assert sum(s.accepted_tokens for s in finished) == accepted
+    per_position = engine.spec_decode_accepted_per_position
+    assert len(per_position) == SPEC["num_speculative_tokens"]
+    assert sum(per_position) == accepted > 0
+    assert drafts >= per_position[0] and list(per_position) == sorted(per_position, reverse=True)
+    assert per_position[-1] > 0  # the oracle's every other proposal is right to its end
 

@@ -88,6 +88,14 @@ class EngineCore:
         return (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens)
 
     @property
+    def spec_decode_accepted_per_position(self) -> tuple[int, ...]:
+        """Position i: the proposals whose first i + 1 tokens were accepted, since the engine
+        started; () without speculation."""
+        if self.speculator is None:
+            return ()
+        return tuple(self.speculator.counts.accepted_per_position)
+
+    @property
     def max_model_len(self) -> int:
         return self.executor.facts.max_model_len
 

@@ -108,7 +108,7 @@ def serve_engine(core: EngineCore, requests: Connection, outputs: Connection,
             load = EngineLoad(scheduler.num_running, scheduler.num_waiting, kv.block_pool.usage,
                               core.has_unfinished_requests(), kv.prefix_cache_queries,
                               kv.prefix_cache_hits, scheduler.num_preemptions,
-                              core.spec_decode_counts)
+                              core.spec_decode_counts, core.spec_decode_accepted_per_position)
             census = None
             if now - last_census >= CENSUS_SECONDS:
                 census, last_census = take_census(core), now

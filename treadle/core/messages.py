@@ -115,6 +115,8 @@ class EngineLoad:
     num_preemptions: int
     # Speculative decoding: (proposals, proposed tokens, accepted tokens) checked.
     spec_decode: tuple[int, int, int] = (0, 0, 0)
+    # Position i: proposals whose first i + 1 tokens were accepted.
+    spec_decode_accepted_per_position: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,6 +71,9 @@ class RequestStats:
     decode_mixed_steps: int = 0
     decode_mixed_s: float = 0.0
     decode_only_s: float = 0.0
+    # Speculative decoding: tokens proposed for this request and checked, and of those accepted.
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     def preempted(self, now: float, num_computed_tokens: int, in_prefill: bool) -> None:
         if not self.recompute_until:  # a second preemption before recovering extends the first

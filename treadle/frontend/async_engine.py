@@ -484,7 +484,7 @@ class AsyncEngine:
             load.num_running, load.num_waiting, load.kv_cache_usage,
             (load.prefix_cache_queries, load.prefix_cache_hits, load.num_preemptions),
             None if step is None else step.num_prefill_tokens + step.num_decode_tokens)
-        self.metrics.observe_spec_decode(load.spec_decode)
+        self.metrics.observe_spec_decode(load.spec_decode, load.spec_decode_accepted_per_position)
         self.live.record_engine(load, step, message.census, self.load_state.last_message)
         state = self.load_state
         if step is not None or not load.has_work:  # a step ran, or no work

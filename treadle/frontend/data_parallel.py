@@ -30,6 +30,7 @@ restarts it as it restarts a dead engine process.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import queue
@@ -408,7 +409,10 @@ class ReplicaGroup:
                           counts[1] + sum(x.prefix_cache_hits for x in loads),
                           counts[2] + sum(x.num_preemptions for x in loads),
                           # The live replicas' (a restarted one counts from 0 again).
-                          tuple(sum(x.spec_decode[k] for x in loads) for k in range(3)))
+                          tuple(sum(x.spec_decode[k] for x in loads) for k in range(3)),
+                          tuple(map(sum, itertools.zip_longest(
+                              *(x.spec_decode_accepted_per_position for x in loads),
+                              fillvalue=0))))
 
     def _merged_census(self) -> EngineCensus:
         waiting: Counter = Counter()

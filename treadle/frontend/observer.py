@@ -200,7 +200,9 @@ def stats_fields(stats: RequestStats | None, arrival: float, num_preemptions: in
                    "avg_batch": round(stats.decode_batch_sum / steps, 3) if steps else 0.0,
                    "steps_with_prefill": stats.decode_mixed_steps,
                    "with_prefill_s": round(stats.decode_mixed_s, 6),
-                   "decode_only_s": round(stats.decode_only_s, 6)}}
+                   "decode_only_s": round(stats.decode_only_s, 6),
+                   "draft_tokens": stats.draft_tokens,
+                   "accepted_tokens": stats.accepted_tokens}}
 
 
 def exemplar(request_id: str) -> dict[str, str]:

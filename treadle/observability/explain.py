@@ -116,10 +116,21 @@ def part_details(timeline: dict, seconds: dict[str, float]) -> dict[str, str]:
                   f"{decode.get('avg_batch', 0.0):.1f}; {decode.get('steps_with_prefill', 0)} "
                   f"steps carried others' prefill tokens"
                   + ("" if inflation is None else f", costing {span(inflation)} more than "
-                                                  f"decode-only steps"),
+                                                  f"decode-only steps")
+                  + speculation(decode),
         "stream": f"detokenize and write the response {span(seconds['stream'])} after the "
                   f"engine's last token",
     }
+
+
+def speculation(decode: dict) -> str:
+    """The decode line's speculative-decoding clause: nothing where none was proposed."""
+    proposed = decode.get("draft_tokens", 0)
+    if not proposed:
+        return ""
+    accepted = decode.get("accepted_tokens", 0)
+    return (f"; {accepted} of {proposed} proposed tokens accepted "
+            f"({accepted / proposed:.0%}, speculative decoding)")
 
 
 def main_cause(timeline: dict, seconds: dict[str, float]) -> str:

@@ -104,8 +104,13 @@ class ServerMetrics:
                                     "Speculative tokens proposed and checked."),
                             counter("spec_decode_num_accepted_tokens",
                                     "Speculative tokens accepted."))
+        self.spec_decode_per_position = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative proposals whose token at this position (0: the first) was accepted.",
+            ("position",))
         self._cache_counts = (0, 0, 0)  # last cumulative (queries, hits, preemptions) seen
         self._spec_decode_counts = (0, 0, 0)
+        self._spec_decode_per_position: tuple[int, ...] = ()
 
     def labels(self, metric, **extra):
         return metric.labels(model_name=self.model_name, **extra)
@@ -136,15 +141,24 @@ class ServerMetrics:
         if iteration_tokens is not None:
             self.labels(self.iteration_tokens).observe(iteration_tokens)
 
-    def observe_spec_decode(self, cumulative: tuple[int, int, int]) -> None:
-        """The engine's cumulative speculative (proposals, proposed tokens, accepted tokens)."""
-        if cumulative == self._spec_decode_counts:
-            return
-        for metric, now, before in zip(self.spec_decode, cumulative, self._spec_decode_counts,
-                                       strict=True):
-            if now > before:
-                self.labels(metric).inc(now - before)
-        self._spec_decode_counts = cumulative
+    def observe_spec_decode(self, cumulative: tuple[int, int, int],
+                            per_position: tuple[int, ...] = ()) -> None:
+        """The engine's cumulative speculative (proposals, proposed tokens, accepted tokens),
+        and per position the proposals accepted up to it; a fresh engine counts from 0."""
+        if cumulative != self._spec_decode_counts:
+            for metric, now, before in zip(self.spec_decode, cumulative,
+                                           self._spec_decode_counts, strict=True):
+                if now > before:
+                    self.labels(metric).inc(now - before)
+            self._spec_decode_counts = cumulative
+        if per_position != self._spec_decode_per_position:
+            before = self._spec_decode_per_position
+            for position, now in enumerate(per_position):
+                earlier = before[position] if position < len(before) else 0
+                if now > earlier:
+                    self.labels(self.spec_decode_per_position,
+                                position=str(position)).inc(now - earlier)
+            self._spec_decode_per_position = per_position
 
     def observe_replica(self, replica: str, up: bool, running: int, waiting: int,
                         kv_usage: float) -> None:

@@ -17,7 +17,7 @@ The rule (torch-free, so the step loop's other users could run it):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from treadle.config import SpeculativeConfig
 from treadle.core.request import Request
@@ -32,6 +32,8 @@ class SpecDecodeCounts:
     num_drafts: int = 0  # requests' verified proposals
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Position i: the proposals whose first i + 1 tokens were accepted.
+    accepted_per_position: list[int] = field(default_factory=list)
 
 
 def speculates(params: SamplingParams) -> bool:
@@ -45,7 +47,8 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
         self.config = config
         self.proposer = proposer or make_proposer(config)
-        self.counts = SpecDecodeCounts()
+        self.counts = SpecDecodeCounts(
+            accepted_per_position=[0] * config.num_speculative_tokens)
         self.proposing: list[Request] = []  # the requests given drafts last step
 
     def propose(self, running: Sequence[Request]) -> None:
@@ -77,6 +80,10 @@ class Speculator:
         counts.num_drafts += 1
         counts.num_draft_tokens += num_drafts
         counts.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            counts.accepted_per_position[position] += 1
+        request.stats.draft_tokens += num_drafts
+        request.stats.accepted_tokens += num_accepted
         longest = self.config.num_speculative_tokens
         if num_accepted == num_drafts:
             request.draft_length = min(longest, (request.draft_length or longest) + 1)
