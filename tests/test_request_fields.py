@@ -153,6 +153,7 @@ SHARED = {
     "include_stop_str_in_output": [Case(True)],
     "ignore_eos": [Case(False)],
     "skip_special_tokens": [Case(False)],
+    "speculate": [Case(False), refused("no")],
     "prompt_logprobs": [Case(1, prompt_logprobs)],
     "stream": [Case(True, event_stream)],
     "stream_options": [Case({"include_usage": True}, last_chunk_usage, also={"stream": True}),

@@ -291,8 +291,10 @@ def test_speculation_is_off_for_large_batches_and_excluded_requests(tiny_model):
     penalized = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
                                repetition_penalty=1.2)
     seeded = SamplingParams(max_tokens=24, temperature=0.8, seed=1, ignore_eos=True)
+    opted_out = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, speculate=False)
     run(engine, prompts, penalized)
     run(engine, prompts, seeded)
+    run(engine, prompts, opted_out)
     assert engine.spec_decode_counts == (0, 0, 0)
     everyone = make_engine(tiny_model, SPEC)
     run(everyone, prompts, GREEDY)

@@ -76,6 +76,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output's text
+    speculate: bool = True  # False: no proposed tokens for this request (speculative decoding)
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, 1, MAX_N, f"in [1, {MAX_N}]")
@@ -110,7 +111,8 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidField("stop_token_ids", f"stop_token_ids must be at most "
                                f"{MAX_STOP_TOKEN_IDS} token ids, got {len(self.stop_token_ids)}")
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "speculate"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidField(name, f"{name} must be a bool, got "
                                    f"{_short(getattr(self, name))}")

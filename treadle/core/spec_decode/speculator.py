@@ -4,7 +4,9 @@ The rule (torch-free, so the step loop's other users could run it):
 - A step with more running requests than `disable_by_batch_size` proposes nothing: its model
   pass already has that many rows, and on a CPU each extra row starts to cost compute rather
   than ride on the one read of the weights that a step of a few rows is bound by.
-- A request speculates only while decoding, and only where the output distribution stays
+- A request speculates only while decoding, unless it opted out (`speculate: false`: a client
+  that measures plain decoding, or one whose output will not repeat), and only where the
+  output distribution stays
   exactly the target's at no extra machinery: no grammar (its matcher would have to accept
   each proposed token first), no penalties (they depend on the tokens before each position),
   no seed (a seeded request repeats its own draws, which verification would consume
@@ -38,7 +40,7 @@ class SpecDecodeCounts:
 
 def speculates(params: SamplingParams) -> bool:
     """Whether a request with these parameters may speculate (the module's rule)."""
-    return (params.structured_outputs is None and params.seed is None
+    return (params.speculate and params.structured_outputs is None and params.seed is None
             and params.presence_penalty == 0 and params.frequency_penalty == 0
             and params.repetition_penalty == 1)
 

@@ -127,6 +127,7 @@ class SamplingRequest(APIRequest):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     ignore_eos: bool | None = None
+    speculate: bool | None = None  # Treadle's: false opts out of speculative decoding
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None
@@ -187,7 +188,7 @@ class SamplingRequest(APIRequest):
         names = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "seed", "min_tokens", "stop",
                  "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "logit_bias",
-                 "skip_special_tokens", "prompt_logprobs")
+                 "skip_special_tokens", "prompt_logprobs", "speculate")
         return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
 
