@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 
 from treadle.bench.roofline import DecodeCost
 from treadle.cli import main
-from treadle.config import CacheConfig, ModelConfig
+from treadle.config import CacheConfig, EngineConfig, ModelConfig
+from treadle.core.engine_core import EngineCore
 from treadle.core.sampling_params import SamplingParams
 from treadle.llm import LLM
 from treadle.model.batch import ModelInput, ScheduledSequence
@@ -236,3 +237,41 @@ def test_the_plan_counts_all_parameters_and_those_a_token_runs():
     report = json.loads(out.getvalue())
     assert (report["parameters"], report["active_parameters"]) == (total, active)
     assert "active per token" in format_plan(report)
+
+
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
+def test_a_step_counts_the_experts_it_read_as_transformers_routes(arch, tmp_path):
+    """Each (layer, expert) pair a pass ran counts once however many of its tokens chose it:
+    the distinct top-k experts of the router logits transformers returns, over the step's
+    tokens; a few tokens, so that some steps leave experts unread."""
+    model = build_tiny_model(arch, tmp_path)
+    runner = make_runner(tmp_path, block_size=4, num_blocks=64)
+    gen = torch.Generator().manual_seed(4)
+    top_k = model.config.num_experts_per_tok
+    counts = []
+    for n in (1, 2, 3, 5):
+        ids = torch.randint(3, 256, (n,), generator=gen).tolist()
+        with torch.no_grad():
+            routers = model(torch.tensor([ids]), output_router_logits=True).router_logits
+        expected = sum(len(set(logits.topk(top_k, dim=-1).indices.flatten().tolist()))
+                       for logits in routers if logits is not None)
+        output = runner.run(ModelInput([ScheduledSequence(ids, 0, list(range(2)))]))
+        assert output.experts_read == expected, n
+        counts.append(expected)
+    assert counts[0] == len(sparse_layers_of(runner.model)) * top_k
+    assert len(set(counts)) > 1  # the count follows the tokens' routing
+
+
+def test_the_step_trace_shows_the_experts_each_step_read(tmp_path):
+    build_tiny_model("qwen3-moe", tmp_path)
+    core = EngineCore(EngineConfig(ModelConfig(model=str(tmp_path), dtype="float32"),
+                                   CacheConfig(block_size=4, num_blocks=64)))
+    core.add_request("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
+    steps = []
+    while core.has_unfinished_requests():
+        core.step()
+        steps.append(core.last_step_stats)
+    layers = len(sparse_layers_of(core.executor.runner.model))
+    assert [s.num_experts_read for s in steps[1:]] == [layers * 2] * (len(steps) - 1)
+    assert layers * 2 <= steps[0].num_experts_read <= layers * 4
+    assert steps[-1].trace_event()["args"]["experts_read"] == layers * 2

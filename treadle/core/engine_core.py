@@ -214,6 +214,7 @@ class EngineCore:
             started = time.perf_counter()
             output = self.executor.execute_model(ModelInput(sequences))
             self.loop.model_seconds = time.perf_counter() - started
+            self.loop.experts_read = output.experts_read
         except Exception:  # model_seconds stays 0: not split out when retried one by one
             logger.exception("model step of %d requests failed; retrying each alone",
                              len(sequences))

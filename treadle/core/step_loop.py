@@ -56,6 +56,7 @@ class StepStats:
     # engine's own work (scheduling, sampling, updating requests)
     num_draft_tokens: int = 0  # proposed tokens checked (speculative decoding)
     num_accepted_tokens: int = 0  # of those, accepted
+    num_experts_read: int = 0  # a mixture of experts' (layer, expert) pairs the pass ran
 
     def record(self) -> StepRecord:
         """This step as the frontend receives it."""
@@ -74,6 +75,8 @@ class StepStats:
         if self.num_draft_tokens:
             args.update(draft_tokens=self.num_draft_tokens,
                         accepted_tokens=self.num_accepted_tokens)
+        if self.num_experts_read:
+            args.update(experts_read=self.num_experts_read)
         return {"name": "step", "ph": "X", "pid": 0, "tid": 0, "ts": self.start * 1e6,
                 "dur": self.duration * 1e6, "args": args}
 
@@ -90,6 +93,7 @@ class StepLoop:
         self.model_seconds = 0.0  # of the last step's model pass, as the runner measured it
         self.num_accepted_tokens = 0  # proposed tokens the last step accepted, as the runner
         # counted them
+        self.experts_read = 0  # experts the last step's model pass ran, as the runner counted
 
     def step(self, run_batch: BatchRunner,
              before_schedule: Callable[[], list[EngineCoreOutput]] | None = None,
@@ -118,6 +122,7 @@ class StepLoop:
         decode_tokens = sum(decodes)
         self.model_seconds = 0.0
         self.num_accepted_tokens = 0
+        self.experts_read = 0
         produced = run_batch(batch)
         end = clock.monotonic()
         duration = end - started
@@ -130,7 +135,7 @@ class StepLoop:
             start, duration, len(batch.scheduled), prefill_tokens, decode_tokens,
             sum(len(o.new_token_ids) for o in produced), len(batch.preempted),
             self.kv_cache_manager.block_pool.usage, now, self.model_seconds, draft_tokens,
-            self.num_accepted_tokens)
+            self.num_accepted_tokens, self.experts_read)
         return outputs + produced
 
     def _expired(self, request: Request) -> EngineCoreOutput:

@@ -39,14 +39,17 @@ class ModelOutput:
     """Float32 `logits` [rows, vocab]: for each generating sequence in order, one row for its last
     token, or one per token with all_logits. `hidden_states` [rows, hidden] (None when no
     sequence asked): for each pooling sequence in order, its num_hidden_rows, after the final norm
-    (transformers' last_hidden_state)."""
+    (transformers' last_hidden_state). `experts_read`: each expert of each layer counted once
+    however many of the step's tokens chose it (0 without experts)."""
 
     logits: torch.Tensor
     hidden_states: torch.Tensor | None = None
+    experts_read: int = 0  # a mixture of experts' (layer, expert) pairs the pass ran
 
 
 def cat_outputs(outputs: list[ModelOutput]) -> ModelOutput:
     """The outputs of sequences run one by one, as if run in one batch."""
     hidden = [o.hidden_states for o in outputs if o.hidden_states is not None]
     return ModelOutput(torch.cat([o.logits for o in outputs]),
-                       torch.cat(hidden) if hidden else None)
+                       torch.cat(hidden) if hidden else None,
+                       sum(o.experts_read for o in outputs))

@@ -22,10 +22,12 @@ class SparseMoE:
         self.experts = experts  # (gate/up fused, down) per expert
         self.top_k = top_k
         self.normalize_top_k = normalize_top_k  # renormalize the k chosen probabilities to 1
+        self.experts_run = 0  # experts run since the count was last taken (each read once)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)
         if x.shape[0] == 1:  # one token (a lone decode): its experts in turn, nothing to group
+            self.experts_run += self.top_k
             out = torch.zeros_like(x)
             for expert, weight in zip(chosen[0].tolist(), weights[0].tolist(), strict=True):
                 gate_up, down = self.experts[expert]
@@ -34,6 +36,7 @@ class SparseMoE:
         flat = chosen.flatten()
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        self.experts_run += sum(1 for count in counts if count)
         slot_weights = weights.flatten().to(x.dtype)
         out = torch.zeros_like(x)
         start = 0

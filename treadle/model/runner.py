@@ -160,7 +160,15 @@ class ModelRunner:
                   else torch.empty(0, self.spec.vocab_size, device=self.device))
         pooled = (None if hidden_indices is None
                   else model.final_hidden(hidden[hidden_indices]).float())
-        return ModelOutput(logits, pooled)
+        return ModelOutput(logits, pooled, self.take_experts_read())
+
+    def take_experts_read(self) -> int:
+        """The experts the layers ran since the last call (the count starts again)."""
+        total = 0
+        for moe in self.model.expert_layers():
+            total += moe.experts_run
+            moe.experts_run = 0
+        return total
 
     def prepare(self, model_input: ModelInput) -> tuple[
             torch.Tensor, torch.Tensor, dict[int | None, AttentionMetadata], torch.Tensor | None,
