@@ -181,6 +181,24 @@ def test_deadline_admission_refuses_an_unreachable_tpot_as_the_engine_does():
     assert [t.finish_reason for t in fcfs.timelines] == ["length"] * 62
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_the_default_kv_cache_holds_the_blocks_the_engines_memory_model_counts(kv_cache_dtype,
+                                                                             block_size):
+    """The sim sizes a replica's cache in bytes for the default model as the engine does
+    (model/memory.py, bfloat16 or int8 with its scales): an int8 cache holds 1.88x the
+    blocks."""
+    from treadle.model.loader import read_spec
+    from treadle.model.memory import kv_bytes_per_token
+    from treadle.model.source import resolve_model
+
+    per_token = kv_bytes_per_token(read_spec(resolve_model(None).folder), 2, kv_cache_dtype)
+    settings = SimSettings(kv_cache_memory=2.0, kv_cache_dtype=kv_cache_dtype,
+                           block_size=block_size)
+    assert settings.engine.cache.num_blocks == (2 << 30) // (block_size * per_token)
+    assert settings.engine.cache.kv_cache_dtype == kv_cache_dtype
+
+
 def test_replicas_split_the_load():
     requests = workload(400, rate=200.0)
     one = summarize(simulate(requests, SimSettings(num_blocks=800), PROFILE))

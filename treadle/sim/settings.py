@@ -8,6 +8,7 @@ from typing import Any
 
 from treadle.config import (
     ROUTER_NAMES,
+    CacheConfig,
     EngineConfig,
     SchedulerConfig,
     build_config,
@@ -17,8 +18,10 @@ from treadle.config import (
     setting_fields,
 )
 
-# SmolLM2-135M's KV bytes per block of 16 tokens: layers x (K, V) x 16 x kv heads x dim x bf16.
-DEFAULT_BYTES_PER_BLOCK = 30 * 2 * 16 * 3 * 64 * 2
+# SmolLM2-135M's KV bytes per token slot: layers x (K, V) x KV heads x one head's vector, in
+# bfloat16 or, for an int8 cache, a byte an element plus a float32 scale (model/memory.py's
+# kv_bytes_per_token, which needs torch).
+DEFAULT_KV_BYTES_PER_TOKEN = {"auto": 30 * 2 * 3 * 64 * 2, "int8": 30 * 2 * 3 * (64 + 4)}
 # The engine's max_model_len None reads the model's own; the sim's model is the profile's, by
 # default SmolLM2-135M, whose context this is.
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -32,7 +35,8 @@ class SimOptions:
     kv_cache_memory: float = setting(1.0, "GiB of KV cache per replica, when --num-blocks is "
                                      "not given")
     bytes_per_block: int | None = setting(None, "KV bytes of one block",
-                                          none="the default model's, bfloat16")
+                                          none="the default model's, bfloat16 or int8 as "
+                                          "--kv-cache-dtype says")
     replicas: int = setting(1, "engine replicas, each with its own KV cache")
     # Not the server's prefix: an even split, whatever the prompts.
     router: str = setting("round-robin", "how a request's replica is picked",
@@ -56,7 +60,7 @@ def engine_setting_fields() -> dict[str, Field]:
     executor's have nothing to act on here)."""
     everything = setting_fields(EngineConfig)
     names = [*setting_fields(SchedulerConfig), "policy", *policy_setting_fields(), "block_size",
-             "num_blocks", "enable_prefix_caching", "max_model_len"]
+             "num_blocks", "enable_prefix_caching", "max_model_len", "kv_cache_dtype"]
     return {name: everything[name] for name in names}
 
 
@@ -77,8 +81,13 @@ class SimSettings:
                                      for name, value in own.items()})
         engine = {name: value for name, value in settings.items() if name not in own}
         if engine.get("num_blocks") is None:
-            engine["num_blocks"] = max(1, int(self.options.kv_cache_memory * (1 << 30)) //
-                                       (self.options.bytes_per_block or DEFAULT_BYTES_PER_BLOCK))
+            block_size = engine.get("block_size") or CacheConfig().block_size
+            # An unknown dtype is refused by build_config below, naming the setting.
+            per_token = DEFAULT_KV_BYTES_PER_TOKEN.get(engine.get("kv_cache_dtype", "auto"),
+                                                       DEFAULT_KV_BYTES_PER_TOKEN["auto"])
+            per_block = self.options.bytes_per_block or block_size * per_token
+            engine["num_blocks"] = max(1, int(self.options.kv_cache_memory * (1 << 30))
+                                       // per_block)
         if engine.get("max_model_len") is None:
             engine["max_model_len"] = DEFAULT_MAX_MODEL_LEN
         self.engine: EngineConfig = build_config(EngineConfig, engine)
