@@ -24,6 +24,7 @@ from treadle.bench.roofline import DecodeCost
 from treadle.cli import main
 from treadle.config import CacheConfig, EngineConfig, ModelConfig
 from treadle.core.engine_core import EngineCore
+from treadle.core.engine_process import ready_message
 from treadle.core.sampling_params import SamplingParams
 from treadle.llm import LLM
 from treadle.model.batch import ModelInput, ScheduledSequence
@@ -263,9 +264,15 @@ def test_a_step_counts_the_experts_it_read_as_transformers_routes(arch, tmp_path
 
 
 def test_the_step_trace_shows_the_experts_each_step_read(tmp_path):
-    build_tiny_model("qwen3-moe", tmp_path)
+    """And the ready message (/v1/models' memory block) counts the parameters held, as
+    transformers does, and those a token runs: 2 of 4 experts in two of three layers."""
+    model = build_tiny_model("qwen3-moe", tmp_path)
     core = EngineCore(EngineConfig(ModelConfig(model=str(tmp_path), dtype="float32"),
                                    CacheConfig(block_size=4, num_blocks=64)))
+    memory = ready_message(core).memory
+    held = sum(p.numel() for p in model.parameters())
+    expert = sum(p.numel() for p in model.model.layers[0].mlp.experts.parameters()) // 4
+    assert (memory["parameters"], memory["active_parameters"]) == (held, held - 2 * 2 * expert)
     core.add_request("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
     steps = []
     while core.has_unfinished_requests():

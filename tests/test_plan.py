@@ -152,6 +152,8 @@ def test_plan_equals_what_a_real_engine_reports_at_ready(tiny_folder):
     parameters = sum(t.numel() for t in load_model(str(tiny_folder), torch.float32)
                      .weights.values())
     assert report["weights_bytes"] == parameters * 4
+    assert memory["parameters"] == memory["active_parameters"] == report["parameters"] \
+        == parameters
     assert report["fits"] and report["max_concurrency_that_fits"] > 8
 
 

@@ -55,7 +55,10 @@ class EngineCore:
         self.pooling = config.model.pooling  # how embedding requests pool: last or mean
         self.executor: Executor = build_executor(config)
         facts = self.executor.facts
-        logger.info("weights %s; %s", gib(facts.weights_bytes), facts.kv_cache.describe())
+        active = (f", {facts.active_parameters / 1e9:.2f} B active per token"
+                  if facts.active_parameters != facts.num_parameters else "")
+        logger.info("weights %s (%.2f B parameters%s); %s", gib(facts.weights_bytes),
+                    facts.num_parameters / 1e9, active, facts.kv_cache.describe())
         self.kv_cache_manager = KVCacheManager(facts.num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, scheduling_policy,

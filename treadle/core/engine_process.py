@@ -76,7 +76,9 @@ def ready_message(core: EngineCore) -> EngineReady:
     facts = core.executor.facts
     return EngineReady(facts.max_model_len, facts.num_blocks, facts.vocab_size,
                        core.executor.platform_info(),
-                       {"weights_bytes": facts.weights_bytes, "kv_cache": facts.kv_cache.as_dict()})
+                       {"weights_bytes": facts.weights_bytes, "parameters": facts.num_parameters,
+                        "active_parameters": facts.active_parameters,
+                        "kv_cache": facts.kv_cache.as_dict()})
 
 
 def serve_engine(core: EngineCore, requests: Connection, outputs: Connection,

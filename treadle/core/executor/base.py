@@ -28,6 +28,8 @@ class ModelFacts:
     eos_token_ids: frozenset[int]
     kv_cache: KVCacheSize  # what the cache holds, for the startup log and EngineReady
     weights_bytes: int  # as held in memory (quantized blocks, dense copies)
+    num_parameters: int = 0
+    active_parameters: int = 0  # those one token runs through (a mixture of experts: fewer)
 
 
 class Executor(ABC):

@@ -29,7 +29,8 @@ class InProcessExecutor(Executor):
         self.runner = ModelRunner(loaded, model, config.cache, config.scheduler)
         self.facts = ModelFacts(self.runner.max_model_len, self.runner.num_blocks,
                                 loaded.spec.vocab_size, frozenset(loaded.spec.eos_token_ids),
-                                self.runner.kv_size, self.runner.model.resident_bytes())
+                                self.runner.kv_size, self.runner.model.resident_bytes(),
+                                loaded.spec.num_parameters(), loaded.spec.active_parameters())
 
     def execute_model(self, model_input: ModelInput) -> ModelOutput:
         output = self.runner.run(model_input)

@@ -85,7 +85,8 @@ class TensorParallelExecutor(Executor):
             raise
         self.facts = ModelFacts(self.runner.max_model_len, self.runner.num_blocks,
                                 spec.vocab_size, frozenset(spec.eos_token_ids),
-                                self.runner.kv_size, self.runner.model.resident_bytes())
+                                self.runner.kv_size, self.runner.model.resident_bytes(),
+                                spec.num_parameters(), spec.active_parameters())
 
     def execute_model(self, model_input: ModelInput) -> ModelOutput:
         message = pickle.dumps(model_input, protocol=pickle.HIGHEST_PROTOCOL)
