@@ -199,6 +199,31 @@ def test_the_default_kv_cache_holds_the_blocks_the_engines_memory_model_counts(k
     assert settings.engine.cache.kv_cache_dtype == kv_cache_dtype
 
 
+def test_speculation_runs_the_engines_rule_at_the_acceptance_rate_given():
+    """Two requests decode alone (the engine's speculator proposes for them, up to 4 tokens,
+    its draft length adapting): every proposal accepted, a decode step yields up to 5 tokens;
+    none accepted, one token a step as without speculation, each step paying for one proposed
+    token (after a rejection the draft is the accepted count plus one); in between, as many
+    accepted per proposal as the chance gives. Outputs are whole either way."""
+    requests = [SimRequest(0.0, unique_prompt(i, 40), 300) for i in range(2)]
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+
+    def run(**settings) -> tuple[int, list[int]]:
+        result = simulate(requests, SimSettings(**settings), PROFILE)
+        assert [t.num_output_tokens for t in result.timelines] == [300, 300]
+        return len(result.steps[0]), result
+
+    plain_steps, _ = run()
+    full_steps, _ = run(speculative_config=spec, spec_acceptance=1.0)
+    none_steps, none = run(speculative_config=spec, spec_acceptance=0.0)
+    assert none_steps == plain_steps and full_steps < plain_steps / 4
+    assert sum(s.duration for s in none.steps[0]) > 1.01 * sum(
+        s.duration for s in simulate(requests, SimSettings(), PROFILE).steps[0])
+    half_steps, _ = run(speculative_config=spec, spec_acceptance=0.5)
+    # Drafts of 1-4 tokens: accepted per proposal between 0.5 (one token) and 0.94 (four).
+    assert plain_steps / 1.94 < half_steps < plain_steps / 1.5
+
+
 def test_replicas_split_the_load():
     requests = workload(400, rate=200.0)
     one = summarize(simulate(requests, SimSettings(num_blocks=800), PROFILE))

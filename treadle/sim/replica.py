@@ -3,11 +3,15 @@ the step-time model, stats) on a virtual clock, with the profile as its batch ru
 
 The runner advances the clock by the profile's predicted step time and hands every request that
 completes its chunk a token (never EOS: outputs run to their length). `add` refuses what the
-engine process would (the policy's admission hook, through the scheduler's `refusal`).
+engine process would (the policy's admission hook, through the scheduler's `refusal`). With a
+speculative config, the engine's own `Speculator` picks who proposes how many tokens each step
+(a proposer that always has them), the step runs them as the engine schedules them, and each
+proposed token is accepted with the `spec_acceptance` chance until the first rejection.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 from treadle.core.kv_cache import KVCacheManager
@@ -16,12 +20,21 @@ from treadle.core.request import Request
 from treadle.core.sampling_params import SamplingParams
 from treadle.core.sched.policy import make_policy
 from treadle.core.sched.scheduler import Scheduler, SchedulerOutput
+from treadle.core.spec_decode.speculator import Speculator
 from treadle.core.step_loop import StepLoop
 from treadle.sim.profile import StepProfile, shared_decode_context
 from treadle.sim.settings import SimSettings
 from treadle.sim.workload import SimRequest
 
 SAMPLED_TOKEN = 7  # the token every simulated step samples; no EOS is configured
+
+
+class AlwaysProposes:
+    """A proposer with a guess whenever asked: how many of its tokens are right is drawn when
+    they are checked."""
+
+    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        return [SAMPLED_TOKEN] * max_tokens
 
 
 class PolicyRefused(ValueError):
@@ -94,6 +107,10 @@ class SimReplica:
         # Each step's batch as (request id, tokens computed before, new tokens), for tests.
         self.batches: list[list[tuple[str, int, int]]] | None = [] if record_batches else None
         self.outstanding_tokens = 0  # prompt + output tokens of unfinished requests
+        self.speculator = (None if engine.speculative_config is None
+                           else Speculator(engine.speculative_config, AlwaysProposes()))
+        self.spec_acceptance = settings.options.spec_acceptance
+        self.rng = random.Random(index)  # which proposed tokens are accepted
 
     @property
     def now(self) -> float:
@@ -127,7 +144,8 @@ class SimReplica:
     def step(self) -> list[Timeline]:
         """One engine step at `now`; returns the timelines of the requests that ended."""
         ended, last = [], self.loop.last_step_stats
-        outputs = self.loop.step(self._run_batch)
+        outputs = self.loop.step(self._run_batch, None if self.speculator is None
+                                 else self._propose)
         stats = self.loop.last_step_stats
         if stats is not last:  # a batch ran
             self.steps.append(StepRecord(stats.start, stats.duration, stats.num_prefill_tokens,
@@ -145,9 +163,25 @@ class SimReplica:
                 ended.append(self._end(self.requests.pop(output.request_id)))
         return ended
 
+    def _propose(self) -> list[EngineCoreOutput]:
+        assert self.speculator is not None
+        self.speculator.propose(self.scheduler.running)
+        return []
+
+    def _accepted(self, proposed: int) -> int:
+        """Proposed tokens accepted: each with the spec_acceptance chance, up to the first
+        rejection."""
+        accepted = 0
+        while accepted < proposed and self.rng.random() < self.spec_acceptance:
+            accepted += 1
+        return accepted
+
     def _run_batch(self, batch: SchedulerOutput) -> list[EngineCoreOutput]:
         """The model's pass as the profile predicts it: the clock moves to its end."""
-        chunks = [(s.num_computed_tokens, s.num_new_tokens) for s in batch.scheduled]
+        # A speculating request's tokens are decode rows of their own, as the runner runs them.
+        chunks = [chunk for s in batch.scheduled for chunk in (
+            [(s.num_computed_tokens + i, 1) for i in range(s.num_new_tokens)]
+            if s.spec_token_ids else [(s.num_computed_tokens, s.num_new_tokens)])]
         shared = 0 if not self.kv.block_pool.num_shared_blocks else shared_decode_context(
             ((s.num_computed_tokens, s.block_ids) for s in batch.scheduled
              if s.num_new_tokens == 1), self.kv.block_size)
@@ -157,9 +191,20 @@ class SimReplica:
                                  for s in batch.scheduled])
         sampled = {s.request.request_id: SAMPLED_TOKEN for s in batch.scheduled
                    if s.produces_token}
-        finished = {r.request_id for r in self.scheduler.update_from_output(batch, sampled)}
-        return ([EngineCoreOutput(request_id, [token], request_id in finished)
-                 for request_id, token in sampled.items()] +
+        accepted = {}
+        for s in batch.scheduled:
+            if s.spec_token_ids:
+                count = self._accepted(len(s.spec_token_ids))
+                accepted[s.request.request_id] = list(s.spec_token_ids[:count])
+                self.speculator.verified(s.request, len(s.spec_token_ids), count)
+                self.loop.num_accepted_tokens += count
+        before = {rid: self.requests[rid].num_output_tokens for rid in sampled}
+        finished = {r.request_id for r in self.scheduler.update_from_output(batch, sampled,
+                                                                            accepted)}
+        # Every token the step appended (accepted ones before the sampled one).
+        return ([EngineCoreOutput(request_id, [SAMPLED_TOKEN] * (
+                    self.requests[request_id].num_output_tokens - before[request_id]),
+                    request_id in finished) for request_id in sampled] +
                 [EngineCoreOutput(request_id, [], True) for request_id in finished
                  if request_id not in sampled])
 

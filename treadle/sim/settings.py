@@ -30,13 +30,16 @@ DEFAULT_MAX_MODEL_LEN = 8192
 @dataclass(frozen=True)
 class SimOptions:
     """What the sim settles itself: the KV cache's size when num_blocks is not given (the engine
-    sizes it from free memory, which the sim has none of), and the replicas and their router."""
+    sizes it from free memory, which the sim has none of), how often proposed tokens are
+    accepted (the engine learns it from the model), and the replicas and their router."""
 
     kv_cache_memory: float = setting(1.0, "GiB of KV cache per replica, when --num-blocks is "
                                      "not given")
     bytes_per_block: int | None = setting(None, "KV bytes of one block",
                                           none="the default model's, bfloat16 or int8 as "
                                           "--kv-cache-dtype says")
+    spec_acceptance: float = setting(0.7, "with --speculative-config: the chance that each "
+                                     "proposed token is accepted, until the first rejection")
     replicas: int = setting(1, "engine replicas, each with its own KV cache")
     # Not the server's prefix: an even split, whatever the prompts.
     router: str = setting("round-robin", "how a request's replica is picked",
@@ -47,6 +50,8 @@ class SimOptions:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if self.router not in ROUTER_NAMES:
             raise ValueError(f"router must be one of {ROUTER_NAMES}, got {self.router!r}")
+        if not 0 <= self.spec_acceptance <= 1:
+            raise ValueError(f"spec_acceptance must be in [0, 1], got {self.spec_acceptance}")
         if not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
 
@@ -60,7 +65,8 @@ def engine_setting_fields() -> dict[str, Field]:
     executor's have nothing to act on here)."""
     everything = setting_fields(EngineConfig)
     names = [*setting_fields(SchedulerConfig), "policy", *policy_setting_fields(), "block_size",
-             "num_blocks", "enable_prefix_caching", "max_model_len", "kv_cache_dtype"]
+             "num_blocks", "enable_prefix_caching", "max_model_len", "kv_cache_dtype",
+             "speculative_config"]
     return {name: everything[name] for name in names}
 
 
