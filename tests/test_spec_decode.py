@@ -27,6 +27,7 @@ from treadle.core.sampler import Sampler, SamplingOptions
 from treadle.core.sampling_params import SamplingParams
 from treadle.core.spec_decode.ngram import NgramProposer
 from treadle.core.spec_decode.rejection import verify_drafts
+from treadle.core.spec_decode.suffix import SuffixProposer
 
 
 def chisquare_p(observed: np.ndarray, expected: np.ndarray) -> float:
@@ -79,6 +80,55 @@ def test_ngram_proposer_is_fast_enough_for_long_prompts():
     tokens = rng.integers(0, 500, 1000).tolist()
     tokens += tokens[300:310]
     assert NgramProposer(2, 5).propose(tokens, 5) == brute_force_lookup(tokens, 2, 5, 5)
+
+
+def brute_force_suffix(tokens: list[int], cached: list[list[int]], min_n: int, max_n: int,
+                       k: int) -> list[int]:
+    """The own sequence's lookup, unless a longer suffix (with a token after it) occurs in a
+    cached request: then the tokens after its latest occurrence there (newest request first)."""
+    n = len(tokens)
+    own = 0
+    for length in range(min(max_n, n - 1), min_n - 1, -1):
+        if any(tokens[i:i + length] == tokens[n - length:] for i in range(n - length)):
+            own = length
+            break
+    for length in range(min(max_n, n), max(own, min_n - 1), -1):
+        suffix = tokens[n - length:]
+        for earlier in reversed(cached):
+            ends = [i + length for i in range(len(earlier) - length)
+                    if earlier[i:i + length] == suffix]
+            if ends:
+                return earlier[ends[-1]:ends[-1] + k]
+    return brute_force_lookup(tokens, min_n, max_n, k)
+
+
+@pytest.mark.parametrize("vocab", [2, 3, 8])
+def test_suffix_proposer_matches_brute_force(vocab):
+    rng = np.random.default_rng(vocab)
+    for _ in range(200):
+        min_n = int(rng.integers(1, 4))
+        max_n = min_n + int(rng.integers(0, 4))
+        proposer = SuffixProposer(min_n, max_n, max_cached_requests=3)
+        cached = [rng.integers(0, vocab, int(rng.integers(1, 20))).tolist()
+                  for _ in range(int(rng.integers(0, 6)))]
+        for earlier in cached:
+            proposer.finished(earlier)
+        tokens = rng.integers(0, vocab, int(rng.integers(1, 30))).tolist()
+        k = int(rng.integers(1, 6))
+        expected = brute_force_suffix(tokens, cached[-3:], min_n, max_n, k)
+        assert proposer.propose(tokens, k) == expected, (tokens, cached, min_n, max_n, k)
+
+
+def test_suffix_proposer_continues_what_an_earlier_request_wrote():
+    proposer = SuffixProposer(2, 5, max_cached_requests=2)
+    answer = list(range(100, 130))
+    proposer.finished([1, 2, 3, *answer])
+    assert NgramProposer(2, 5).propose([9, 8, *answer[:6]], 4) == []
+    assert proposer.propose([9, 8, *answer[:6]], 4) == answer[6:10]
+    assert proposer.propose([9, 8, *answer[-3:]], 4) == []  # nothing followed it
+    proposer.finished([5, 6])
+    proposer.finished([7, 8])  # the first request drops out of the cache
+    assert proposer.propose([9, 8, *answer[:6]], 4) == []
 
 
 TOY_LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
@@ -199,6 +249,24 @@ def test_tiny_greedy_with_speculation_equals_without(tiny_model, batch):
     assert_engine_empty(engine)
 
 
+def test_suffix_speculation_reuses_an_earlier_requests_output(tiny_model):
+    """The tiny model answers a prompt it has seen before as it did then: with suffix
+    speculation the second run's tokens come from the first's, outputs token for token as
+    without speculation; prompt lookup alone finds little in a random model's output."""
+    prompts = [torch.randint(3, 256, (12,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i in range(2)]
+    expected = run(make_engine(tiny_model, None), prompts, GREEDY)
+    counts = {}
+    for method in ("ngram", "suffix"):
+        engine = make_engine(tiny_model, {**SPEC, "method": method})
+        assert run(engine, prompts, GREEDY) == expected  # learns the answers
+        before = engine.spec_decode_counts[2]
+        assert run(engine, prompts, GREEDY) == expected  # asked again
+        counts[method] = engine.spec_decode_counts[2] - before
+        assert_engine_empty(engine)
+    assert counts["suffix"] > 2 * max(counts["ngram"], 10), counts
+
+
 class OracleProposer:
     """Proposes the tokens a plain run produced, the last of every other proposal wrong: the
     tiny random model never copies its prompt, so the n-gram lookup alone would seldom be
@@ -218,6 +286,9 @@ class OracleProposer:
                     guess[-1] = (guess[-1] + 1) % 256
                 return guess
         return []
+
+    def finished(self, token_ids) -> None:
+        """It knows every answer already."""
 
 
 def with_oracle(engine: EngineCore, prompts, outputs) -> EngineCore:
@@ -384,8 +455,9 @@ def test_default_model_greedy_with_speculation_equals_without(copy_prompts):
 
 
 @pytest.mark.default_model
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_default_model_greedy_with_speculation_equals_without_on_the_quantized_path(
-        copy_prompts):
+        copy_prompts, method):
     """The GGUF's blocks as stored, one request at a time: the integer kernels give a row the
     same bits in a step of several rows (its proposed tokens) as alone. The crossover to the
     float path is fixed above the rows of a verifying step, where a busy machine's tuning could
@@ -393,7 +465,8 @@ def test_default_model_greedy_with_speculation_equals_without_on_the_quantized_p
     params = SamplingParams(max_tokens=40, temperature=0.0)
     plain = make_engine(None, None, block_size=16, quant_gemv_max_rows=8)
     expected = [run(plain, [p], params)[0] for p in copy_prompts[:4]]
-    engine = make_engine(None, LOOKUP, block_size=16, quant_gemv_max_rows=8)
+    engine = make_engine(None, {**LOOKUP, "method": method}, block_size=16,
+                         quant_gemv_max_rows=8)
     assert [run(engine, [p], params)[0] for p in copy_prompts[:4]] == expected
     drafts, draft_tokens, accepted = engine.spec_decode_counts
     assert accepted > draft_tokens / 3, engine.spec_decode_counts

@@ -348,14 +348,15 @@ def policy_sections() -> dict[str, Any]:
     return {name: p.settings() for name, p in POLICIES.items() if p.settings}
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "suffix")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (treadle/core/spec_decode/): vLLM's `--speculative-config` keys. The
     ngram method proposes the tokens that followed the latest earlier occurrence of the
-    sequence's last `prompt_lookup_min`..`prompt_lookup_max` tokens."""
+    sequence's last `prompt_lookup_min`..`prompt_lookup_max` tokens; suffix looks for them in
+    the last `suffix_decoding_max_cached_requests` finished requests too."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4  # most tokens proposed per request and step
@@ -364,13 +365,14 @@ class SpeculativeConfig:
     # Steps with more running requests than this propose nothing: their model pass already
     # computes enough rows that extra positions cost time, not just weight reads (vLLM v0's key).
     disable_by_batch_size: int = 4
+    suffix_decoding_max_cached_requests: int = 64  # suffix: finished requests looked up
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: method must be one of {SPECULATIVE_METHODS}, "
                              f"got {self.method!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                     "disable_by_batch_size"):
+                     "disable_by_batch_size", "suffix_decoding_max_cached_requests"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config: {name} must be an integer >= 1, "

@@ -293,6 +293,9 @@ class EngineCore:
         finished_requests = self.scheduler.update_from_output(scheduler_output, sampled,
                                                               accepted)
         finished = {r.request_id for r in finished_requests} | failed
+        if self.speculator is not None:
+            for request in finished_requests:
+                self.speculator.finished(request)
         for request in grammar_complete:  # its grammar admits nothing more: it stops here
             if not request.is_finished:
                 self.scheduler.finish_request(request.request_id,

@@ -36,6 +36,9 @@ class AlwaysProposes:
     def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
         return [SAMPLED_TOKEN] * max_tokens
 
+    def finished(self, token_ids: list[int]) -> None:
+        """Nothing to learn: every guess is drawn."""
+
 
 class PolicyRefused(ValueError):
     """The policy refused the request at once (the engine's 429, its reason the policy's

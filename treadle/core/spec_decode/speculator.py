@@ -76,6 +76,10 @@ class Speculator:
                 request.spec_token_ids = drafts
                 self.proposing.append(request)
 
+    def finished(self, request: Request) -> None:
+        """A request ended: its tokens, for proposers that learn from earlier requests."""
+        self.proposer.finished(request.all_token_ids)
+
     def verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """Count a verified proposal and adapt the request's draft length (the module's rule)."""
         counts = self.counts
