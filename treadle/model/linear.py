@@ -117,9 +117,10 @@ class QuantizedLinear:
 def tune_gemv_rows(layers: list[QuantizedLinear], dtype: torch.dtype) -> dict[str, int]:
     """For each distinct shape among `layers`, the most rows (of TUNE_ROWS, at least 1) for
     which the integer kernel measured at least as fast as the float path (over the dense copy,
-    or dequantizing slices), set on every layer of that shape. Beyond the crossover
-    the float path is assumed to stay ahead (its cost grows slower with rows), so the search
-    stops at the first loss. Returns "out x in type" -> rows."""
+    or dequantizing slices), set on every layer of that shape. Below a count where the kernel
+    wins it is assumed to keep winning (its cost grows faster with rows than the float path's),
+    so the search goes down from the most rows and stops at the first win. Returns
+    "out x in type" -> rows."""
     by_shape: dict[tuple, list[QuantizedLinear]] = {}
     for layer in layers:
         if layer.kernels is not None:
@@ -138,15 +139,15 @@ def crossover_rows(layer: QuantizedLinear, dtype: torch.dtype, repeats: int = 5)
     measured faster at one row on every shape of the default model (Xeon, one thread: 0.28 vs
     0.52 ms for gate_up 3072x576 Q4_1, 6.2 vs 13.3 ms for the head 49152x576 Q8_0; it still wins
     at 4 rows, 0.50 vs 0.52 and 9.0 vs 14.4). Each larger count is timed with more repeats, and
-    a loss is timed again before it ends the search: with 5 repeats and no second look, a shared
-    2-core machine under load picked 1 row for shapes where the kernel wins at 2-4."""
-    rows_ok = 1
-    for rows in TUNE_ROWS[1:]:
+    a loss is timed again before it counts: with 5 repeats and no second look, a shared 2-core
+    machine under load picked 1 row for shapes where the kernel wins at 2-4. Going down from
+    the most rows, a shape where the kernel wins throughout (a 1B model's on Zen 3) is timed
+    once, not at every count (its startup's tuning: minutes before)."""
+    for rows in reversed(TUNE_ROWS[1:]):
         x = torch.randn(rows, layer.in_features).to(dtype)
-        if not kernel_wins(layer, x, repeats + rows // 4):
-            break
-        rows_ok = rows
-    return rows_ok
+        if kernel_wins(layer, x, repeats + rows // 4):
+            return rows
+    return 1
 
 
 def kernel_wins(layer: QuantizedLinear, x: torch.Tensor, repeats: int) -> bool:
