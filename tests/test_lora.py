@@ -13,11 +13,18 @@ import peft
 import pytest
 import torch
 from model_utils import build_tiny_model, make_runner
+from test_kv_cache import admit
 
+from treadle.core.kv_cache import KVCacheManager
+from treadle.core.lora_request import LoRARequest
+from treadle.core.request import Request
+from treadle.core.sampling_params import SamplingParams
+from treadle.errors import InvalidField
 from treadle.model.batch import ModelInput, ScheduledSequence
 from treadle.model.loader import load_model
 from treadle.model.lora import LoraError, load_peft_adapter
 from treadle.model.quantization import QuantizedWeight, dequantize_torch
+from treadle.model.source import resolve_model
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Two adapters unlike each other: every module at rank 8; rsLoRA on q/v and down at rank 4.
@@ -178,3 +185,93 @@ def test_unsupported_adapters_are_refused_by_name(tiny_lora, tmp_path, changes, 
         load_peft_adapter(path, max_rank=16)
     with pytest.raises(LoraError, match="adapter_config.json"):
         load_peft_adapter(tmp_path / "missing", max_rank=16)
+
+
+def test_adapters_never_share_cached_blocks():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = LoRARequest("a", 1, "/adapters/a")
+    admit(kv, Request("r1", list(range(9)), lora_request=a))
+    assert kv.get_computed_blocks(Request("r2", list(range(9)), lora_request=a))[1] == 8
+    other = LoRARequest("b", 2, "/adapters/b")
+    assert kv.get_computed_blocks(Request("r3", list(range(9)), lora_request=other))[1] == 0
+    assert kv.get_computed_blocks(Request("r4", list(range(9))))[1] == 0  # nor with the base
+
+
+@pytest.fixture(scope="module")
+def tiny_lora_llm_folder(tiny_lora):
+    """The tiny base with the default model's tokenizer files, so `LLM` can serve it."""
+    folder = tiny_lora[0]
+    tokenizer_folder = resolve_model(None).folder
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_folder / name, folder / name)
+    return folder
+
+
+def peft_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> list[int]:
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("max_loras", [1, 2])
+def test_llm_generate_mixed_adapters_matches_peft(tiny_lora, tiny_lora_llm_folder, max_loras):
+    """LLM.generate with a LoRARequest per prompt (base, a, b, a): greedy tokens equal peft's
+    merged models' `generate`; with max_loras=1 the adapters take turns, still exact."""
+    from treadle.llm import LLM
+
+    _, base, adapters = tiny_lora
+    llm = LLM(str(tiny_lora_llm_folder), dtype="float32", enable_lora=True,
+              max_loras=max_loras, kv_cache_memory_bytes=16 << 20)
+    a = LoRARequest("a", 1, str(adapters["a"][0]))
+    b = LoRARequest("b", 2, str(adapters["b"][0]))
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (6, 13, 9, 6)]
+    loras = [None, a, b, a]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    models = {None: base, 1: adapters["a"][1], 2: adapters["b"][1]}
+    for prompt, lora, output in zip(prompts, loras, outputs, strict=True):
+        want = peft_greedy(models[None if lora is None else lora.lora_int_id], prompt, 10)
+        assert list(output.outputs[0].token_ids) == want
+
+
+def test_scheduler_keeps_at_most_max_loras_adapters_running(tiny_lora, tiny_lora_llm_folder):
+    from treadle.llm import LLM
+
+    adapters = tiny_lora[2]
+    llm = LLM(str(tiny_lora_llm_folder), dtype="float32", enable_lora=True, max_loras=1,
+              kv_cache_memory_bytes=16 << 20)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for i, name in enumerate(["a", "b", "a", "b"]):
+        engine.add_request(str(i), [5, 6, 7], params,
+                           lora_request=LoRARequest(name, 1 + (name == "b"),
+                                                    str(adapters[name][0])))
+    seen = set()
+    while engine.has_unfinished_requests():
+        engine.step()
+        running = {r.lora_request.lora_int_id for r in engine.scheduler.running}
+        assert len(running) <= 1
+        seen |= running
+    assert seen == {1, 2}
+
+
+def test_engine_refuses_adapters_it_cannot_serve(tiny_lora, tiny_lora_llm_folder, tmp_path):
+    from treadle.llm import LLM
+
+    params = SamplingParams(max_tokens=2)
+    plain = LLM(str(tiny_lora_llm_folder), dtype="float32", kv_cache_memory_bytes=16 << 20)
+    adapter = LoRARequest("a", 1, str(tiny_lora[2]["a"][0]))
+    with pytest.raises(InvalidField, match="enable-lora"):
+        plain.engine.add_request("x", [5, 6], params, lora_request=adapter)
+    llm = LLM(str(tiny_lora_llm_folder), dtype="float32", enable_lora=True, max_lora_rank=4,
+              kv_cache_memory_bytes=16 << 20)
+    with pytest.raises(InvalidField, match="max_lora_rank") as refused:
+        llm.engine.add_request("y", [5, 6], params, lora_request=adapter)
+    assert refused.value.param == "model"
+    with pytest.raises(InvalidField, match="adapter_config.json"):
+        llm.engine.add_request("z", [5, 6], params,
+                               lora_request=LoRARequest("gone", 3, str(tmp_path / "gone")))
+    assert not llm.engine.has_unfinished_requests()

@@ -37,6 +37,7 @@ from treadle.core.structured_output import (
 )
 from treadle.errors import PROMPT, InvalidField
 from treadle.model.batch import ModelInput, ModelOutput, ScheduledSequence, cat_outputs
+from treadle.model.lora import LoraError, adapter_config
 from treadle.model.memory import gib
 from treadle.model.pooling import PooledHidden
 from treadle.model.source import resolve_model
@@ -55,6 +56,7 @@ class EngineCore:
         self.max_logprobs = config.model.max_logprobs
         self.pooling = config.model.pooling  # how embedding requests pool: last or mean
         self.enable_lora = config.model.enable_lora
+        self.max_lora_rank = config.model.max_lora_rank
         self.executor: Executor = build_executor(config)
         facts = self.executor.facts
         logger.info("weights %s; %s", gib(facts.weights_bytes), facts.kv_cache.describe())
@@ -108,8 +110,13 @@ class EngineCore:
         seconds, for the policies that read them (None: none). `pooling`: an embedding request,
         prefill only, whose finishing output carries the prompt's pooled hidden states (sampling
         parameters unused). `lora_request`: the adapter it runs with (None: the base model)."""
-        if lora_request is not None and not self.enable_lora:
-            raise InvalidField("model", "LoRA adapters are not enabled (--enable-lora)")
+        if lora_request is not None:
+            if not self.enable_lora:
+                raise InvalidField("model", "LoRA adapters are not enabled (--enable-lora)")
+            try:
+                adapter_config(lora_request.lora_path, self.max_lora_rank)
+            except LoraError as e:
+                raise InvalidField("model", str(e)) from e
         check_max_logprobs(sampling_params, self.max_logprobs)
         vocab = self.executor.facts.vocab_size
         ids_by_field = ((PROMPT, "prompt token ids", prompt_token_ids),

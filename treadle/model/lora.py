@@ -47,13 +47,18 @@ def lora_scale(config: dict) -> float:
     return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
 
 
-def load_peft_adapter(path: str | Path, max_rank: int) -> LoraAdapter:
-    """A PEFT LoRA folder, refused (LoraError) where it needs what this engine does not do."""
+def adapter_config(path: str | Path, max_rank: int) -> dict:
+    """A PEFT LoRA folder's config, refused (LoraError) where the adapter needs what this engine
+    does not do: checked when a request names the adapter, before its weights load."""
     folder = Path(path)
     config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
     if not config_file.is_file() or not weights_file.is_file():
         raise LoraError(f"{folder} holds no adapter_config.json and adapter_model.safetensors")
-    config = json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text())
+        int(config["r"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise LoraError(f"adapter {folder}: unreadable adapter_config.json ({e})") from e
     unsupported = {"peft_type": config.get("peft_type", "LORA") != "LORA",
                    "use_dora": bool(config.get("use_dora")),
                    "modules_to_save": bool(config.get("modules_to_save")),
@@ -69,7 +74,15 @@ def load_peft_adapter(path: str | Path, max_rank: int) -> LoraAdapter:
     rank = int(config["r"])
     if not 0 < rank <= max_rank:
         raise LoraError(f"adapter {folder}: rank {rank} is above max_lora_rank {max_rank}")
-    scale = lora_scale(config)
+    return config
+
+
+def load_peft_adapter(path: str | Path, max_rank: int) -> LoraAdapter:
+    """A PEFT LoRA folder's weights (see `adapter_config` for what is refused)."""
+    folder = Path(path)
+    config = adapter_config(folder, max_rank)
+    rank, scale = int(config["r"]), lora_scale(config)
+    weights_file = folder / "adapter_model.safetensors"
     tensors = load_file(str(weights_file))
     adapter = LoraAdapter(rank)
     for name, a in tensors.items():
