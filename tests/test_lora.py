@@ -5,6 +5,7 @@ rows of a mixed batch against the same rows alone, a quantized base, and the ref
 from __future__ import annotations
 
 import copy
+import http.client
 import json
 import shutil
 from pathlib import Path
@@ -275,3 +276,86 @@ def test_engine_refuses_adapters_it_cannot_serve(tiny_lora, tiny_lora_llm_folder
         llm.engine.add_request("z", [5, 6], params,
                                lora_request=LoRARequest("gone", 3, str(tmp_path / "gone")))
     assert not llm.engine.has_unfinished_requests()
+
+
+def post_json(port: int, path: str, body: dict, key: str | None = "sekrit"
+              ) -> tuple[int, object]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    conn.request("POST", path, body=json.dumps(body).encode(), headers=headers)
+    response = conn.getresponse()
+    data = response.read().decode()
+    try:
+        return response.status, json.loads(data)
+    except json.JSONDecodeError:
+        return response.status, data
+
+
+def test_server_model_picks_the_adapter_and_adapters_load_and_unload(tiny_lora,
+                                                                      tiny_lora_llm_folder):
+    """Through `treadle serve`'s frontends and the official client: `model` names the adapter
+    (greedy text equal to the offline LLM's with that adapter), /v1/models lists adapters with
+    their base as parent, an unknown model is a 404 in OpenAI's shape, and adapters load and
+    unload live behind the API key."""
+    import openai
+    from frontends import start_frontends, stop_frontends, wait_started
+
+    from treadle.config import AsyncEngineConfig, ServerConfig, build_config
+    from treadle.frontend.async_engine import AsyncEngine
+    from treadle.llm import LLM
+    from treadle.server.auth import parse_api_keys
+
+    adapters = tiny_lora[2]
+    settings = dict(model=str(tiny_lora_llm_folder), dtype="float32", enable_lora=True,
+                    max_loras=2, kv_cache_memory_bytes=16 << 20)
+    engine = AsyncEngine(build_config(AsyncEngineConfig, settings))
+    config = ServerConfig(port=0, api_keys=tuple(parse_api_keys(["sekrit"])),
+                          lora_modules=(f"a={adapters['a'][0]}",))
+    frontends, thread = start_frontends(engine, config)
+    prompt = [5, 17, 99, 23, 42, 7]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = LLM(**settings)
+    want = {name: llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0]
+            .outputs[0].text
+            for name, lora in [("base", None), ("a", LoRARequest("a", 1, str(adapters["a"][0]))),
+                               ("b", LoRARequest("b", 2, str(adapters["b"][0])))]}
+    assert len(set(want.values())) == 3  # the adapters change the text
+    try:
+        wait_started(frontends, thread)
+        port = frontends.port
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sekrit",
+                               max_retries=0, timeout=60)
+        base = engine.model_name
+
+        def complete(model: str) -> str:
+            return client.completions.create(model=model, prompt=prompt, max_tokens=8,
+                                             temperature=0.0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        models = {m.id: m for m in client.models.list().data}
+        assert set(models) == {base, "a"} and models["a"].model_extra["parent"] == base
+        assert complete(base) == want["base"] and complete("a") == want["a"]
+        with pytest.raises(openai.NotFoundError) as missing:
+            complete("b")
+        assert missing.value.body["code"] == "model_not_found"
+
+        assert post_json(port, "/v1/load_lora_adapter",
+                         {"lora_name": "b", "lora_path": str(adapters["b"][0])}, key=None)[0] == 401
+        status, _ = post_json(port, "/v1/load_lora_adapter",
+                              {"lora_name": "b", "lora_path": str(adapters["b"][0])})
+        assert status == 200
+        assert complete("b") == want["b"]
+        assert post_json(port, "/v1/load_lora_adapter",
+                         {"lora_name": "b", "lora_path": str(adapters["b"][0])})[0] == 400
+        assert post_json(port, "/v1/load_lora_adapter",
+                         {"lora_name": "c", "lora_path": "/nowhere"})[0] == 400
+        assert post_json(port, "/v1/unload_lora_adapter", {"lora_name": "b"})[0] == 200
+        with pytest.raises(openai.NotFoundError):
+            complete("b")
+        status, body = post_json(port, "/v1/unload_lora_adapter", {"lora_name": "b"})
+        assert status == 404 and body["error"]["code"] == "model_not_found"
+        assert complete("a") == want["a"]
+    finally:
+        stop_frontends(frontends, thread)

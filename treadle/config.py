@@ -283,6 +283,9 @@ class ServerConfig:
                              "root_path)")  # for its docs' links
     ssl_keyfile: str | None = setting(None, "serve REST over HTTPS with this private key (PEM)")
     ssl_certfile: str | None = setting(None, "... and this certificate (PEM)")
+    # vLLM's flag: a request's `model` picks one by name.
+    lora_modules: tuple[str, ...] = setting((), "LoRA adapters served by name, name=path (PEFT "
+                                            "folders; with --enable-lora)", flag={"nargs": "+"})
 
     def __post_init__(self) -> None:
         if not self.sse_keepalive_interval > 0:
@@ -294,6 +297,10 @@ class ServerConfig:
             raise ValueError("ssl_keyfile and ssl_certfile must be given together")
         if not all(self.served_model_name):
             raise ValueError("served_model_name must not be empty")
+        for module in self.lora_modules:
+            name, _, path = module.partition("=")
+            if not name or not path:
+                raise ValueError(f"lora_modules must be name=path, got {module!r}")
         for name, port in (("port", self.port), ("grpc_port", self.grpc_port)):
             if port is not None and not 0 <= port < 65536:
                 raise ValueError(f"{name} must be in 0..65535, got {port}")
