@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import http.client
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 from model_utils import build_tiny_model, make_runner
 from test_kv_cache import admit
 
+from treadle.core.engine_process import adapter_names
 from treadle.core.kv_cache import KVCacheManager
 from treadle.core.lora_request import LoRARequest
 from treadle.core.request import Request
@@ -251,11 +253,15 @@ def test_scheduler_keeps_at_most_max_loras_adapters_running(tiny_lora, tiny_lora
                            lora_request=LoRARequest(name, 1 + (name == "b"),
                                                     str(adapters[name][0])))
     seen = set()
+    engine.step()
+    # What the lora_requests_info gauge reports: a running, b waiting for its turn.
+    assert adapter_names(engine.scheduler.running) == ("a",)
+    assert adapter_names(engine.scheduler.waiting) == ("b",)
     while engine.has_unfinished_requests():
-        engine.step()
         running = {r.lora_request.lora_int_id for r in engine.scheduler.running}
         assert len(running) <= 1
         seen |= running
+        engine.step()
     assert seen == {1, 2}
 
 
@@ -294,7 +300,8 @@ def post_json(port: int, path: str, body: dict, key: str | None = "sekrit"
 
 
 def test_server_model_picks_the_adapter_and_adapters_load_and_unload(tiny_lora,
-                                                                      tiny_lora_llm_folder):
+                                                                      tiny_lora_llm_folder,
+                                                                      caplog):
     """Through `treadle serve`'s frontends and the official client: `model` names the adapter
     (greedy text equal to the offline LLM's with that adapter), /v1/models lists adapters with
     their base as parent, an unknown model is a 404 in OpenAI's shape, and adapters load and
@@ -336,7 +343,14 @@ def test_server_model_picks_the_adapter_and_adapters_load_and_unload(tiny_lora,
 
         models = {m.id: m for m in client.models.list().data}
         assert set(models) == {base, "a"} and models["a"].model_extra["parent"] == base
-        assert complete(base) == want["base"] and complete("a") == want["a"]
+        with caplog.at_level(logging.INFO, logger="treadle.frontend.observer"):
+            assert complete(base) == want["base"] and complete("a") == want["a"]
+        finished = [r.getMessage() for r in caplog.records if " finished: " in r.getMessage()]
+        assert len(finished) == 2
+        assert "lora" not in finished[0] and ", lora a," in finished[1]
+        metrics = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        metrics.request("GET", "/metrics", headers={"Authorization": "Bearer sekrit"})
+        assert 'max_lora="2"' in metrics.getresponse().read().decode()
         with pytest.raises(openai.NotFoundError) as missing:
             complete("b")
         assert missing.value.body["code"] == "model_not_found"

@@ -117,6 +117,9 @@ class EngineLoad:
     num_preemptions: int
     # Speculative decoding: (proposals, proposed tokens, accepted tokens) checked.
     spec_decode: tuple[int, int, int] = (0, 0, 0)
+    # The LoRA adapters (names) of the running and of the waiting requests, sorted.
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

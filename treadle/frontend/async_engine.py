@@ -399,7 +399,8 @@ class AsyncEngine:
             for index, (request_id, prompt) in enumerate(zip(request_ids, prompts, strict=True)):
                 engine_requests = self.processor.add_request(request_id, prompt, params)
                 self.streams[request_id] = Stream(queue, index)
-                self.observer.start(request_id, tenant, ttft, tpot, received)
+                self.observer.start(request_id, tenant, ttft, tpot, received,
+                                    None if lora_request is None else lora_request.lora_name)
                 self.live.start(request_id, params.n, tenant, priority, len(prompt), arrival)
                 messages = [AddRequest(engine_id, prompt, engine_params, priority, tenant, salt,
                                        ttft, tpot, pooling, lora_request)
@@ -488,6 +489,9 @@ class AsyncEngine:
             (load.prefix_cache_queries, load.prefix_cache_hits, load.num_preemptions),
             None if step is None else step.num_prefill_tokens + step.num_decode_tokens)
         self.metrics.observe_spec_decode(load.spec_decode)
+        if self.config.engine.model.enable_lora:
+            self.metrics.observe_loras(load.running_loras, load.waiting_loras,
+                                       self.config.engine.scheduler.max_loras)
         self.live.record_engine(load, step, message.census, self.load_state.last_message)
         state = self.load_state
         if step is not None or not load.has_work:  # a step ran, or no work

@@ -408,7 +408,9 @@ class ReplicaGroup:
                           counts[1] + sum(x.prefix_cache_hits for x in loads),
                           counts[2] + sum(x.num_preemptions for x in loads),
                           # The live replicas' (a restarted one counts from 0 again).
-                          tuple(sum(x.spec_decode[k] for x in loads) for k in range(3)))
+                          tuple(sum(x.spec_decode[k] for x in loads) for k in range(3)),
+                          tuple(sorted({n for x in loads for n in x.running_loras})),
+                          tuple(sorted({n for x in loads for n in x.waiting_loras})))
 
     def _merged_census(self) -> EngineCensus:
         waiting: Counter = Counter()
