@@ -13,6 +13,7 @@ import treadle.core.sched  # noqa: F401
 
 if TYPE_CHECKING:
     from treadle.async_llm import AsyncLLM
+    from treadle.core.lora_request import LoRARequest
     from treadle.core.sampling_params import SamplingParams
     from treadle.llm import LLM
     from treadle.outputs import CompletionOutput, RequestOutput
@@ -20,8 +21,10 @@ if TYPE_CHECKING:
 # name -> the module that defines it
 LAZY = {"LLM": "treadle.llm", "AsyncLLM": "treadle.async_llm",
         "SamplingParams": "treadle.core.sampling_params",
+        "LoRARequest": "treadle.core.lora_request",
         "RequestOutput": "treadle.outputs", "CompletionOutput": "treadle.outputs"}
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "LoRARequest", "RequestOutput",
+           "CompletionOutput"]
 
 
 def __getattr__(name: str) -> Any:

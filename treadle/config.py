@@ -115,12 +115,19 @@ class ModelConfig:
                                "without a seed of their own", none="not seeded")
     enforce_eager: bool = setting(False, "CUDA: run decode steps eagerly, not as captured CUDA "
                                   "graphs")  # vLLM's flag
+    # vLLM's flags and defaults (max_lora_rank 16, max_cpu_loras: max_loras' by default there).
+    enable_lora: bool = setting(False, "serve LoRA adapters (PEFT folders) per request")
+    max_lora_rank: int = setting(16, "largest LoRA rank an adapter may have")
+    max_cpu_loras: int = setting(8, "most LoRA adapters kept loaded in memory (least recently "
+                                 "used dropped, reloaded from their folder when asked again)")
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.max_lora_rank < 1 or self.max_cpu_loras < 1:
+            raise ValueError("max_lora_rank and max_cpu_loras must be >= 1")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         if self.pooling not in POOLING_TYPES:
@@ -181,6 +188,9 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = setting(512, "most tokens in one model pass")
     max_num_seqs: int = setting(128, "most sequences in one model pass")
+    # vLLM's default is 1; 4 lets a few tenants' adapters share each step.
+    max_loras: int = setting(4, "most distinct LoRA adapters in one model pass (with "
+                             "--enable-lora)")
     # So a long prompt cannot starve short ones.
     long_prefill_token_threshold: int = setting(256, "most prompt tokens one request computes "
                                                 "in one step")
@@ -207,6 +217,8 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be >= 1")
         if self.long_prefill_token_threshold < 1:
             raise ValueError("long_prefill_token_threshold must be >= 1")
         if self.max_num_partial_prefills < 1:
@@ -271,6 +283,9 @@ class ServerConfig:
                              "root_path)")  # for its docs' links
     ssl_keyfile: str | None = setting(None, "serve REST over HTTPS with this private key (PEM)")
     ssl_certfile: str | None = setting(None, "... and this certificate (PEM)")
+    # vLLM's flag: a request's `model` picks one by name.
+    lora_modules: tuple[str, ...] = setting((), "LoRA adapters served by name, name=path (PEFT "
+                                            "folders; with --enable-lora)", flag={"nargs": "+"})
 
     def __post_init__(self) -> None:
         if not self.sse_keepalive_interval > 0:
@@ -282,6 +297,10 @@ class ServerConfig:
             raise ValueError("ssl_keyfile and ssl_certfile must be given together")
         if not all(self.served_model_name):
             raise ValueError("served_model_name must not be empty")
+        for module in self.lora_modules:
+            name, _, path = module.partition("=")
+            if not name or not path:
+                raise ValueError(f"lora_modules must be name=path, got {module!r}")
         for name, port in (("port", self.port), ("grpc_port", self.grpc_port)):
             if port is not None and not 0 <= port < 65536:
                 raise ValueError(f"{name} must be in 0..65535, got {port}")

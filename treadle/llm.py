@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from treadle.config import EngineConfig, build_config
 from treadle.core.generation_defaults import sampling_defaults
+from treadle.core.lora_request import LoRARequest
 from treadle.core.sampling_params import SamplingParams
 from treadle.frontend.output_processor import OutputProcessor, RequestState
 from treadle.model.source import resolve_model
@@ -66,8 +67,12 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt (text, or token ids) to completion; outputs in prompt order."""
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Run every prompt (text, or token ids) to completion; outputs in prompt order.
+        `lora_request`: the adapter every prompt runs with, or one per prompt (None: the base
+        model), as vLLM's."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if sampling_params is None:
@@ -76,10 +81,14 @@ class LLM:
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        loras = (lora_request if isinstance(lora_request, list)
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
         processor = OutputProcessor(self.tokenizer)
         states: list[RequestState] = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, lora in zip(prompts, params, loras, strict=True):
                 # Text gets the tokenizer's special tokens (Gemma's <bos>), as vLLM's does; chat
                 # prompts come as ids, their template having placed them.
                 ids = (self.tokenizer(prompt)["input_ids"]
@@ -87,7 +96,7 @@ class LLM:
                 request_id = str(self.next_request_id)
                 self.next_request_id += 1
                 for engine_id, engine_params in processor.add_request(request_id, ids, p):
-                    self.engine.add_request(engine_id, ids, engine_params)
+                    self.engine.add_request(engine_id, ids, engine_params, lora_request=lora)
                 states.append(processor.requests[request_id])
             self._run(processor, len(states), use_tqdm)
         finally:  # on an error or an interrupt, leave nothing behind in the engine

@@ -15,6 +15,7 @@ import torch
 from treadle.config import EngineConfig
 from treadle.core.executor import Executor, build_executor
 from treadle.core.kv_cache import KVCacheManager
+from treadle.core.lora_request import LoRARequest
 from treadle.core.messages import EngineCoreOutput, TokenLogprobs
 from treadle.core.request import DEFAULT_TENANT, Request, RequestStatus
 from treadle.core.sampler import Sampler, SamplingOptions, gather_logprobs
@@ -36,6 +37,7 @@ from treadle.core.structured_output import (
 )
 from treadle.errors import PROMPT, InvalidField
 from treadle.model.batch import ModelInput, ModelOutput, ScheduledSequence, cat_outputs
+from treadle.model.lora import LoraError, adapter_config
 from treadle.model.memory import gib
 from treadle.model.pooling import PooledHidden
 from treadle.model.source import resolve_model
@@ -53,6 +55,8 @@ class EngineCore:
             torch.manual_seed(config.model.seed)
         self.max_logprobs = config.model.max_logprobs
         self.pooling = config.model.pooling  # how embedding requests pool: last or mean
+        self.enable_lora = config.model.enable_lora
+        self.max_lora_rank = config.model.max_lora_rank
         self.executor: Executor = build_executor(config)
         facts = self.executor.facts
         active = (f", {facts.active_parameters / 1e9:.2f} B active per token"
@@ -111,12 +115,19 @@ class EngineCore:
                     sampling_params: SamplingParams, priority: int = 0,
                     cache_salt: str | None = None, *, tenant: str | None = None,
                     ttft: float | None = None, tpot: float | None = None,
-                    pooling: bool = False) -> None:
+                    pooling: bool = False, lora_request: LoRARequest | None = None) -> None:
         """Queue a request; InvalidField (the client's fault) if it can never run. `tenant`: whose
         share it uses under the fair policy (None: "default"); `ttft`, `tpot`: objectives in
         seconds, for the policies that read them (None: none). `pooling`: an embedding request,
         prefill only, whose finishing output carries the prompt's pooled hidden states (sampling
-        parameters unused)."""
+        parameters unused). `lora_request`: the adapter it runs with (None: the base model)."""
+        if lora_request is not None:
+            if not self.enable_lora:
+                raise InvalidField("model", "LoRA adapters are not enabled (--enable-lora)")
+            try:
+                adapter_config(lora_request.lora_path, self.max_lora_rank)
+            except LoraError as e:
+                raise InvalidField("model", str(e)) from e
         check_max_logprobs(sampling_params, self.max_logprobs)
         vocab = self.executor.facts.vocab_size
         ids_by_field = ((PROMPT, "prompt token ids", prompt_token_ids),
@@ -128,7 +139,8 @@ class EngineCore:
                 raise InvalidField(param, f"{what} must be in [0, {vocab}); got {bad[0]}")
         request = Request(request_id, prompt_token_ids, sampling_params, priority=priority,
                           cache_salt=cache_salt, tenant=tenant or DEFAULT_TENANT, ttft=ttft,
-                          tpot=tpot, pooling=self.pooling if pooling else None)
+                          tpot=tpot, pooling=self.pooling if pooling else None,
+                          lora_request=lora_request)
         if pooling:
             request.pooled_hidden = PooledHidden(self.pooling, len(prompt_token_ids))
         if sampling_params.structured_outputs is None:
@@ -211,7 +223,8 @@ class EngineCore:
                                        decode_rows=bool(s.spec_token_ids),
                                        num_hidden_rows=num_hidden_rows(s.request,
                                                                        s.num_computed_tokens,
-                                                                       s.num_new_tokens))
+                                                                       s.num_new_tokens),
+                                       **lora_fields(s.request))
                      for s in scheduler_output.scheduled]
         try:
             started = time.perf_counter()
@@ -464,3 +477,9 @@ def sampling_options(request: Request, eos_token_ids: frozenset[int],
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty, logit_bias=params.logit_bias,
         suppressed_token_ids=suppressed, num_logprobs=params.logprobs)
+
+
+def lora_fields(request: Request) -> dict:
+    """A scheduled sequence's adapter fields, from its request's LoRARequest."""
+    lora = request.lora_request
+    return {} if lora is None else {"lora_id": lora.lora_int_id, "lora_path": lora.lora_path}

@@ -110,7 +110,9 @@ def serve_engine(core: EngineCore, requests: Connection, outputs: Connection,
             load = EngineLoad(scheduler.num_running, scheduler.num_waiting, kv.block_pool.usage,
                               core.has_unfinished_requests(), kv.prefix_cache_queries,
                               kv.prefix_cache_hits, scheduler.num_preemptions,
-                              core.spec_decode_counts, core.spec_decode_accepted_per_position)
+                              core.spec_decode_counts, core.spec_decode_accepted_per_position,
+                              *((adapter_names(scheduler.running),
+                                 adapter_names(scheduler.waiting)) if core.enable_lora else ()))
             census = None
             if now - last_census >= CENSUS_SECONDS:
                 census, last_census = take_census(core), now
@@ -140,8 +142,15 @@ def add_request(core: EngineCore, message: AddRequest, outputs: Connection) -> N
             return
         core.add_request(message.request_id, message.prompt_token_ids, message.params,
                          message.priority, message.cache_salt, tenant=message.tenant,
-                         ttft=message.ttft, tpot=message.tpot, pooling=message.pooling)
+                         ttft=message.ttft, tpot=message.tpot, pooling=message.pooling,
+                         lora_request=message.lora_request)
     except InvalidField as e:
         outputs.send(RequestRejected(message.request_id, str(e), INVALID_REQUEST, e.param))
     except ValueError as e:
         outputs.send(RequestRejected(message.request_id, str(e), INVALID_REQUEST))
+
+
+def adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    """The distinct LoRA adapters of `requests`, sorted (the lora_requests_info gauge's)."""
+    return tuple(sorted({r.lora_request.lora_name for r in requests
+                         if r.lora_request is not None}))

@@ -33,6 +33,13 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
     return hashlib.sha256(pickle.dumps(key, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
+def cache_extra(request: Request) -> tuple[object, ...]:
+    """What keys a request's first block besides its tokens: its cache salt and adapter."""
+    extra: tuple[object, ...] = () if request.cache_salt is None else (request.cache_salt,)
+    lora = request.lora_request
+    return extra if lora is None else (*extra, "lora", lora.lora_int_id, lora.lora_path)
+
+
 class KVBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
 
@@ -208,8 +215,9 @@ class KVCacheManager:
         tokens, size = request.all_token_ids, self.block_size
         for i in range(len(hashes), len(tokens) // size):
             parent = hashes[-1] if hashes else None
-            # The salt goes into the first block only: chaining carries it into every later hash.
-            extra = (request.cache_salt,) if i == 0 and request.cache_salt is not None else ()
+            # The salt and the adapter go into the first block only: chaining carries them into
+            # every later hash, so two adapters (or salts) never share a block.
+            extra = () if i > 0 else cache_extra(request)
             hashes.append(hash_block_tokens(parent, tokens[i * size:(i + 1) * size], extra))
         return hashes
 

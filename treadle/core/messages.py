@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from treadle.core.lora_request import LoRARequest
 from treadle.core.request import RequestStats
 from treadle.core.sampling_params import SamplingParams
 
@@ -65,6 +66,7 @@ class AddRequest:
     ttft: float | None  # objectives, seconds
     tpot: float | None
     pooling: bool = False  # an embedding: prefill only, pooled as the engine's `pooling` says
+    lora_request: LoRARequest | None = None  # its adapter; None: the base model
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +119,9 @@ class EngineLoad:
     spec_decode: tuple[int, int, int] = (0, 0, 0)
     # Position i: proposals whose first i + 1 tokens were accepted.
     spec_decode_accepted_per_position: tuple[int, ...] = ()
+    # The LoRA adapters (names) of the running and of the waiting requests, sorted.
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from treadle.core.lora_request import LoRARequest
 from treadle.core.sampling_params import SamplingParams
 
 
@@ -113,7 +114,8 @@ class Request:
                  sampling_params: SamplingParams | None = None, *, priority: int = 0,
                  arrival_time: float | None = None, cache_salt: str | None = None,
                  tenant: str = DEFAULT_TENANT, ttft: float | None = None,
-                 tpot: float | None = None, pooling: str | None = None) -> None:
+                 tpot: float | None = None, pooling: str | None = None,
+                 lora_request: LoRARequest | None = None) -> None:
         for name, objective in (("ttft", ttft), ("tpot", tpot)):
             if objective is not None and not objective > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {objective}")
@@ -122,6 +124,7 @@ class Request:
         self.priority = priority  # lower runs first under the priority policy
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt  # requests share cached blocks only under the same salt
+        self.lora_request = lora_request  # its adapter (None: the base); keys its cached blocks
         self.tenant = tenant  # whose share of the server it uses, under the fair policy
         # Objectives in seconds (None: none): time to first token, time per output token.
         self.ttft = ttft

@@ -34,6 +34,7 @@ from typing import Any
 
 from treadle.config import AsyncEngineConfig
 from treadle.core.generation_defaults import sampling_defaults
+from treadle.core.lora_request import LoRARequest
 from treadle.core.messages import (
     INVALID_REQUEST,
     AbortRequest,
@@ -335,7 +336,7 @@ class AsyncEngine:
                              tenant: str = DEFAULT_TENANT, cache_salt: str | None = None,
                              ttft: float | None = None, tpot: float | None = None,
                              received: float | None = None, pooling: bool = False,
-                             prompt_field: str = PROMPT
+                             prompt_field: str = PROMPT, lora_request: LoRARequest | None = None
                              ) -> AsyncIterator[tuple[int, RequestUpdate]]:
         """A client request's prompts (a completions batch, embedding inputs; each its own
         engine request under `request_ids`, the server's own, unique among requests in flight),
@@ -350,11 +351,12 @@ class AsyncEngine:
         disconnect) aborts every prompt; one that waits past max_queue_wait finishes with
         finish_reason "queue_timeout". `pooling`: embedding requests (prefill only, sharing
         batches with generation; of `params` only n=1 matters): each one's single update
-        finishes it, with its state's `embedding`."""
+        finishes it, with its state's `embedding`. `lora_request`: the adapter its prompts run
+        with (None: the base model)."""
         names = {PROMPT: prompt_field}
         try:
             queue = self._start(request_ids, prompts, params, priority, tenant, cache_salt, ttft,
-                                tpot, received, pooling)
+                                tpot, received, pooling, lora_request)
         except InvalidField as e:
             raise e.renamed(names) from None
         unfinished = set(range(len(request_ids)))
@@ -376,7 +378,8 @@ class AsyncEngine:
 
     def _start(self, request_ids: list[str], prompts: list[list[int]], params: SamplingParams,
                priority: int, tenant: str, cache_salt: str | None, ttft: float | None,
-               tpot: float | None, received: float | None, pooling: bool) -> asyncio.Queue:
+               tpot: float | None, received: float | None, pooling: bool,
+               lora_request: LoRARequest | None = None) -> asyncio.Queue:
         """Check a client request's prompts, admit them as one and send them to the engine;
         the queue their updates arrive on."""
         self.check_available()
@@ -396,10 +399,11 @@ class AsyncEngine:
             for index, (request_id, prompt) in enumerate(zip(request_ids, prompts, strict=True)):
                 engine_requests = self.processor.add_request(request_id, prompt, params)
                 self.streams[request_id] = Stream(queue, index)
-                self.observer.start(request_id, tenant, ttft, tpot, received)
+                self.observer.start(request_id, tenant, ttft, tpot, received,
+                                    None if lora_request is None else lora_request.lora_name)
                 self.live.start(request_id, params.n, tenant, priority, len(prompt), arrival)
                 messages = [AddRequest(engine_id, prompt, engine_params, priority, tenant, salt,
-                                       ttft, tpot, pooling)
+                                       ttft, tpot, pooling, lora_request)
                             for engine_id, engine_params in engine_requests]
                 if params.prompt_logprobs is not None and len(messages) > 1:
                     # The other samples go once sample 0 has prefilled: they find its whole
@@ -485,6 +489,9 @@ class AsyncEngine:
             (load.prefix_cache_queries, load.prefix_cache_hits, load.num_preemptions),
             None if step is None else step.num_prefill_tokens + step.num_decode_tokens)
         self.metrics.observe_spec_decode(load.spec_decode, load.spec_decode_accepted_per_position)
+        if self.config.engine.model.enable_lora:
+            self.metrics.observe_loras(load.running_loras, load.waiting_loras,
+                                       self.config.engine.scheduler.max_loras)
         self.live.record_engine(load, step, message.census, self.load_state.last_message)
         state = self.load_state
         if step is not None or not load.has_work:  # a step ran, or no work

@@ -412,7 +412,9 @@ class ReplicaGroup:
                           tuple(sum(x.spec_decode[k] for x in loads) for k in range(3)),
                           tuple(map(sum, itertools.zip_longest(
                               *(x.spec_decode_accepted_per_position for x in loads),
-                              fillvalue=0))))
+                              fillvalue=0))),
+                          tuple(sorted({n for x in loads for n in x.running_loras})),
+                          tuple(sorted({n for x in loads for n in x.waiting_loras})))
 
     def _merged_census(self) -> EngineCensus:
         waiting: Counter = Counter()

@@ -39,6 +39,7 @@ class RequestInfo:
     tpot: float | None
     arrival: float = field(default_factory=time.monotonic)  # frontend clock: handed over
     received: float | None = None  # when the frontend received it (None: at `arrival`)
+    lora: str | None = None  # its LoRA adapter's name, for the log line (None: the base)
     # Per sample index: (first, last) token times, for TTFT, ITL and the request log.
     token_times: dict[int, tuple[float, float]] = field(default_factory=dict)
 
@@ -59,11 +60,11 @@ class RequestObserver:
         self.held_ids: dict[str, int] = {}
 
     def start(self, request_id: str, tenant: str, ttft: float | None, tpot: float | None,
-              received: float | None = None) -> None:
+              received: float | None = None, lora: str | None = None) -> None:
         """`received`: when the frontend received the request (time.monotonic()), for the
-        breakdown's frontend part; None: now."""
+        breakdown's frontend part; None: now. `lora`: its adapter's name (None: the base)."""
         self.requests[request_id] = RequestInfo(tenant, self.metrics.tenant_label(tenant),
-                                                ttft, tpot, received=received)
+                                                ttft, tpot, received=received, lora=lora)
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -166,11 +167,12 @@ class RequestObserver:
                   if self.config.log_prompts else "")
         parts = ", ".join(f"{part} {seconds:.3f}"
                           for part, seconds in part_seconds(timeline).items())
-        logger.info("request %s finished: %s, tenant %s, prompt %d tokens (%d cached), output "
-                    "%d tokens, ttft %s s, e2e %.3f s (s: %s)%s", name, delta.finish_reason,
-                    info.tenant, len(state.prompt_token_ids), state.num_cached_tokens,
-                    len(sample.token_ids), "-" if ttft is None else f"{ttft:.3f}",
-                    now - arrival, parts, prompt)
+        adapter = "" if info.lora is None else f", lora {info.lora}"
+        logger.info("request %s finished: %s, tenant %s%s, prompt %d tokens (%d cached), "
+                    "output %d tokens, ttft %s s, e2e %.3f s (s: %s)%s", name,
+                    delta.finish_reason, info.tenant, adapter, len(state.prompt_token_ids),
+                    state.num_cached_tokens, len(sample.token_ids),
+                    "-" if ttft is None else f"{ttft:.3f}", now - arrival, parts, prompt)
 
 
     def _count_id(self, name: str, change: int) -> None:

@@ -23,6 +23,9 @@ class ScheduledSequence:
     # A pooling (embedding) sequence: the final hidden states of its last `num_hidden_rows`
     # tokens of this step (0 .. all of them), and no logits. None: a generating sequence.
     num_hidden_rows: int | None = None
+    # Its LoRA adapter (an id unique per adapter, and the folder it loads from); None: the base.
+    lora_id: int | None = None
+    lora_path: str | None = None
 
 
 @dataclass

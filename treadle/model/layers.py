@@ -8,7 +8,7 @@ the accounting below reads every family's layers alike.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,9 @@ from treadle.model.attention import AttentionMetadata, KVCache, paged_attention
 from treadle.model.kernels import elementwise_kernels
 from treadle.model.linear import Linear, QuantizedLinear
 from treadle.model.quantization import QuantizedWeight
+
+if TYPE_CHECKING:
+    from treadle.model.lora import LoraBatch
 
 # A layer's weights by role; a callable is a part with its own forward (experts.SparseMoE).
 Layer = dict[str, torch.Tensor | Linear | QuantizedLinear | Callable[[torch.Tensor], torch.Tensor]
@@ -127,6 +130,11 @@ class DecoderModel:
     final_norm: torch.Tensor
     layers: list[Layer]
     tied: bool
+    lora: LoraBatch | None = None  # the runner's adapters' rows by slot, with LoRA enabled
+
+    def lora_in_step(self) -> bool:
+        """Whether any row of this step has an adapter (the fused paths serve the base only)."""
+        return self.lora is not None and bool(self.lora.segments)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       attention: dict[int | None, AttentionMetadata], kv_cache: KVCache
@@ -150,7 +158,7 @@ class DecoderModel:
         """Parameters read by a decode step (a tied embedding counts once, as the LM head)."""
         count = self.lm_head.numel + self.final_norm.numel()
         for layer in self.layers:
-            count += sum(p.numel if isinstance(p, Linear | QuantizedLinear) else p.numel()
+            count += sum(p.numel() if isinstance(p, torch.Tensor) else p.numel
                          for p in layer.values() if p is not None)
         return count
 

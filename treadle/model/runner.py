@@ -26,6 +26,7 @@ from treadle.model.cuda_graphs import capture_decode_graphs, graph_output_bytes
 from treadle.model.kernels import paged_decode_attention, quant_linear_kernels
 from treadle.model.linear import tune_gemv_rows
 from treadle.model.loader import LoadedModel, load_model
+from treadle.model.lora import LoraSlots
 from treadle.model.memory import (
     activation_bytes,
     available_memory,
@@ -67,6 +68,11 @@ class ModelRunner:
         self.windows = sorted({w for w in spec.layer_windows() if w is not None})
         self.quantization, self.quantized_types = loaded.quantization, loaded.quantized_types()
         self.gemv_rows = self.choose_gemv_rows(model_config.quant_gemv_max_rows)
+        # After the gemv tuning, which times the bare layers.
+        self.lora = (LoraSlots(spec, self.model.layers, scheduler_config.max_loras,
+                               model_config.max_lora_rank, model_config.max_cpu_loras, self.dtype)
+                     if model_config.enable_lora else None)
+        self.model.lora = None if self.lora is None else self.lora.batch
         # Built (or imported) now, not in a step.
         native_decode = paged_decode_attention(device) is not None
         # Sized after the model is built: what is available then excludes the weights, their
@@ -147,7 +153,12 @@ class ModelRunner:
     def run(self, model_input: ModelInput) -> ModelOutput:
         """One model pass; the final norm and the LM head run only on the rows asked for, so
         generating sequences pay nothing for pooling ones and pooling ones skip the LM head."""
-        if self.decode_graphs is not None and self.decode_graphs.serves(model_input):
+        if self.lora is not None:
+            self.lora.set_rows([None if s.lora_id is None else (s.lora_id, s.lora_path)
+                                for s in model_input.sequences for _ in s.token_ids],
+                               self.device)
+        if (self.decode_graphs is not None and not self.model.lora_in_step()
+                and self.decode_graphs.serves(model_input)):
             for seq in model_input.sequences:
                 self.check(seq)
             return ModelOutput(self.decode_graphs.run(model_input))

@@ -13,6 +13,7 @@ series without bound.
 from __future__ import annotations
 
 import threading
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.openmetrics import exposition as openmetrics_exposition
@@ -108,6 +109,11 @@ class ServerMetrics:
             "spec_decode_num_accepted_tokens_per_pos",
             "Speculative proposals whose token at this position (0: the first) was accepted.",
             ("position",))
+        # vLLM's gauge: the adapters as labels (comma-separated), the time of the update its value.
+        self.lora_info = Gauge("treadle:lora_requests_info", "Running and waiting LoRA "
+                               "adapters, and the most a step may hold.",
+                               [*label, "running_lora_adapters", "waiting_lora_adapters",
+                                "max_lora"], registry=self.registry)
         self._cache_counts = (0, 0, 0)  # last cumulative (queries, hits, preemptions) seen
         self._spec_decode_counts = (0, 0, 0)
         self._spec_decode_per_position: tuple[int, ...] = ()
@@ -125,6 +131,14 @@ class ServerMetrics:
                 self.tenant_labels.add(tenant)
                 return tenant
         return tenant if tenant in self.tenant_labels else OTHER_TENANT
+
+    def observe_loras(self, running: tuple[str, ...], waiting: tuple[str, ...],
+                      max_loras: int) -> None:
+        """The lora_requests_info gauge: one series, the latest adapters as its labels."""
+        self.lora_info.clear()
+        self.lora_info.labels(model_name=self.model_name, running_lora_adapters=",".join(running),
+                              waiting_lora_adapters=",".join(waiting),
+                              max_lora=str(max_loras)).set(time.time())
 
     def observe_engine(self, running: int, waiting: int, kv_usage: float,
                        cumulative: tuple[int, int, int], iteration_tokens: int | None) -> None:

@@ -257,6 +257,16 @@ class Scheduler:
             i += 1
         return budget
 
+    def _over_lora_cap(self, request: Request) -> bool:
+        """Whether admitting the request would put more than max_loras distinct LoRA adapters
+        among the running requests (so in a step: only running requests are scheduled)."""
+        if request.lora_request is None:
+            return False
+        running = {r.lora_request.lora_int_id for r in self.running
+                   if r.lora_request is not None}
+        return (request.lora_request.lora_int_id not in running
+                and len(running) >= self.config.max_loras)
+
     def _schedule_proposed(self, request: Request, budget: int,
                            num_running_after: int) -> ScheduledRequest | None:
         """A decoding request's last token and its proposed tokens, as many as the budget takes,
@@ -300,6 +310,11 @@ class Scheduler:
                 continue
             if request.tenant in yielding:
                 break
+            if self._over_lora_cap(request):  # waits for a running adapter's requests to end
+                if len(passed_over) >= MAX_LOOKAHEAD:
+                    break
+                passed_over.append(self.waiting.pop())
+                continue
             hit_blocks, num_hit = self._prefix_hit(request)
             num_new = min(request.num_tokens - num_hit, self._chunk_tokens(request), budget)
             if request.num_tokens - num_hit - num_new > 1 and \

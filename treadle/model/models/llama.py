@@ -184,7 +184,8 @@ class LlamaModel(DecoderModel):
         """Whether this step runs in the native decoder: a step of decode tokens only, few
         enough for every projection to take the integer kernel."""
         return (meta.decode_block_tables is not None and meta.decode_indices is None
-                and not meta.prefills and hidden.is_cpu and self.native_decoder is not None
+                and not meta.prefills and not self.lora_in_step() and hidden.is_cpu
+                and self.native_decoder is not None
                 and hidden.shape[0] <= min(self.layers[0][name].max_gemv_rows
                                            for name in PROJECTIONS))
 
@@ -195,7 +196,7 @@ class LlamaModel(DecoderModel):
         them; not with Qwen3's q/k norms). Built at the first decode step, after the runner
         has set up the layers."""
         decoder_class = llama_decoder_class()
-        projections = [layer[name] for layer in self.layers for name in PROJECTIONS]
+        projections = [base_layer(layer[name]) for layer in self.layers for name in PROJECTIONS]
         if decoder_class is None or self.spec.qk_norm or not all(
                 type(p) is QuantizedLinear and p.kernels is not None for p in projections):
             return None
@@ -203,7 +204,7 @@ class LlamaModel(DecoderModel):
         decoder = decoder_class(spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                 spec.rms_norm_eps, self.scale)
         for layer in self.layers:
-            qkv, o, gate_up, down = (layer[name] for name in PROJECTIONS)
+            qkv, o, gate_up, down = (base_layer(layer[name]) for name in PROJECTIONS)
             decoder.add_layer(layer["input_norm"], layer["post_norm"], qkv.data, qkv.qtypes,
                               qkv.bias, o.data, o.qtypes, gate_up.data, gate_up.qtypes,
                               down.data, down.qtypes)
@@ -211,6 +212,11 @@ class LlamaModel(DecoderModel):
 
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+def base_layer(layer: object) -> object:
+    """The base layer under a LoRA wrapper (model/lora.py), or the layer itself."""
+    return getattr(layer, "base", layer)
 
 
 def unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:

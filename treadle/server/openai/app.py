@@ -58,7 +58,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     template that is neither a file nor a template that parses."""
     serving = OpenAIServing(engine, chat_tokenizer(engine.tokenizer, config.chat_template),
                             config.served_model_name, config.sse_keepalive_interval,
-                            config.tool_call_parser)
+                            config.tool_call_parser, config.lora_modules)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -499,6 +499,20 @@ class ModelCard(BaseModel):
     # weights_bytes, and kv_cache: blocks, tokens, bytes per token, max concurrency at full
     # context, dtype (float32, bfloat16, int8)
     memory: dict[str, int | dict[str, int | float | str]]
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's)."""
+
+    lora_name: str
 
 
 class ModelList(BaseModel):

@@ -32,12 +32,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
 
+from treadle.core.lora_request import LoRARequest
 from treadle.core.sampling_params import SamplingParams, StructuredOutputsParams, check_max_logprobs
 from treadle.core.structured_output import ConstraintChecker
 from treadle.errors import InvalidField
@@ -49,6 +50,7 @@ from treadle.observability.explain import e2e, timings
 from treadle.server.chat_template import apply_chat_template
 from treadle.server.openai.errors import APIError, invalid_request
 from treadle.server.openai.logprobs import TokenTable, prompt_logprobs
+from treadle.server.openai.lora_adapters import LoraAdapters
 from treadle.server.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -106,6 +108,7 @@ class RequestContext:
     tpot: float | None
     request_id: str  # what the request's records are keyed by (RequestIdMiddleware's)
     received: float  # time.monotonic() when the request came in
+    lora_request: LoRARequest | None = None  # the adapter its `model` names; None: the base
 
 
 def request_context(admitted: Admitted, request: Request) -> RequestContext:
@@ -247,12 +250,12 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncEngine, chat_tokenizer: Tokenizer,
                  model_names: tuple[str, ...], sse_keepalive_interval: float,
-                 tool_call_parser: str) -> None:
+                 tool_call_parser: str, lora_modules: tuple[str, ...] = ()) -> None:
         """The ServerConfig settings of the same names (their defaults are its own):
         `model_names`: those a request's `model` may be, the first in responses (empty: the
         model's own name); `sse_keepalive_interval`: seconds of silence before a streamed
         response gets a keep-alive comment; `tool_call_parser`: how model outputs' tool calls
-        are written (tool_parsers.py)."""
+        are written (tool_parsers.py); `lora_modules`: adapters served by name (name=path)."""
         self.engine = engine
         self.chat_tokenizer = chat_tokenizer
         self.tool_parser = tool_parser(tool_call_parser)
@@ -260,6 +263,8 @@ class OpenAIServing:
         self.keepalive = sse_keepalive_interval
         self.tokens: TokenTable | None = None  # built at startup, off the event loop
         self.created = int(time.time())
+        model = engine.config.engine.model
+        self.loras = LoraAdapters(lora_modules, model.enable_lora, model.max_cpu_loras)
 
     @property
     def model_name(self) -> str:
@@ -306,10 +311,12 @@ class OpenAIServing:
             raise engine_error(e) from e
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options needs stream", param="stream_options")
-        return request_context(admitted, request)
+        return replace(request_context(admitted, request),
+                       lora_request=None if body.model is None else self.loras.get(body.model))
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
+        if model is not None and model not in self.model_names and \
+                self.loras.get(model) is None:
             raise APIError(404, f"The model `{model}` does not exist.", param="model",
                            code="model_not_found")
 
@@ -392,11 +399,23 @@ class OpenAIServing:
                  pooling: bool = False) -> Updates:
         """`prompt_field`: the request's field the prompts came from (errors name it);
         `pooling`: embedding requests (AsyncEngine.generate's)."""
-        return self.engine.generate_batch(
+        updates = self.engine.generate_batch(
             prompt_ids(request_id, len(prompts)), prompts, params, priority,
             tenant=context.tenant, cache_salt=context.cache_salt, ttft=context.ttft,
             tpot=context.tpot, received=context.received, pooling=pooling,
-            prompt_field=prompt_field)
+            prompt_field=prompt_field, lora_request=context.lora_request)
+        lora = context.lora_request
+        return updates if lora is None else self.counted(updates, lora.lora_name)
+
+    async def counted(self, updates: Updates, lora_name: str) -> Updates:
+        """The updates, the adapter counted in use while they stream."""
+        self.loras.in_flight[lora_name] += 1
+        try:
+            async with aclosing(updates):
+                async for item in updates:
+                    yield item
+        finally:
+            self.loras.in_flight[lora_name] -= 1
 
     def finish_response(self, request_id: str, num_prompts: int) -> dict[str, float] | None:
         """The response is written, all but its last bytes: mark its samples' timelines; the

@@ -1,0 +1,224 @@
+"""LoRA adapters over the base model's linear layers, never merged into them (quantized bases
+stay quantized, and every adapter shares one copy of the base).
+
+An adapter in PEFT's format (adapter_config.json + adapter_model.safetensors) becomes, per
+targeted module, A [in, r] and B [r, out] with the scale folded into B. The runner keeps up to
+`max_loras` adapters in device slots; each wrapped layer stacks its parts' (q/k/v, gate/up)
+A and B per slot, B block-diagonal, so one fused layer adds x·A·B per row with two matmuls.
+A step's rows are grouped by slot (the SGMV idea): one pair of matmuls per adapter in the step,
+over its rows only; base rows pay nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from treadle.model.family import ModelSpec
+from treadle.model.linear import Linear, QuantizedLinear
+
+# PEFT's module names → the fused layer that serves them and the part's index in it.
+MODULE_LAYERS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
+                 "o_proj": ("o", 0), "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1),
+                 "down_proj": ("down", 0)}
+
+
+class LoraError(ValueError):
+    """An adapter this engine cannot serve, or cannot find."""
+
+
+@dataclass
+class LoraAdapter:
+    """One adapter's weights, the scale folded into B: (layer, module) → (A [in, r], B [r, out])."""
+
+    rank: int
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def lora_scale(config: dict) -> float:
+    """alpha / r, or alpha / sqrt(r) with rsLoRA (PEFT's rule)."""
+    r, alpha = config["r"], config.get("lora_alpha", 8)
+    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+
+
+def adapter_config(path: str | Path, max_rank: int) -> dict:
+    """A PEFT LoRA folder's config, refused (LoraError) where the adapter needs what this engine
+    does not do: checked when a request names the adapter, before its weights load."""
+    folder = Path(path)
+    config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not config_file.is_file() or not weights_file.is_file():
+        raise LoraError(f"{folder} holds no adapter_config.json and adapter_model.safetensors")
+    try:
+        config = json.loads(config_file.read_text())
+        int(config["r"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise LoraError(f"adapter {folder}: unreadable adapter_config.json ({e})") from e
+    unsupported = {"peft_type": config.get("peft_type", "LORA") != "LORA",
+                   "use_dora": bool(config.get("use_dora")),
+                   "modules_to_save": bool(config.get("modules_to_save")),
+                   "bias": config.get("bias", "none") != "none",
+                   "rank_pattern": bool(config.get("rank_pattern")),
+                   "alpha_pattern": bool(config.get("alpha_pattern")),
+                   "layers_to_transform": config.get("layers_to_transform") is not None,
+                   # Our bases store [out, in] as nn.Linear does: GPT-2's Conv1D layout is not one.
+                   "fan_in_fan_out": bool(config.get("fan_in_fan_out"))}
+    refused = [name for name, bad in unsupported.items() if bad]
+    if refused:
+        raise LoraError(f"adapter {folder}: {', '.join(refused)} not supported")
+    rank = int(config["r"])
+    if not 0 < rank <= max_rank:
+        raise LoraError(f"adapter {folder}: rank {rank} is above max_lora_rank {max_rank}")
+    return config
+
+
+def load_peft_adapter(path: str | Path, max_rank: int) -> LoraAdapter:
+    """A PEFT LoRA folder's weights (see `adapter_config` for what is refused)."""
+    folder = Path(path)
+    config = adapter_config(folder, max_rank)
+    rank, scale = int(config["r"]), lora_scale(config)
+    weights_file = folder / "adapter_model.safetensors"
+    tensors = load_file(str(weights_file))
+    adapter = LoraAdapter(rank)
+    for name, a in tensors.items():
+        if ".lora_A." not in name:
+            if ".lora_B." not in name:
+                raise LoraError(f"adapter {folder}: tensor {name} is not a LoRA A or B matrix")
+            continue
+        module_path = name.split(".lora_A.")[0]
+        module = module_path.rsplit(".", 1)[-1]
+        parts = module_path.split(".")
+        if module not in MODULE_LAYERS or "layers" not in parts:
+            raise LoraError(f"adapter {folder}: module {module_path} is not one LoRA serves "
+                            f"({', '.join(MODULE_LAYERS)})")
+        layer = int(parts[parts.index("layers") + 1])
+        b = tensors[name.replace(".lora_A.", ".lora_B.")]
+        adapter.weights[(layer, module)] = (a.float().t().contiguous(),
+                                            (b.float() * scale).t().contiguous())
+    return adapter
+
+
+class LoraBatch:
+    """The step's rows by adapter slot, read by every wrapped layer: (slot, row indices; None
+    when the slot owns every row)."""
+
+    def __init__(self) -> None:
+        self.segments: list[tuple[int, torch.Tensor | None]] = []
+
+
+class LoraLinear:
+    """A base layer plus, per slot, its parts' A stacked along the rank axis [in, parts·R] and
+    B block-diagonal [parts·R, out] (zeros where a part or a slot has no adapter)."""
+
+    def __init__(self, base: Linear | QuantizedLinear, part_sizes: list[int], in_features: int,
+                 max_loras: int, max_rank: int, dtype: torch.dtype, batch: LoraBatch) -> None:
+        self.base = base
+        self.batch = batch
+        self.max_rank = max_rank
+        self.offsets = [sum(part_sizes[:i]) for i in range(len(part_sizes) + 1)]
+        width = len(part_sizes) * max_rank
+        self.a = torch.zeros(max_loras, in_features, width, dtype=dtype)
+        self.b = torch.zeros(max_loras, width, self.offsets[-1], dtype=dtype)
+
+    def __getattr__(self, name: str):  # sizes, bytes, max_gemv_rows: the base layer's
+        return getattr(self.base, name)
+
+    def set_slot(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        for i, ab in enumerate(parts):
+            if ab is None:
+                continue
+            a, b = ab
+            r, ranks = a.shape[1], slice(i * self.max_rank, i * self.max_rank + a.shape[1])
+            self.a[slot, :, ranks] = a.to(self.a.dtype)
+            self.b[slot, ranks, self.offsets[i]:self.offsets[i] + b.shape[1]] = \
+                b[:r].to(self.b.dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        for slot, rows in self.batch.segments:
+            if rows is None:
+                y = y + (x @ self.a[slot]) @ self.b[slot]
+            else:
+                y = y.index_add(0, rows, (x[rows] @ self.a[slot]) @ self.b[slot])
+        return y
+
+
+class LoraSlots:
+    """The runner's adapters: loaded ones kept by id (at most `max_cpu_loras`, least recently
+    used dropped), up to `max_loras` of them in the layers' slots."""
+
+    def __init__(self, spec: ModelSpec, layers: list[dict], max_loras: int, max_rank: int,
+                 max_cpu_loras: int, dtype: torch.dtype) -> None:
+        self.batch = LoraBatch()
+        self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
+        self.layers: list[dict[str, LoraLinear]] = []
+        for layer in layers:
+            wrapped = {}
+            for name, (part_sizes, in_features) in layer_shapes(spec).items():
+                base = layer.get(name)
+                if base is None:  # a mixture of experts' feed-forward: not targeted
+                    continue
+                if type(base) not in (Linear, QuantizedLinear):
+                    raise LoraError("LoRA serves plain linear layers only (no tensor "
+                                    "parallelism)")
+                wrapped[name] = layer[name] = LoraLinear(
+                    base, part_sizes, in_features, max_loras, max_rank, dtype, self.batch)
+            self.layers.append(wrapped)
+        self.adapters: OrderedDict[int, LoraAdapter] = OrderedDict()
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id → slot, LRU first
+
+    def adapter(self, lora_id: int, path: str) -> LoraAdapter:
+        if lora_id not in self.adapters:
+            self.adapters[lora_id] = load_peft_adapter(path, self.max_rank)
+            if len(self.adapters) > self.max_cpu_loras:
+                dropped, _ = self.adapters.popitem(last=False)
+                self.slot_of.pop(dropped, None)
+        self.adapters.move_to_end(lora_id)
+        return self.adapters[lora_id]
+
+    def slot(self, lora_id: int, path: str, in_step: set[int]) -> int:
+        """The adapter's slot, loading it into one not used this step if it has none."""
+        if lora_id in self.slot_of:
+            self.slot_of.move_to_end(lora_id)
+            return self.slot_of[lora_id]
+        adapter = self.adapter(lora_id, path)
+        free = set(range(self.max_loras)) - set(self.slot_of.values())
+        if free:
+            slot = min(free)
+        else:
+            victim = next((i for i in self.slot_of if i not in in_step), None)
+            if victim is None:
+                raise LoraError(f"a step may use at most max_loras={self.max_loras} adapters")
+            slot = self.slot_of.pop(victim)
+        for i, wrapped in enumerate(self.layers):
+            for name, layer in wrapped.items():
+                modules = [m for m, (n, _) in MODULE_LAYERS.items() if n == name]
+                layer.set_slot(slot, [adapter.weights.get((i, m)) for m in modules])
+        self.slot_of[lora_id] = slot
+        return slot
+
+    def set_rows(self, row_adapters: list[tuple[int, str] | None], device: torch.device) -> None:
+        """This step's segments: each token row's adapter (id, path), None for the base."""
+        ids = {a[0]: a[1] for a in row_adapters if a is not None}
+        segments = []
+        for lora_id, path in ids.items():
+            slot = self.slot(lora_id, path, set(ids))
+            rows = [i for i, a in enumerate(row_adapters) if a is not None and a[0] == lora_id]
+            segments.append((slot, None if len(rows) == len(row_adapters) else
+                             torch.tensor(rows, dtype=torch.long, device=device)))
+        self.batch.segments = segments
+
+
+def layer_shapes(spec: ModelSpec) -> dict[str, tuple[list[int], int]]:
+    """Each fused layer's parts' output sizes and its input size."""
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    hidden, inter = spec.hidden_size, spec.intermediate_size
+    return {"qkv": ([q, kv, kv], hidden), "o": ([hidden], q),
+            "gate_up": ([inter, inter], hidden), "down": ([hidden], inter)}

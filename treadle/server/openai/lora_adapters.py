@@ -1,0 +1,58 @@
+"""The LoRA adapters a server serves by name (`--lora-modules`, and those loaded live through
+/v1/load_lora_adapter): each name's LoRARequest, and its requests in flight, so an adapter in
+use is not unloaded. The engine checks an adapter's files when a request names it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from treadle.core.lora_request import LoRARequest
+from treadle.server.openai.errors import APIError
+
+MAX_LORA_NAME_CHARS = 256
+
+
+class LoraAdapters:
+    def __init__(self, modules: tuple[str, ...], enabled: bool, max_adapters: int) -> None:
+        """`modules`: name=path pairs; `max_adapters`: most served at once (max_cpu_loras)."""
+        self.enabled = enabled
+        self.max_adapters = max_adapters
+        self.by_name: dict[str, LoRARequest] = {}
+        self.in_flight: Counter[str] = Counter()
+        self.next_id = 1
+        for module in modules:
+            name, _, path = module.partition("=")
+            self.load(name, path)
+
+    def get(self, name: str) -> LoRARequest | None:
+        return self.by_name.get(name)
+
+    def load(self, name: str, path: str) -> LoRARequest:
+        """APIError (400, 409) for an adapter that cannot be added (vLLM's messages)."""
+        if not self.enabled:
+            raise APIError(400, "LoRA adapters are not enabled (--enable-lora)")
+        if not name or len(name) > MAX_LORA_NAME_CHARS:
+            raise APIError(400, f"lora_name must be 1 to {MAX_LORA_NAME_CHARS} characters",
+                           param="lora_name")
+        if name in self.by_name:
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded.",
+                           param="lora_name")
+        if len(self.by_name) >= self.max_adapters:
+            raise APIError(409, f"{self.max_adapters} adapters are loaded already "
+                           "(max_cpu_loras): unload one first")
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise APIError(400, f"no adapter_config.json in {path!r}", param="lora_path")
+        lora = LoRARequest(name, self.next_id, str(path))
+        self.next_id += 1
+        self.by_name[name] = lora
+        return lora
+
+    def unload(self, name: str) -> None:
+        if name not in self.by_name:
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.",
+                           param="lora_name", code="model_not_found")
+        if self.in_flight[name]:
+            raise APIError(409, f"The lora adapter '{name}' is in use by "
+                           f"{self.in_flight[name]} requests")
+        del self.by_name[name]
