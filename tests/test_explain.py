@@ -70,6 +70,14 @@ def test_queue_is_the_main_cause_when_the_wait_is_longest():
     assert explained["timeline"] is t
 
 
+def test_a_wait_for_another_tenant_names_it():
+    t = timeline([(0.001, "queued"), (2.101, "scheduled"), (2.2, "first_token"),
+                  (2.3, "finished")], response_end_s=2.32,
+                 queue={"waiting_ahead": 3, "running_ahead": 6, "tokens_ahead": 9000,
+                        "top_tenant": "heavy", "top_tenant_kv_share": 0.92})
+    assert explain(t)["main_cause"] == "waited 2.1 s: tenant heavy held 92% of the KV cache"
+
+
 def test_preemption_time_comes_out_of_prefill_and_decode():
     t = timeline([(0.0, "queued"), (0.1, "scheduled"), (0.3, "preempted"), (1.5, "first_token"),
                   (1.6, "preempted"), (3.5, "finished")],

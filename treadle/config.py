@@ -210,7 +210,8 @@ class SchedulerConfig:
                                                   "share by tenant", flag={"skip": True})
     max_kv_blocks_per_tenant: int | None = setting(
         None, "KV cache blocks one tenant's running requests may hold when another of its "
-        "requests is admitted", none="no cap")
+        "requests is admitted", none="no cap; under --policy fair, its share of the cache while "
+        "another tenant is present")
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -231,7 +232,7 @@ class SchedulerConfig:
         if bad:
             raise ValueError(f"tenant weights must be > 0, got {bad}")
         if self.max_kv_blocks_per_tenant is not None and self.max_kv_blocks_per_tenant < 1:
-            raise ValueError("max_kv_blocks_per_tenant must be >= 1 (or None: no cap)")
+            raise ValueError("max_kv_blocks_per_tenant must be >= 1 (or None: the default)")
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,10 @@ class RequestStats:
     waiting_ahead: int = 0
     running_ahead: int = 0
     tokens_ahead: int = 0
+    # At arrival: the other tenant holding the most KV blocks (running requests') and its share
+    # of the cache, when another tenant held any ("" / 0.0: none).
+    top_tenant: str = ""
+    top_tenant_kv_share: float = 0.0
     # Prefill chunks (not recompute): (scheduled time, tokens, other requests in the step, their
     # prefill tokens, the step's seconds).
     prefill_chunks: list[tuple[float, int, int, int, float]] = field(default_factory=list)

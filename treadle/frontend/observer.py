@@ -191,7 +191,8 @@ def stats_fields(stats: RequestStats | None, arrival: float, num_preemptions: in
     steps = stats.decode_steps
     return {
         "queue": {"waiting_ahead": stats.waiting_ahead, "running_ahead": stats.running_ahead,
-                  "tokens_ahead": stats.tokens_ahead},
+                  "tokens_ahead": stats.tokens_ahead, "top_tenant": stats.top_tenant,
+                  "top_tenant_kv_share": round(stats.top_tenant_kv_share, 4)},
         "prefill_chunks": [{"t_s": round(t - arrival, 6), "tokens": tokens, "others": others,
                             "others_prefill_tokens": others_prefill, "step_s": round(step, 6)}
                            for t, tokens, others, others_prefill, step in stats.prefill_chunks],

@@ -133,6 +133,11 @@ def speculation(decode: dict) -> str:
             f"({accepted / proposed:.0%}, speculative decoding)")
 
 
+# Another tenant holding at least this share of the KV cache when a request arrived is named as
+# the cause of its wait.
+TENANT_CAUSE_SHARE = 0.5
+
+
 def main_cause(timeline: dict, seconds: dict[str, float]) -> str:
     """One sentence on the largest part."""
     name = max(PARTS, key=lambda part: seconds[part])
@@ -140,6 +145,10 @@ def main_cause(timeline: dict, seconds: dict[str, float]) -> str:
     if name == "queue":
         queue = timeline.get("queue", {})
         ahead = queue.get("waiting_ahead", 0) + queue.get("running_ahead", 0)
+        share = queue.get("top_tenant_kv_share", 0.0)
+        if queue.get("top_tenant") and share >= TENANT_CAUSE_SHARE:
+            return (f"waited {took}: tenant {queue['top_tenant']} held {share:.0%} of the KV "
+                    f"cache")
         return (f"waited {took} behind {ahead} requests ({queue.get('tokens_ahead', 0)} tokens "
                 f"queued ahead): queue")
     if name == "preemption":

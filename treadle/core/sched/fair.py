@@ -12,6 +12,11 @@ from treadle.config import SchedulerConfig, setting
 from treadle.core.request import Request
 from treadle.core.sched.policy import KeyedQueue, SchedulingPolicy, WaitingQueue, register_policy
 
+# The least derived chunk (the tenants issue measured light tenants protected at 16).
+MIN_DERIVED_CHUNK = 16
+# A derived chunk costs at most 1 / this of a bare step's fixed cost.
+CHUNK_SHARE_OF_STEP = 4
+
 
 @dataclass(frozen=True)
 class FairSettings:
@@ -25,13 +30,14 @@ class FairSettings:
     fair_chunk_tokens: int | None = setting(
         None, "under --policy fair, while more than one tenant is known, the most prompt tokens "
         "per step of a long prompt, so steps stay short for the others' arrivals",
-        none="--long-prefill-token-threshold")
+        none="derived: as many as the fitted step time prices at a quarter of a bare step's "
+        "fixed cost, at least 16")
 
     def __post_init__(self) -> None:
         if not (self.fair_prompt_token_weight >= 0 and self.fair_output_token_weight >= 0):
             raise ValueError("fair token weights must be >= 0")
         if self.fair_chunk_tokens is not None and self.fair_chunk_tokens < 1:
-            raise ValueError("fair_chunk_tokens must be >= 1 (or None: no cap)")
+            raise ValueError("fair_chunk_tokens must be >= 1 (or None: derived)")
 
 
 @register_policy
@@ -110,6 +116,8 @@ class FairPolicy(SchedulingPolicy):
         return best
 
     def defers_prefill(self, running: Request, head: Request) -> bool:
+        if head.num_preemptions:  # nobody defers to a readmission (deferral cycles livelocked)
+            return False
         # A tenant served more than the head's tenant, even once the head is charged, sends its
         # prompt chunks after the head (the same margin as displace: the two cannot defer to
         # each other); else light requests queue behind heavy chunks, one per step.
@@ -126,6 +134,8 @@ class FairPolicy(SchedulingPolicy):
         # from any tenant served at least as much, even one holding a single request: else one
         # long prompt of a heavy tenant capped to one request's worth of KV
         # (max_kv_blocks_per_tenant) put its chunk in every light admission step.
+        if head.num_preemptions:  # nobody yields to a readmission (yield cycles livelocked)
+            return frozenset()
         held = Counter(r.tenant for r in running)
         base, charge = self.counter(head.tenant), self.admission_charge(head)
         return frozenset(
@@ -140,12 +150,74 @@ class FairPolicy(SchedulingPolicy):
         # only the more-served tenant's left it long chunks whenever the light tenants' lifted
         # counters passed its own). A prompt that fits one chunk is never cut: in pieces, a
         # light prompt held the only prefill slot.
-        if self.chunk_tokens_shared is None or self.chunk_tokens_shared >= threshold or \
-                request.num_tokens <= threshold:
+        if request.num_tokens <= threshold or \
+                not any(tenant != request.tenant for tenant in self.counters):
             return threshold
-        if any(tenant != request.tenant for tenant in self.counters):
-            return self.chunk_tokens_shared
-        return threshold
+        chunk = self.chunk_tokens_shared
+        if chunk is None:
+            chunk = self.derived_chunk_tokens()
+        return min(chunk, threshold)
+
+    def derived_chunk_tokens(self) -> int:
+        """A chunk that adds to a step at most a quarter of what a bare step costs (the fitted
+        fixed cost, over the per-token cost): a light request's first token waits for the step
+        in flight and its own, so both stay near a bare step (`treadle sim`, issue 34's
+        workload: chunks priced at a whole bare step left light TTFT p99 at 15x its alone, 16
+        tokens at 9x, 64 at 30x); at least MIN_DERIVED_CHUNK; before any step is measured,
+        MIN_DERIVED_CHUNK (short steps until the engine knows better)."""
+        fit = None if self.scheduler is None else self.scheduler.step_time.fit
+        if fit is None or fit.per_token <= 0:
+            return MIN_DERIVED_CHUNK
+        return max(MIN_DERIVED_CHUNK, int(fit.fixed / (CHUNK_SHARE_OF_STEP * fit.per_token)))
+
+    def tenant_kv_cap(self, tenant: str) -> int | None:
+        # max_kv_blocks_per_tenant when given; else, while another tenant has requests waiting
+        # or running, the tenant's weighted share of the cache over the tenants present; one
+        # tenant alone is never capped (work conserving: fair is fcfs). Whatever the counters
+        # say: capping only the better served tenant let the cap switch on and off as the
+        # counters crossed (`treadle sim`, issue 34's workload: 273 preemptions, light TTFT p99
+        # 62 s). So shares of blocks, not the counters' token bound, rule while the cache binds.
+        cap = super().tenant_kv_cap(tenant)
+        if cap is not None or self.scheduler is None:
+            return cap
+        present = self.scheduler.tenants
+        if not any(t != tenant for t in present):
+            return None
+        return self._share(tenant, present)
+
+    def config_cap_unset(self) -> bool:
+        return self.scheduler is not None and \
+            self.scheduler.config.max_kv_blocks_per_tenant is None
+
+    def _over_own_share(self, head: Request) -> bool:
+        """Admitting `head` would take its tenant past its share."""
+        assert self.scheduler is not None
+        cap = self.tenant_kv_cap(head.tenant)
+        block_size = self.scheduler.block_size
+        return cap is not None and \
+            self.scheduler.committed_blocks(head.tenant) + -(-head.num_tokens // block_size) > cap
+
+    def _share(self, tenant: str, present: Mapping[str, int]) -> int:
+        weight = self.weights.get(tenant, 1.0)
+        total = weight + sum(self.weights.get(t, 1.0) for t in present if t != tenant)
+        assert self.scheduler is not None
+        return max(1, int(self.scheduler.num_blocks * weight / total))
+
+    def _over_share(self, candidates: Sequence[Request], exclude: str) -> Request | None:
+        """The newest candidate of the tenant whose running requests' blocks exceed its share
+        (tenant_kv_cap) by the most, other than `exclude`; None when no tenant is over."""
+        assert self.scheduler is not None
+        worst, worst_excess = None, 0
+        for tenant in {r.tenant for r in candidates if r.tenant != exclude}:
+            cap = self.tenant_kv_cap(tenant)
+            if cap is None:
+                continue
+            excess = self.scheduler.committed_blocks(tenant) - cap
+            if excess > worst_excess:
+                worst, worst_excess = tenant, excess
+        if worst is None:
+            return None
+        return max((r for r in candidates if r.tenant == worst), key=lambda r: r.arrival_time)
 
     def victim(self, candidates: Sequence[Request]) -> Request:
         victim = self._most_served(candidates, exclude=None)
@@ -153,6 +225,14 @@ class FairPolicy(SchedulingPolicy):
         return victim
 
     def displace(self, head: Request, candidates: Sequence[Request]) -> Request | None:
+        # A tenant within its share takes blocks back from the tenant most over its own: that
+        # tenant's newest running request (none is scheduled yet in the step). Never for a
+        # readmission after preemption (a preempted request displacing in turn could cycle).
+        if head.num_preemptions == 0 and self.scheduler is not None and \
+                self.config_cap_unset() and not self._over_own_share(head):
+            victim = self._over_share(candidates, exclude=head.tenant)
+            if victim is not None:
+                return victim
         victim = self._most_served(candidates, exclude=head.tenant)
         if victim is None:
             return None

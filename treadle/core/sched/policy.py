@@ -23,6 +23,8 @@ counters, so one policy object serves one scheduler). It answers:
 - `yielding_tenants(head, running)`: tenants whose running requests sit out a step that admits
   the waiting queue's head (fair share), so a light tenant's first token waits for one short
   step, not for a full batch of the heavy tenant's decodes and chunks.
+- `tenant_kv_cap(tenant)`: the KV blocks a tenant may hold when another of its requests is
+  admitted (max_kv_blocks_per_tenant; fair share derives one from the tenants present).
 - `chunk_tokens(request, threshold)`: the most prompt tokens a request computes in one step
   (fair share may cap a tenant served more than others, to keep the steps short).
 - `on_admitted` / `on_tokens_generated`: service accounting (fair share).
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -78,6 +81,13 @@ class SchedulerView(Protocol):
     waiting: WaitingQueue
     running: list[Request]
     step_time: StepTimeModel
+    tenants: Counter[str]  # unfinished requests (waiting or running) per tenant
+
+    @property
+    def num_blocks(self) -> int: ...  # the KV cache's blocks
+    @property
+    def block_size(self) -> int: ...
+    def committed_blocks(self, tenant: str) -> int: ...  # its running requests' blocks, whole
 
 
 def uncomputed_tokens(request: Request) -> int:
@@ -175,6 +185,16 @@ class SchedulingPolicy:
     name: ClassVar[str] = "base"
     summary: ClassVar[str] = ""
     settings_class: ClassVar[type | None] = None
+    scheduler: SchedulerView | None = None  # set by bind(): the scheduler it serves
+
+    def bind(self, scheduler: SchedulerView) -> None:
+        """Called once by the scheduler this policy serves: hooks may read its state."""
+        self.scheduler = scheduler
+
+    def tenant_kv_cap(self, tenant: str) -> int | None:
+        """KV blocks `tenant`'s running requests may hold when another of its requests is
+        admitted (None: no cap): max_kv_blocks_per_tenant unless a policy derives one."""
+        return None if self.scheduler is None else self.scheduler.config.max_kv_blocks_per_tenant
 
     @classmethod
     def from_config(cls, config: SchedulerConfig, settings: Any) -> SchedulingPolicy:

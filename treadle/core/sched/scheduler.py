@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import time
 from bisect import insort
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -96,6 +97,22 @@ class Scheduler:
         # With max_queue_wait: (arrival, id, request) of each request queued, oldest on top;
         # those scheduled or ended meanwhile are dropped as they surface.
         self.unscheduled: list[tuple[float, int, Request]] = []
+        self.tenants: Counter[str] = Counter()  # unfinished requests per tenant
+        policy.bind(self)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache_manager.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache_manager.block_size
+
+    def committed_blocks(self, tenant: str) -> int:
+        """The blocks of `tenant`'s running requests' tokens so far (a prompt mid-prefill counts
+        whole)."""
+        block_size = self.kv_cache_manager.block_size
+        return sum(cdiv(r.num_tokens, block_size) for r in self.running if r.tenant == tenant)
 
     @property
     def num_waiting(self) -> int:
@@ -129,9 +146,17 @@ class Scheduler:
                                f"needs {num_blocks} KV cache blocks of {kv.block_size} tokens; "
                                f"the whole cache has {kv.num_blocks}")
         self.requests[request.request_id] = request
+        self.tenants[request.tenant] += 1
         stats = request.stats  # who is ahead of it, for `explain`
         stats.waiting_ahead, stats.running_ahead = len(self.waiting), len(self.running)
         _, stats.tokens_ahead = self.waiting.ahead(request)
+        held: Counter[str] = Counter()
+        for running in self.running:
+            if running.tenant != request.tenant:
+                held[running.tenant] += len(kv.block_tables.get(running.request_id, ()))
+        if held:
+            stats.top_tenant, blocks = held.most_common(1)[0]
+            stats.top_tenant_kv_share = blocks / kv.num_blocks
         self.waiting.add(request)
         if self.config.max_queue_wait is not None:
             heapq.heappush(self.unscheduled, (request.arrival_time, id(request), request))
@@ -374,19 +399,18 @@ class Scheduler:
         return self.kv_cache_manager.get_computed_blocks(request)
 
     def _over_tenant_cap(self, request: Request) -> bool:
-        """Admitting it would take its tenant past max_kv_blocks_per_tenant: the blocks of its
-        running requests' tokens so far (a prompt mid-prefill counts whole: with its chunks
-        counted as held, a second long prompt was admitted beside the first and both held the
-        prefill slots) plus those of this request's. Decode growth after admission is not
+        """Admitting it would take its tenant past its KV cap (the policy's tenant_kv_cap): the
+        blocks of its running requests' tokens so far (a prompt mid-prefill counts whole: with
+        its chunks counted as held, a second long prompt was admitted beside the first and both
+        held the prefill slots) plus those of this request's. Decode growth after admission is not
         capped. A tenant holding nothing is never over, or a request larger than the cap could
         never run."""
-        cap = self.config.max_kv_blocks_per_tenant
+        cap = self.policy.tenant_kv_cap(request.tenant)
         if cap is None:
             return False
-        block_size = self.kv_cache_manager.block_size
-        committed = sum(cdiv(r.num_tokens, block_size) for r in self.running
-                        if r.tenant == request.tenant)
-        return committed > 0 and committed + cdiv(request.num_tokens, block_size) > cap
+        committed = self.committed_blocks(request.tenant)
+        return committed > 0 and \
+            committed + cdiv(request.num_tokens, self.kv_cache_manager.block_size) > cap
 
     def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, int],
                            accepted: Mapping[str, Sequence[int]] | None = None
@@ -510,6 +534,9 @@ class Scheduler:
 
     def _end(self, request: Request, status: RequestStatus) -> None:
         del self.requests[request.request_id]
+        self.tenants[request.tenant] -= 1
+        if not self.tenants[request.tenant]:
+            del self.tenants[request.tenant]
         self.kv_cache_manager.free(request)
         request.status = status
 
@@ -517,6 +544,7 @@ class Scheduler:
         """Raise AssertionError unless queues, request states and the KV cache agree."""
         self.kv_cache_manager.check_invariants()
         self.waiting.check_invariants()
+        assert self.tenants == Counter(r.tenant for r in self.requests.values()), "tenant counts"
         assert self.running == sorted(self.running, key=self.policy.sort_key), \
             "running list out of order"
         waiting = list(self.waiting)

@@ -1,0 +1,128 @@
+"""`--policy fair` with no other flag (issue 34): the KV share, the chunk size and the
+displacement it derives from the cache, the step time and the tenants present."""
+
+from __future__ import annotations
+
+from conftest import assert_scheduler_empty
+from engine_sim import make_scheduler, model_for, run_until_done, step
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from treadle.core.request import Request
+from treadle.core.sampling_params import SamplingParams
+from treadle.core.sched.step_time import StepFit
+
+
+def request(rid: str, tenant: str, prompt_len: int, max_tokens: int, t: float = 0.0) -> Request:
+    return Request(rid, [1 + (hash(rid) % 7)] + [2] * (prompt_len - 1),
+                   SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=t,
+                   tenant=tenant)
+
+
+def saturated(policy: str = "fair", **config):
+    """A heavy tenant's six long prompts fill a 64-block cache (16-token blocks)."""
+    s = make_scheduler(num_blocks=64, block_size=16, max_num_batched_tokens=256,
+                       long_prefill_token_threshold=256, policy=policy, **config)
+    for i in range(6):
+        s.add_request(request(f"h{i}", "heavy", 300, 64, t=i))
+    model = model_for(s)
+    for _ in range(12):
+        step(s, model)
+    return s, model
+
+
+def test_one_tenant_is_never_capped_and_runs_as_fcfs():
+    runs = []
+    for policy in ("fcfs", "fair"):
+        s = make_scheduler(num_blocks=40, block_size=4, max_num_batched_tokens=64,
+                           long_prefill_token_threshold=32, policy=policy)
+        for i in range(8):
+            s.add_request(request(f"r{i}", "only", 40 + 7 * i, 12, t=i))
+        assert s.policy.tenant_kv_cap("only") is None
+        model, steps = model_for(s), []
+        while s.has_unfinished_requests():
+            output, _ = step(s, model)
+            steps.append([(x.request.request_id, x.num_new_tokens) for x in output.scheduled])
+        runs.append(steps)
+    assert runs[0] == runs[1]
+
+
+def test_share_follows_the_tenants_present_and_their_weights():
+    s = make_scheduler(num_blocks=90, block_size=4, policy="fair", tenant_weights={"b": 2.0})
+    s.add_request(request("a0", "a", 8, 4))
+    assert s.policy.tenant_kv_cap("a") is None  # alone
+    s.add_request(request("b0", "b", 8, 4))
+    assert s.policy.tenant_kv_cap("a") == 30 and s.policy.tenant_kv_cap("b") == 60
+    s.add_request(request("c0", "c", 8, 4))
+    assert s.policy.tenant_kv_cap("a") == 22 and s.policy.tenant_kv_cap("b") == 45
+    run_until_done(s)
+    assert not s.tenants
+
+
+def test_an_explicit_cap_overrides_the_derived_share():
+    s = make_scheduler(num_blocks=90, block_size=4, policy="fair", max_kv_blocks_per_tenant=7)
+    assert s.policy.tenant_kv_cap("a") == 7
+
+
+def test_derived_chunk_prices_a_chunk_at_a_quarter_of_a_bare_step():
+    s = make_scheduler(num_blocks=200, block_size=4, policy="fair")
+    long = request("a0", "a", 600, 4)
+    s.add_request(long)
+    s.add_request(request("b0", "b", 8, 4))
+    assert s.policy.chunk_tokens(long, 256) == 16  # nothing measured yet: the least chunk
+    s.step_time.fit = StepFit(0.08, 0.0002)
+    assert s.policy.chunk_tokens(long, 256) == 100
+    assert s.policy.chunk_tokens(request("x", "a", 100, 4), 256) == 256  # fits one chunk
+    s.step_time.fit = StepFit(2.0, 0.0001)
+    assert s.policy.chunk_tokens(long, 256) == 256  # never above the engine's threshold
+
+
+def test_a_light_request_beside_a_saturating_tenant_is_scheduled_within_a_few_steps():
+    s, model = saturated()
+    light = request("l0", "light", 100, 8, t=100)  # 7 blocks: more than the heavy tenant left
+    assert s.kv_cache_manager.num_free_blocks < 7
+    s.add_request(light)
+    for _ in range(3):
+        output, _ = step(s, model)
+        if any(x.request is light for x in output.scheduled):
+            break
+    else:
+        raise AssertionError("the light request waited more than 3 steps")
+    assert light.num_preemptions == 0
+    finished = {r.request_id for r in run_until_done(s, model)}
+    assert {f"h{i}" for i in range(6)} <= finished  # every heavy request finishes
+    assert_scheduler_empty(s)
+
+
+def test_under_fcfs_the_same_light_request_waits_for_the_heavy_tenant():
+    s, model = saturated("fcfs")
+    light = request("l0", "light", 100, 8, t=100)
+    s.add_request(light)
+    for _ in range(3):
+        output, _ = step(s, model)
+        assert all(x.request is not light for x in output.scheduled)
+    run_until_done(s, model)
+
+
+@settings(max_examples=60, deadline=None)
+@given(arrivals=st.lists(st.tuples(st.sampled_from(["heavy", "light", "other"]),
+                                   st.integers(1, 120), st.integers(1, 24)),
+                         min_size=1, max_size=24),
+       num_blocks=st.integers(12, 48), chunk=st.integers(4, 64), steps_between=st.integers(0, 3))
+def test_derived_rules_finish_every_request_and_leak_no_block(arrivals, num_blocks, chunk,
+                                                              steps_between):
+    """No livelock (every request ends within the step bound) and no leak, whatever the tenants
+    and the cache's size, with the derived share, chunks and displacement."""
+    s = make_scheduler(num_blocks=num_blocks, block_size=8, max_num_batched_tokens=chunk,
+                       long_prefill_token_threshold=chunk, policy="fair", max_model_len=512)
+    s.step_time.fit = StepFit(0.01, 0.001)
+    model = model_for(s)
+    for i, (tenant, prompt_len, max_tokens) in enumerate(arrivals):
+        if -(-(prompt_len + max_tokens - 1) // 8) > num_blocks:
+            continue
+        s.add_request(request(f"r{i}", tenant, prompt_len, max_tokens, t=i))
+        for _ in range(steps_between):
+            step(s, model)
+    run_until_done(s, model, max_steps=5_000)
+    assert not s.tenants
+    assert_scheduler_empty(s)
