@@ -117,10 +117,9 @@ class QuantizedLinear:
 def tune_gemv_rows(layers: list[QuantizedLinear], dtype: torch.dtype) -> dict[str, int]:
     """For each distinct shape among `layers`, the most rows (of TUNE_ROWS, at least 1) for
     which the integer kernel measured at least as fast as the float path (over the dense copy,
-    or dequantizing slices), set on every layer of that shape. Below a count where the kernel
-    wins it is assumed to keep winning (its cost grows faster with rows than the float path's),
-    so the search goes down from the most rows and stops at the first win. Returns
-    "out x in type" -> rows."""
+    or dequantizing slices), set on every layer of that shape. The kernel's cost grows faster
+    with rows than the float path's: where it wins at the most rows it wins below them too, and
+    past its first loss it keeps losing. Returns "out x in type" -> rows."""
     by_shape: dict[tuple, list[QuantizedLinear]] = {}
     for layer in layers:
         if layer.kernels is not None:
@@ -140,14 +139,22 @@ def crossover_rows(layer: QuantizedLinear, dtype: torch.dtype, repeats: int = 5)
     0.52 ms for gate_up 3072x576 Q4_1, 6.2 vs 13.3 ms for the head 49152x576 Q8_0; it still wins
     at 4 rows, 0.50 vs 0.52 and 9.0 vs 14.4). Each larger count is timed with more repeats, and
     a loss is timed again before it counts: with 5 repeats and no second look, a shared 2-core
-    machine under load picked 1 row for shapes where the kernel wins at 2-4. Going down from
-    the most rows, a shape where the kernel wins throughout (a 1B model's on Zen 3) is timed
-    once, not at every count (its startup's tuning: minutes before)."""
-    for rows in reversed(TUNE_ROWS[1:]):
+    machine under load picked 1 row for shapes where the kernel wins at 2-4. The most rows are
+    timed first: a shape where the kernel wins throughout (a 1B model's on Zen 3) is timed once,
+    not at every count (its startup's tuning: minutes before); else the counts go up from 2 to
+    the first loss."""
+    def wins(rows: int) -> bool:
         x = torch.randn(rows, layer.in_features).to(dtype)
-        if kernel_wins(layer, x, repeats + rows // 4):
-            return rows
-    return 1
+        return kernel_wins(layer, x, repeats + rows // 4)
+
+    if wins(TUNE_ROWS[-1]):
+        return TUNE_ROWS[-1]
+    rows_ok = 1
+    for rows in TUNE_ROWS[1:-1]:
+        if not wins(rows):
+            break
+        rows_ok = rows
+    return rows_ok
 
 
 def kernel_wins(layer: QuantizedLinear, x: torch.Tensor, repeats: int) -> bool:
