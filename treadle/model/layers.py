@@ -158,7 +158,8 @@ class DecoderModel:
         """Parameters read by a decode step (a tied embedding counts once, as the LM head)."""
         count = self.lm_head.numel + self.final_norm.numel()
         for layer in self.layers:
-            count += sum(p.numel() if isinstance(p, torch.Tensor) else p.numel
+            # Tensors and mixtures of experts count theirs by a method, linear layers hold it.
+            count += sum(p.numel() if callable(p.numel) else p.numel
                          for p in layer.values() if p is not None)
         return count
 

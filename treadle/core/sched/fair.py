@@ -30,8 +30,8 @@ class FairSettings:
     fair_chunk_tokens: int | None = setting(
         None, "under --policy fair, while more than one tenant is known, the most prompt tokens "
         "per step of a long prompt, so steps stay short for the others' arrivals",
-        none="derived: as many as the fitted step time prices at a quarter of a bare step's "
-        "fixed cost, at least 16")
+        none="the tokens the fitted step time prices at a quarter of a bare step's fixed cost "
+        "(at least 16)")
 
     def __post_init__(self) -> None:
         if not (self.fair_prompt_token_weight >= 0 and self.fair_output_token_weight >= 0):
