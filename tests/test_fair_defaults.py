@@ -3,6 +3,8 @@ displacement it derives from the cache, the step time and the tenants present.""
 
 from __future__ import annotations
 
+import zlib
+
 from conftest import assert_scheduler_empty
 from engine_sim import make_scheduler, model_for, run_until_done, step
 from hypothesis import given, settings
@@ -14,7 +16,9 @@ from treadle.core.sched.step_time import StepFit
 
 
 def request(rid: str, tenant: str, prompt_len: int, max_tokens: int, t: float = 0.0) -> Request:
-    return Request(rid, [1 + (hash(rid) % 7)] + [2] * (prompt_len - 1),
+    # A first token of its own (crc32, not hash(): str hashes change from run to run), so no two
+    # prompts share cached blocks.
+    return Request(rid, [3 + zlib.crc32(rid.encode()) % 10_000] + [2] * (prompt_len - 1),
                    SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=t,
                    tenant=tenant)
 
