@@ -140,9 +140,8 @@ def crossover_rows(layer: QuantizedLinear, dtype: torch.dtype, repeats: int = 5)
     at 4 rows, 0.50 vs 0.52 and 9.0 vs 14.4). Each larger count is timed with more repeats, and
     a loss is timed again before it counts: with 5 repeats and no second look, a shared 2-core
     machine under load picked 1 row for shapes where the kernel wins at 2-4. The most rows are
-    timed first: a shape where the kernel wins throughout (a 1B model's on Zen 3) is timed once,
-    not at every count (its startup's tuning: minutes before); else the counts go up from 2 to
-    the first loss."""
+    timed first: a shape where the kernel wins throughout is timed once, not at every count;
+    else the counts go up from 2 to the first loss."""
     def wins(rows: int) -> bool:
         x = torch.randn(rows, layer.in_features).to(dtype)
         return kernel_wins(layer, x, repeats + rows // 4)

@@ -5,9 +5,7 @@
 // beside it) is read as int8, half the bytes of bfloat16: a slot's lanes widened to float as
 // bfloat16's are, each vector's scale applied to its heads' scores and softmax weights.
 // With AVX2 and heads a whole number of 8-float vectors, a head's scores take four positions at
-// a time and its weighted values stay in registers over the task's positions (Zen 3, 2 threads,
-// 9 heads over 3 KV heads of 64: one sequence of 600 positions 78 -> 47 us, 16 of 2,048
-// 3.5 -> 2.6 ms in float32, 3.1 -> 2.2 ms in bfloat16).
+// a time and its weighted values stay in registers over the task's positions (docs/decisions.md).
 #include "kernels.h"
 #include <ATen/Parallel.h>
 

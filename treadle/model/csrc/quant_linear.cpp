@@ -286,8 +286,7 @@ void tile_dot(const uint8_t* w, int64_t row_bytes, const QuantizedRows& xq, int6
 }
 
 // Activation rows a tile takes: its 4 x 2 accumulators stay in AVX2's 16 registers beside the
-// blocks (Zen 3, the default model's layers at 1-8 rows: 4 x 4 and 1 x 4 spilled and ran
-// 1.5-2x slower, 2 x 4 and 2 x 2 10-30% slower).
+// blocks (larger tiles spill; docs/decisions.md).
 constexpr int ROW_TILE = 2;
 
 // tile_dot for W weight rows and every activation row, ROW_TILE at a time while the W rows'
