@@ -171,6 +171,35 @@ def test_quantized_base_stays_quantized_and_takes_the_adapter(tiny_lora, mode):
     assert (without - want).abs().max() > 2 * tolerance * want.abs().max()
 
 
+def test_fused_decoder_adds_each_rows_adapter(tiny_lora):
+    """A decode step of base, a and b rows over a quantized base runs in the native fused
+    decoder (its lora_add kernel): each row's logits equal the layers' path's for the same step
+    and the row's own alone; the adapted rows differ from the base's."""
+    folder, _, adapters = tiny_lora
+    loras = [None, (1, adapters["a"][0]), (2, adapters["b"][0])]
+    prompts = [list(range(3 + i, 15 + i)) for i in range(len(loras))]
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(len(loras))]
+
+    def decode_step(fused: bool, rows: list[int]) -> torch.Tensor:
+        runner = lora_runner(folder, quantization="int8", quant_gemv_max_rows=4)
+        if not fused:
+            runner.model.__dict__["native_decoder"] = None  # the cached property, unset
+        for i in rows:
+            runner.execute(ModelInput([sequence(prompts[i][:-1], 0, tables[i], loras[i])]))
+        logits = runner.execute(ModelInput([sequence(prompts[i][-1:], len(prompts[i]) - 1,
+                                                     tables[i], loras[i]) for i in rows]))
+        assert (runner.model.__dict__["native_decoder"] is not None) == fused
+        return logits
+
+    fused = decode_step(True, [0, 1, 2])
+    assert (fused - decode_step(False, [0, 1, 2])).abs().max().item() < 1e-4
+    alone = torch.cat([decode_step(True, [i]) for i in range(len(loras))])
+    assert (fused - alone).abs().max().item() < 1e-5
+    loras[1:] = [None, None]
+    base_rows = decode_step(True, [1, 2])
+    assert (fused[1:] - base_rows).abs().max().item() > 1e-2
+
+
 def write_adapter(folder: Path, source: Path, **config_changes) -> Path:
     shutil.copytree(source, folder)
     config = json.loads((folder / "adapter_config.json").read_text())

@@ -66,6 +66,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo", default=None, metavar="ttft:MS,tpot:MS",
                         help="objectives set on every request (ttft_ms, tpot_ms) and reported "
                              "as goodput")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                        help="LoRA adapters the server serves: each request's model is one of "
+                             "them, drawn at random (seeded)")
     parser.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
                         help="send prompts as token ids or as text")
     parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
@@ -127,7 +130,8 @@ def run_serve(args: argparse.Namespace) -> int:
                              ignore_eos=args.ignore_eos, seed=args.seed,
                              backend=args.backend, api_key=args.api_key,
                              progress=args.progress, tenants=tenants,
-                             tenant_keys=tenant_keys, objectives=objectives)
+                             tenant_keys=tenant_keys, objectives=objectives,
+                             lora_modules=args.lora_modules)
     except (ValueError, OSError) as e:
         print(f"treadle: {e}", file=sys.stderr)
         return 2

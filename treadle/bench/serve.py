@@ -165,7 +165,8 @@ class OpenAIBackend:
     def __init__(self, base_url: str, model: str, requests: list[BenchRequest],
                  prompt_format: str, ignore_eos: bool, api_key: str | None = None,
                  tenants: list[str] | None = None, tenant_keys: dict[str, str] | None = None,
-                 objectives: dict[str, float] | None = None) -> None:
+                 objectives: dict[str, float] | None = None,
+                 request_models: list[str] | None = None) -> None:
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.prompt_lens = [r.prompt_len for r in requests]
@@ -174,8 +175,9 @@ class OpenAIBackend:
         self.request_headers = [{"Authorization": f"Bearer {tenant_keys[t]}"}
                                 if t in tenant_keys else None for t in self.tenants]
         self.payloads = []
-        for r, tenant in zip(requests, self.tenants, strict=True):
-            payload = {"model": model,
+        models = request_models or [model] * len(requests)
+        for r, tenant, request_model in zip(requests, self.tenants, models, strict=True):
+            payload = {"model": request_model,
                        "prompt": r.prompt_token_ids if prompt_format == "ids" else r.prompt,
                        "max_tokens": r.output_len, "temperature": 0.0, "stream": True,
                        "stream_options": {"include_usage": True}}
@@ -240,12 +242,14 @@ def bench_serve(base_url: str, model: str, requests: list[BenchRequest],
                 backend: str = "openai", api_key: str | None = None,
                 progress: bool = True, tenants: dict[str, float] | None = None,
                 tenant_keys: dict[str, str] | None = None,
-                objectives: dict[str, float] | None = None) -> dict:
+                objectives: dict[str, float] | None = None,
+                lora_modules: list[str] | None = None) -> dict:
     """One run per request rate, after one untimed request that checks the server answers.
     `backend` "openai" takes an http(s) base URL; "grpc" a host:port of Treadle's gRPC API.
     `tenants`: name -> share of the requests (not with a workload that names its tenants,
     which are sent as given); `tenant_keys`: name -> API key; `objectives`:
-    ttft / tpot in ms, set on every request and counted as goodput SLOs."""
+    ttft / tpot in ms, set on every request and counted as goodput SLOs; `lora_modules`: adapter
+    names, one drawn (seeded) per request as its `model` (vLLM's benchmark flag)."""
     if not requests:
         raise ValueError("the workload has no requests")
     if max_concurrency is not None and max_concurrency < 1:
@@ -256,13 +260,19 @@ def bench_serve(base_url: str, model: str, requests: list[BenchRequest],
     names = workload_tenants(requests, tenants, seed)
     if objectives:
         slos = {**(slos or {}), **objectives}
+    request_models = None
+    if lora_modules:
+        if backend == "grpc":
+            raise ValueError("--lora-modules needs --backend openai (gRPC has no adapter field)")
+        draw = random.Random(seed)
+        request_models = [draw.choice(lora_modules) for _ in requests]
     client: Backend
     if backend == "grpc":
         client = GrpcBackend(base_url, model, requests, prompt_format, ignore_eos, api_key,
                              names, tenant_keys, objectives)
     else:
         client = OpenAIBackend(base_url, model, requests, prompt_format, ignore_eos, api_key,
-                               names, tenant_keys, objectives)
+                               names, tenant_keys, objectives, request_models)
     first = asyncio.run(probe(client))
     if not first.success:
         raise RuntimeError(f"the first request to {base_url} failed: {first.error}")
@@ -278,6 +288,7 @@ def bench_serve(base_url: str, model: str, requests: list[BenchRequest],
                      "errors": dict(errors.most_common()),
                      "requests": [r.as_dict() for r in records]})
     return {"base_url": base_url, "backend": backend, "model": model,
+            "lora_modules": lora_modules or [],
             "prompt_format": prompt_format, "ignore_eos": ignore_eos, "seed": seed,
             "num_prompts": len(requests), "runs": runs,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}

@@ -133,7 +133,7 @@ class DecoderModel:
     lora: LoraBatch | None = None  # the runner's adapters' rows by slot, with LoRA enabled
 
     def lora_in_step(self) -> bool:
-        """Whether any row of this step has an adapter (the fused paths serve the base only)."""
+        """Whether any row of this step has an adapter (CUDA graphs serve the base only)."""
         return self.lora is not None and bool(self.lora.segments)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -105,10 +105,11 @@ def load_peft_adapter(path: str | Path, max_rank: int) -> LoraAdapter:
 
 class LoraBatch:
     """The step's rows by adapter slot, read by every wrapped layer: (slot, row indices; None
-    when the slot owns every row)."""
+    when the slot owns every row); and each row's slot (-1: the base), the fused decoder's."""
 
     def __init__(self) -> None:
         self.segments: list[tuple[int, torch.Tensor | None]] = []
+        self.row_slots: torch.Tensor | None = None
 
 
 class LoraLinear:
@@ -207,13 +208,15 @@ class LoraSlots:
     def set_rows(self, row_adapters: list[tuple[int, str] | None], device: torch.device) -> None:
         """This step's segments: each token row's adapter (id, path), None for the base."""
         ids = {a[0]: a[1] for a in row_adapters if a is not None}
-        segments = []
+        segments, slots = [], {}
         for lora_id, path in ids.items():
-            slot = self.slot(lora_id, path, set(ids))
+            slot = slots[lora_id] = self.slot(lora_id, path, set(ids))
             rows = [i for i, a in enumerate(row_adapters) if a is not None and a[0] == lora_id]
             segments.append((slot, None if len(rows) == len(row_adapters) else
                              torch.tensor(rows, dtype=torch.long, device=device)))
         self.batch.segments = segments
+        self.batch.row_slots = None if not ids else torch.tensor(
+            [-1 if a is None else slots[a[0]] for a in row_adapters], dtype=torch.long)
 
 
 def layer_shapes(spec: ModelSpec) -> dict[str, tuple[list[int], int]]:

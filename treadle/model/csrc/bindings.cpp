@@ -14,8 +14,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize);
   m.def("dequantize_bf16", &dequantize_bf16);
   m.def("sample_rows", &sample_rows);
+  m.def("lora_add", &lora_add);
   pybind11::class_<LlamaDecoder>(m, "LlamaDecoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &LlamaDecoder::add_layer)
+      .def("set_lora", &LlamaDecoder::set_lora)
       .def("forward", &LlamaDecoder::forward);
 }

@@ -19,7 +19,17 @@ void LlamaDecoder::add_layer(at::Tensor input_norm, at::Tensor post_norm,
                              std::vector<int64_t> gate_up_types, std::vector<at::Tensor> down,
                              std::vector<int64_t> down_types) {
   layers_.push_back({input_norm, post_norm, qkv, o, gate_up, down, qkv_bias, qkv_types, o_types,
-                     gate_up_types, down_types});
+                     gate_up_types, down_types, {}});
+}
+
+void LlamaDecoder::set_lora(int64_t layer, std::vector<at::Tensor> a, std::vector<at::Tensor> b,
+                            std::vector<std::vector<int64_t>> offsets, int64_t rank) {
+  TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) && a.size() == 4 &&
+              b.size() == 4 && offsets.size() == 4, "set_lora: one a, b, offsets a projection");
+  std::vector<Lora> lora;
+  for (size_t i = 0; i < 4; ++i) lora.push_back({a[i], b[i], offsets[i]});
+  layers_[layer].lora = std::move(lora);
+  lora_rank_ = rank;
 }
 
 namespace {
@@ -41,7 +51,8 @@ at::Tensor LlamaDecoder::forward(at::Tensor hidden, at::Tensor cos, at::Tensor s
                                     const std::vector<at::Tensor>& k_caches,
                                     const std::vector<at::Tensor>& v_caches,
                                     at::Tensor slots, at::Tensor block_tables,
-                                    at::Tensor context_lens) const {
+                                    at::Tensor context_lens,
+                                    c10::optional<at::Tensor> lora_slots) const {
   const int64_t layers = static_cast<int64_t>(layers_.size());
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers &&
               static_cast<int64_t>(v_caches.size()) == layers, "one cache per layer");
@@ -55,13 +66,22 @@ at::Tensor LlamaDecoder::forward(at::Tensor hidden, at::Tensor cos, at::Tensor s
   hidden = hidden.clone();  // the residual stream, updated in place
   for (int64_t i = 0; i < layers; ++i) {
     const Layer& layer = layers_[i];
+    // Projection p's output y of input x, plus each row's adapter where the step has any.
+    const auto adapted = [&](at::Tensor y, const at::Tensor& x, size_t p) {
+      if (lora_slots.has_value() && !layer.lora.empty()) {
+        const Lora& lora = layer.lora[p];
+        lora_add(y, x.contiguous(), lora.a, lora.b, *lora_slots, lora.offsets, lora_rank_);
+      }
+      return y;
+    };
     const at::Tensor& k_cache = k_caches[i];
     const at::Tensor& v_cache = v_caches[i];
     TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
                 k_cache.scalar_type() == hidden.scalar_type() &&
                 k_cache.size(2) * k_cache.size(3) == kv_width && v_cache.sizes() == k_cache.sizes());
     at::Tensor x = rms_norm(hidden, layer.input_norm, eps_, false);
-    const at::Tensor qkv = quant_linear_parts(x, layer.qkv, layer.qkv_types, layer.qkv_bias);
+    const at::Tensor qkv =
+        adapted(quant_linear_parts(x, layer.qkv, layer.qkv_types, layer.qkv_bias), x, 0);
     const at::Tensor qk = rope(qkv.narrow(1, 0, qk_width).view({tokens, heads + kv_heads, dim}),
                                   cos, sin);
     const char* qk_bytes = static_cast<const char*>(qk.data_ptr());
@@ -72,12 +92,14 @@ at::Tensor LlamaDecoder::forward(at::Tensor hidden, at::Tensor cos, at::Tensor s
     const at::Tensor attn = paged_decode_attention(qk.narrow(1, 0, heads), k_cache, v_cache,
                                                       block_tables, context_lens, scale_, 0,
                                                       c10::nullopt, c10::nullopt);
-    hidden.add_(quant_linear_parts(attn.view({tokens, heads * dim}), layer.o, layer.o_types,
-                                   c10::nullopt));
+    const at::Tensor attn_rows = attn.view({tokens, heads * dim});
+    hidden.add_(adapted(quant_linear_parts(attn_rows, layer.o, layer.o_types, c10::nullopt),
+                        attn_rows, 1));
     x = rms_norm(hidden, layer.post_norm, eps_, false);
-    const at::Tensor act = silu_and_mul(quant_linear_parts(x, layer.gate_up,
-                                                              layer.gate_up_types, c10::nullopt));
-    hidden.add_(quant_linear_parts(act, layer.down, layer.down_types, c10::nullopt));
+    const at::Tensor act = silu_and_mul(adapted(
+        quant_linear_parts(x, layer.gate_up, layer.gate_up_types, c10::nullopt), x, 2));
+    hidden.add_(adapted(quant_linear_parts(act, layer.down, layer.down_types, c10::nullopt),
+                        act, 3));
   }
   return hidden;
 }

@@ -37,6 +37,12 @@ at::Tensor dequantize_bf16(at::Tensor weight, int64_t qtype, int64_t k);
 // sampling.cpp: one token a row from softmax(logits / temperature) at u ~ U[0, 1) a row.
 at::Tensor sample_rows(at::Tensor logits, at::Tensor temperatures, at::Tensor u);
 
+// lora.cpp: y[t] += (x[t] · a[slots[t]]) · b[slots[t]] in place, for rows whose slot is not -1;
+// a [slots, in, parts·rank], b [slots, parts·rank, out] block-diagonal by part; offsets: the
+// parts' first output columns, then out.
+void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+              const at::Tensor& slots, const std::vector<int64_t>& offsets, int64_t rank);
+
 // decoder.cpp: a Llama-family model's decode steps over GGUF-block projections, one call a step.
 class LlamaDecoder {
  public:
@@ -49,22 +55,33 @@ class LlamaDecoder {
                  std::vector<int64_t> o_types, std::vector<at::Tensor> gate_up,
                  std::vector<int64_t> gate_up_types, std::vector<at::Tensor> down,
                  std::vector<int64_t> down_types);
+  // A layer's LoRA slots, per projection (qkv, o, gate_up, down): lora_add's a, b and offsets.
+  // The tensors are shared with model/lora.py, which writes adapters into them in place.
+  void set_lora(int64_t layer, std::vector<at::Tensor> a, std::vector<at::Tensor> b,
+                std::vector<std::vector<int64_t>> offsets, int64_t rank);
   // hidden [tokens, hidden] (the embeddings; not modified); cos, sin [tokens, head_dim / 2];
   // one key and one value cache a layer; slots [tokens]; block_tables [tokens, max_blocks];
-  // context_lens [tokens]. Returns the residual stream after the last layer.
+  // context_lens [tokens]; lora_slots [tokens]: each row's adapter slot, -1 for the base (none:
+  // every row the base's). Returns the residual stream after the last layer.
   at::Tensor forward(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
                         const std::vector<at::Tensor>& k_caches,
                         const std::vector<at::Tensor>& v_caches, at::Tensor slots,
-                        at::Tensor block_tables, at::Tensor context_lens) const;
+                        at::Tensor block_tables, at::Tensor context_lens,
+                        c10::optional<at::Tensor> lora_slots) const;
 
  private:
+  struct Lora {
+    at::Tensor a, b;
+    std::vector<int64_t> offsets;
+  };
   struct Layer {
     at::Tensor input_norm, post_norm;
     std::vector<at::Tensor> qkv, o, gate_up, down;
     c10::optional<at::Tensor> qkv_bias;
     std::vector<int64_t> qkv_types, o_types, gate_up_types, down_types;
+    std::vector<Lora> lora;  // qkv, o, gate_up, down; empty without LoRA
   };
-  int64_t num_heads_, num_kv_heads_, head_dim_;
+  int64_t num_heads_, num_kv_heads_, head_dim_, lora_rank_ = 0;
   double eps_, scale_;
   std::vector<Layer> layers_;
 };

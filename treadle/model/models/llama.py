@@ -35,6 +35,7 @@ from treadle.model.layers import (
     silu_and_mul,
 )
 from treadle.model.linear import Linear, QuantizedLinear, make_linear
+from treadle.model.lora import LoraLinear
 from treadle.model.quantization import QuantizedWeight
 from treadle.model.source import ModelLoadError
 
@@ -168,7 +169,8 @@ class LlamaModel(DecoderModel):
         if kv_cache.dtype == hidden.dtype and self.fused_decode(meta, hidden):
             return self.native_decoder.forward(
                 hidden, *rope, kv_cache.keys, kv_cache.values, meta.slot_mapping,
-                meta.decode_block_tables, meta.decode_context_lens)
+                meta.decode_block_tables, meta.decode_context_lens,
+                self.lora.row_slots if self.lora_in_step() else None)
         for i, layer in enumerate(self.layers):
             residual = hidden
             x = self.norm(hidden, layer["input_norm"])
@@ -184,7 +186,7 @@ class LlamaModel(DecoderModel):
         """Whether this step runs in the native decoder: a step of decode tokens only, few
         enough for every projection to take the integer kernel."""
         return (meta.decode_block_tables is not None and meta.decode_indices is None
-                and not meta.prefills and not self.lora_in_step() and hidden.is_cpu
+                and not meta.prefills and hidden.is_cpu
                 and self.native_decoder is not None
                 and hidden.shape[0] <= min(self.layers[0][name].max_gemv_rows
                                            for name in PROJECTIONS))
@@ -193,8 +195,8 @@ class LlamaModel(DecoderModel):
     def native_decoder(self) -> object | None:
         """The native kernels' `LlamaDecoder` over these layers, where every projection is a
         `QuantizedLinear` with the kernel (not under tensor parallelism, whose all-reduces wrap
-        them; not with Qwen3's q/k norms). Built at the first decode step, after the runner
-        has set up the layers."""
+        them; not with Qwen3's q/k norms); with LoRA, the adapters' slots too. Built at the first
+        decode step, after the runner has set up the layers."""
         decoder_class = llama_decoder_class()
         projections = [base_layer(layer[name]) for layer in self.layers for name in PROJECTIONS]
         if decoder_class is None or self.spec.qk_norm or not all(
@@ -203,11 +205,15 @@ class LlamaModel(DecoderModel):
         spec = self.spec
         decoder = decoder_class(spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                 spec.rms_norm_eps, self.scale)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             qkv, o, gate_up, down = (base_layer(layer[name]) for name in PROJECTIONS)
             decoder.add_layer(layer["input_norm"], layer["post_norm"], qkv.data, qkv.qtypes,
                               qkv.bias, o.data, o.qtypes, gate_up.data, gate_up.qtypes,
                               down.data, down.qtypes)
+            adapted = [layer[name] for name in PROJECTIONS]
+            if all(isinstance(p, LoraLinear) for p in adapted):
+                decoder.set_lora(i, [p.a for p in adapted], [p.b for p in adapted],
+                                 [p.offsets for p in adapted], adapted[0].max_rank)
         return decoder
 
 

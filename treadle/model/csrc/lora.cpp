@@ -1,0 +1,77 @@
+// LoRA's product for a decode step's rows, inside the fused decoder: y[t] += (x[t] · A[s]) · B[s]
+// with s the row's adapter slot (-1: a base row, untouched). A step with rows of 8 adapters
+// would otherwise leave the fused decoder for some 30 torch ops a layer per adapter.
+//
+// A [slots, in, parts·R] and B [slots, parts·R, out] are model/lora.py's stacked slots. B is
+// block-diagonal by part (q/k/v, gate/up), so part p's R ranks touch only its columns.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+template <typename T>
+void lora_rows(T* y, const T* x, const T* a, const T* b, const int64_t* slots, int64_t tokens,
+               int64_t in, int64_t out, int64_t width, const std::vector<int64_t>& offsets,
+               int64_t rank) {
+  const int64_t parts = static_cast<int64_t>(offsets.size()) - 1;
+  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> low(width), sum(out);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t slot = slots[row];
+      if (slot < 0) continue;
+      const T* x_row = x + row * in;
+      const T* a_slot = a + slot * in * width;
+      const T* b_slot = b + slot * width * out;
+      std::fill(low.begin(), low.end(), 0.0f);
+      for (int64_t i = 0; i < in; ++i) {
+        const float xi = static_cast<float>(x_row[i]);
+        const T* a_row = a_slot + i * width;
+        for (int64_t w = 0; w < width; ++w) low[w] += xi * static_cast<float>(a_row[w]);
+      }
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      for (int64_t p = 0; p < parts; ++p) {
+        for (int64_t r = 0; r < rank; ++r) {
+          const float lw = low[p * rank + r];
+          if (lw == 0.0f) continue;  // a rank past the adapter's own (zeros in A)
+          const T* b_row = b_slot + (p * rank + r) * out;
+          for (int64_t o = offsets[p]; o < offsets[p + 1]; ++o) {
+            sum[o] += lw * static_cast<float>(b_row[o]);
+          }
+        }
+      }
+      T* y_row = y + row * out;
+      for (int64_t o = 0; o < out; ++o) y_row[o] = static_cast<T>(static_cast<float>(y_row[o]) + sum[o]);
+    }
+  });
+}
+
+}  // namespace
+
+void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+              const at::Tensor& slots, const std::vector<int64_t>& offsets, int64_t rank) {
+  const int64_t tokens = x.size(0), in = x.size(1), width = a.size(2), out = b.size(2);
+  TORCH_CHECK(y.is_contiguous() && x.is_contiguous() && a.is_contiguous() && b.is_contiguous() &&
+              y.dim() == 2 && y.size(0) == tokens && y.size(1) == out && a.size(1) == in &&
+              b.size(1) == width && slots.scalar_type() == at::kLong &&
+              slots.numel() == tokens && slots.is_contiguous(), "lora_add: shapes");
+  TORCH_CHECK(y.scalar_type() == x.scalar_type() && a.scalar_type() == x.scalar_type() &&
+              b.scalar_type() == x.scalar_type(), "lora_add: one dtype");
+  TORCH_CHECK(static_cast<int64_t>(offsets.size()) >= 2 && offsets.back() == out &&
+              (static_cast<int64_t>(offsets.size()) - 1) * rank == width, "lora_add: parts");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot[t] < a.size(0), "lora_add: slot ", slot[t], " out of range");
+  }
+  if (x.scalar_type() == at::kFloat) {
+    lora_rows(y.data_ptr<float>(), x.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(),
+              slot, tokens, in, out, width, offsets, rank);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "lora_add: float32 or bfloat16");
+    lora_rows(y.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(), a.data_ptr<at::BFloat16>(),
+              b.data_ptr<at::BFloat16>(), slot, tokens, in, out, width, offsets, rank);
+  }
+}
