@@ -134,7 +134,7 @@ class DecoderModel:
 
     def lora_in_step(self) -> bool:
         """Whether any row of this step has an adapter (CUDA graphs serve the base only)."""
-        return self.lora is not None and bool(self.lora.segments)
+        return self.lora is not None and self.lora.row_slots is not None
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       attention: dict[int | None, AttentionMetadata], kv_cache: KVCache

@@ -5,8 +5,10 @@ An adapter in PEFT's format (adapter_config.json + adapter_model.safetensors) be
 targeted module, A [in, r] and B [r, out] with the scale folded into B. The runner keeps up to
 `max_loras` adapters in device slots; each wrapped layer stacks its parts' (q/k/v, gate/up)
 A and B per slot, B block-diagonal, so one fused layer adds x·A·B per row with two matmuls.
-A step's rows are grouped by slot (the SGMV idea): one pair of matmuls per adapter in the step,
-over its rows only; base rows pay nothing.
+On CPU an adapter's rows, where it has few in the step (decode rows), take the native
+`lora_add` (x·A·B row by row, by each row's slot), also inside the fused decoder; an adapter's
+many rows (a prefill chunk) are a segment (the SGMV idea): one pair of matmuls over its rows
+only. Base rows pay nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ import torch
 from safetensors.torch import load_file
 
 from treadle.model.family import ModelSpec
+from treadle.model.kernels import load_kernels
 from treadle.model.linear import Linear, QuantizedLinear
+
+# Most rows of one adapter in a step that the native lora_add serves; more are a segment's
+# matmuls (docs/decisions.md: the two cross between 16 and 32 rows).
+NATIVE_MAX_ROWS = 16
 
 # PEFT's module names → the fused layer that serves them and the part's index in it.
 MODULE_LAYERS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
@@ -104,11 +111,15 @@ def load_peft_adapter(path: str | Path, max_rank: int) -> LoraAdapter:
 
 
 class LoraBatch:
-    """The step's rows by adapter slot, read by every wrapped layer: (slot, row indices; None
-    when the slot owns every row); and each row's slot (-1: the base), the fused decoder's."""
+    """The step's rows by adapter slot, read by every wrapped layer: the segments (slot, row
+    indices; None when the slot owns every row); the native kernel's rows' slots (-1 for the
+    others; None: no such row) and its module; every row's slot (-1: the base), the fused
+    decoder's."""
 
     def __init__(self) -> None:
         self.segments: list[tuple[int, torch.Tensor | None]] = []
+        self.native_slots: torch.Tensor | None = None
+        self.kernels = load_kernels()
         self.row_slots: torch.Tensor | None = None
 
 
@@ -143,6 +154,9 @@ class LoraLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
+        if self.batch.native_slots is not None:
+            self.batch.kernels.lora_add(y, x.contiguous(), self.a, self.b,
+                                        self.batch.native_slots, self.offsets, self.max_rank)
         for slot, rows in self.batch.segments:
             if rows is None:
                 y = y + (x @ self.a[slot]) @ self.b[slot]
@@ -158,6 +172,7 @@ class LoraSlots:
     def __init__(self, spec: ModelSpec, layers: list[dict], max_loras: int, max_rank: int,
                  max_cpu_loras: int, dtype: torch.dtype) -> None:
         self.batch = LoraBatch()
+        self.dtype = dtype
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
         self.layers: list[dict[str, LoraLinear]] = []
         for layer in layers:
@@ -208,13 +223,21 @@ class LoraSlots:
     def set_rows(self, row_adapters: list[tuple[int, str] | None], device: torch.device) -> None:
         """This step's segments: each token row's adapter (id, path), None for the base."""
         ids = {a[0]: a[1] for a in row_adapters if a is not None}
-        segments, slots = [], {}
+        native = (self.batch.kernels is not None and device.type == "cpu"
+                  and self.dtype in (torch.float32, torch.bfloat16))
+        segments, slots, native_slots = [], {}, [-1] * len(row_adapters)
         for lora_id, path in ids.items():
             slot = slots[lora_id] = self.slot(lora_id, path, set(ids))
             rows = [i for i, a in enumerate(row_adapters) if a is not None and a[0] == lora_id]
-            segments.append((slot, None if len(rows) == len(row_adapters) else
-                             torch.tensor(rows, dtype=torch.long, device=device)))
+            if native and len(rows) <= NATIVE_MAX_ROWS:
+                for i in rows:
+                    native_slots[i] = slot
+            else:
+                segments.append((slot, None if len(rows) == len(row_adapters) else
+                                 torch.tensor(rows, dtype=torch.long, device=device)))
         self.batch.segments = segments
+        self.batch.native_slots = (torch.tensor(native_slots, dtype=torch.long)
+                                   if max(native_slots, default=-1) >= 0 else None)
         self.batch.row_slots = None if not ids else torch.tensor(
             [-1 if a is None else slots[a[0]] for a in row_adapters], dtype=torch.long)
 

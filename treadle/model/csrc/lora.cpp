@@ -9,42 +9,72 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 namespace {
+
+// Rows of one slot taken together (so that a slot's A and B are read once for them), up to
+// this many, fewer where the threads would otherwise idle.
+constexpr int64_t kRowsPerTask = 4;
 
 template <typename T>
 void lora_rows(T* y, const T* x, const T* a, const T* b, const int64_t* slots, int64_t tokens,
                int64_t in, int64_t out, int64_t width, const std::vector<int64_t>& offsets,
                int64_t rank) {
   const int64_t parts = static_cast<int64_t>(offsets.size()) - 1;
-  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> low(width), sum(out);
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t slot = slots[row];
-      if (slot < 0) continue;
-      const T* x_row = x + row * in;
+  std::vector<int64_t> rows;  // the adapted rows, by slot
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slots[t] >= 0) rows.push_back(t);
+  }
+  std::stable_sort(rows.begin(), rows.end(),
+                   [&](int64_t i, int64_t j) { return slots[i] < slots[j]; });
+  const int64_t n = static_cast<int64_t>(rows.size()), threads = at::get_num_threads();
+  const int64_t per_task = std::max<int64_t>(1, std::min(kRowsPerTask, (n + threads - 1) / threads));
+  std::vector<std::pair<int64_t, int64_t>> tasks;  // [begin, end) in rows, one slot each
+  for (int64_t begin = 0; begin < n;) {
+    int64_t end = begin + 1;
+    while (end < n && end - begin < per_task && slots[rows[end]] == slots[rows[begin]]) ++end;
+    tasks.emplace_back(begin, end);
+    begin = end;
+  }
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t first, int64_t last) {
+    std::vector<float> low(kRowsPerTask * width), sum(kRowsPerTask * out);
+    for (int64_t task = first; task < last; ++task) {
+      const auto [begin, end] = tasks[task];
+      const int64_t n = end - begin, slot = slots[rows[begin]];
       const T* a_slot = a + slot * in * width;
       const T* b_slot = b + slot * width * out;
-      std::fill(low.begin(), low.end(), 0.0f);
+      std::fill(low.begin(), low.begin() + n * width, 0.0f);
       for (int64_t i = 0; i < in; ++i) {
-        const float xi = static_cast<float>(x_row[i]);
         const T* a_row = a_slot + i * width;
-        for (int64_t w = 0; w < width; ++w) low[w] += xi * static_cast<float>(a_row[w]);
+        for (int64_t r = 0; r < n; ++r) {
+          const float xi = static_cast<float>(x[rows[begin + r] * in + i]);
+          float* low_r = low.data() + r * width;
+          for (int64_t w = 0; w < width; ++w) low_r[w] += xi * static_cast<float>(a_row[w]);
+        }
       }
-      std::fill(sum.begin(), sum.end(), 0.0f);
+      std::fill(sum.begin(), sum.begin() + n * out, 0.0f);
       for (int64_t p = 0; p < parts; ++p) {
-        for (int64_t r = 0; r < rank; ++r) {
-          const float lw = low[p * rank + r];
-          if (lw == 0.0f) continue;  // a rank past the adapter's own (zeros in A)
-          const T* b_row = b_slot + (p * rank + r) * out;
-          for (int64_t o = offsets[p]; o < offsets[p + 1]; ++o) {
-            sum[o] += lw * static_cast<float>(b_row[o]);
+        for (int64_t k = p * rank; k < (p + 1) * rank; ++k) {
+          const T* b_row = b_slot + k * out;
+          for (int64_t r = 0; r < n; ++r) {
+            const float lw = low[r * width + k];
+            if (lw == 0.0f) continue;  // a rank past the adapter's own (zeros in A)
+            float* sum_r = sum.data() + r * out;
+            for (int64_t o = offsets[p]; o < offsets[p + 1]; ++o) {
+              sum_r[o] += lw * static_cast<float>(b_row[o]);
+            }
           }
         }
       }
-      T* y_row = y + row * out;
-      for (int64_t o = 0; o < out; ++o) y_row[o] = static_cast<T>(static_cast<float>(y_row[o]) + sum[o]);
+      for (int64_t r = 0; r < n; ++r) {
+        T* y_row = y + rows[begin + r] * out;
+        const float* sum_r = sum.data() + r * out;
+        for (int64_t o = 0; o < out; ++o) {
+          y_row[o] = static_cast<T>(static_cast<float>(y_row[o]) + sum_r[o]);
+        }
+      }
     }
   });
 }
