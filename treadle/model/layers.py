@@ -8,7 +8,7 @@ the accounting below reads every family's layers alike.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -18,12 +18,17 @@ from treadle.model.kernels import elementwise_kernels
 from treadle.model.linear import Linear, QuantizedLinear
 from treadle.model.quantization import QuantizedWeight
 
-if TYPE_CHECKING:
-    from treadle.model.lora import LoraBatch
-
 # A layer's weights by role; a callable is a part with its own forward (experts.SparseMoE).
 Layer = dict[str, torch.Tensor | Linear | QuantizedLinear | Callable[[torch.Tensor], torch.Tensor]
              | None]
+
+
+class LoraBatch:
+    """The step's rows by LoRA adapter slot (model/lora.py), read by every wrapped layer: (slot,
+    row indices; None when the slot owns every row)."""
+
+    def __init__(self) -> None:
+        self.segments: list[tuple[int, torch.Tensor | None]] = []
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 from treadle.model.family import ModelSpec
 from treadle.model.gguf_file import GGUFTensor, is_lora_adapter, read_gguf
+from treadle.model.layers import LoraBatch
 from treadle.model.linear import Linear, QuantizedLinear
 from treadle.model.loader import hf_name_for_gguf
 from treadle.model.registry import family_of
@@ -223,14 +224,6 @@ def load_gguf_adapter(path: str | Path, max_rank: int, spec: ModelSpec) -> LoraA
                                 torch.from_numpy(np.ascontiguousarray(b_rows.T * scale,
                                                                       np.float32)))
     return adapter
-
-
-class LoraBatch:
-    """The step's rows by adapter slot, read by every wrapped layer: (slot, row indices; None
-    when the slot owns every row)."""
-
-    def __init__(self) -> None:
-        self.segments: list[tuple[int, torch.Tensor | None]] = []
 
 
 class LoraLinear:
