@@ -1,6 +1,11 @@
 """LoRA adapters against peft: two adapters trained a few steps in the test on a tiny random
 Llama, saved in PEFT's format; our logits (base never merged) against peft's merged model's,
-rows of a mixed batch against the same rows alone, a quantized base, and the refusals."""
+rows of a mixed batch against the same rows alone, a quantized base, and the refusals.
+
+The same adapters as GGUF LoRA files, written in the test as llama.cpp's convert_lora_to_gguf.py
+writes them (lora_a [r, in] and lora_b [out, r] as stored, lora_b's q/k rows permuted for the
+llama arch, F32/F16/BF16/Q8_0): against peft's merged model of the same stored weights and the
+PEFT folder; the refusals; the server."""
 
 from __future__ import annotations
 
@@ -11,10 +16,14 @@ import logging
 import shutil
 from pathlib import Path
 
+import gguf
+import numpy as np
 import peft
 import pytest
 import torch
-from model_utils import build_tiny_model, make_runner
+from gguf.quants import QuantError, dequantize, quantize
+from model_utils import build_tiny_model, make_runner, permute_like_llama_cpp
+from safetensors.torch import load_file
 from test_kv_cache import admit
 
 from treadle.core.engine_process import adapter_names
@@ -24,9 +33,12 @@ from treadle.core.request import Request
 from treadle.core.sampling_params import SamplingParams
 from treadle.errors import InvalidField
 from treadle.model.batch import ModelInput, ScheduledSequence
+from treadle.model.family import ModelSpec
 from treadle.model.loader import load_model
-from treadle.model.lora import LoraError, load_peft_adapter
+from treadle.model.lora import LoraError, check_adapter, load_adapter, load_peft_adapter
+from treadle.model.models.llama import GGUF_TENSOR_NAMES
 from treadle.model.quantization import QuantizedWeight, dequantize_torch
+from treadle.model.registry import spec_from_config
 from treadle.model.source import resolve_model
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -399,6 +411,239 @@ def test_server_model_picks_the_adapter_and_adapters_load_and_unload(tiny_lora,
             complete("b")
         status, body = post_json(port, "/v1/unload_lora_adapter", {"lora_name": "b"})
         assert status == 404 and body["error"]["code"] == "model_not_found"
+        assert complete("a") == want["a"]
+    finally:
+        stop_frontends(frontends, thread)
+
+
+Q = gguf.GGMLQuantizationType
+# Hugging Face module name (layer as {}) → llama.cpp's tensor name.
+TO_GGUF = {hf.removesuffix(".weight"): g for g, hf in GGUF_TENSOR_NAMES.items()}
+
+
+def tiny_spec(folder: Path) -> ModelSpec:
+    return spec_from_config(json.loads((folder / "config.json").read_text()))
+
+
+def gguf_lora_tensors(adapter: Path, spec: ModelSpec, qtype: Q
+                      ) -> tuple[dict[str, tuple[np.ndarray, Q]], dict[str, torch.Tensor]]:
+    """The PEFT folder's matrices as llama.cpp stores them: name → (data, type); lora_b of
+    q/k rows permuted; `qtype` where the rows fit its blocks, else F16 (the converter's
+    fallback). Also peft's state dict of what the stored data dequantizes to."""
+    stored, roundtrip = {}, {}
+    for key, weight in load_file(str(adapter / "adapter_model.safetensors")).items():
+        module = key.removeprefix("base_model.model.").split(".lora_")[0]
+        layer = module.split(".")[2]
+        name = TO_GGUF[module.replace(f".{layer}.", ".{}.", 1)].format(layer)
+        half = "lora_a" if ".lora_A." in key else "lora_b"
+        rows, row_of = weight.numpy(), np.arange(weight.shape[0])
+        if half == "lora_b" and module.endswith(("q_proj", "k_proj")):
+            heads = spec.num_heads if module.endswith("q_proj") else spec.num_kv_heads
+            rows, row_of = (permute_like_llama_cpp(rows, heads),
+                            permute_like_llama_cpp(row_of, heads))
+        try:
+            data, kind = quantize(rows, qtype), qtype
+        except QuantError:
+            data, kind = quantize(rows, Q.F16), Q.F16
+        stored[f"{name}.{half}"] = (data, kind)
+        back = np.empty_like(rows)
+        back[row_of] = dequantize(data, kind).reshape(rows.shape)
+        roundtrip[key] = torch.from_numpy(back)
+    return stored, roundtrip
+
+
+def write_gguf_lora(path: Path, tensors: dict[str, tuple[np.ndarray, Q]], alpha: float,
+                    arch: str = "llama", general_type: str = "adapter",
+                    arrays: dict[str, list[int]] | None = None) -> Path:
+    """A GGUF file with llama.cpp's adapter metadata and `tensors`."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_type(general_type)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    for key, values in (arrays or {}).items():
+        writer.add_array(key, values)
+    for name, (data, kind) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def gguf_alpha(adapter: Path) -> float:
+    """adapter.lora.alpha for a PEFT folder. llama.cpp scales by alpha / r; its converter writes
+    lora_alpha and ignores use_rslora, so an rsLoRA adapter gets alpha·√r (PEFT's alpha / √r)."""
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    alpha = float(config["lora_alpha"])
+    return alpha * config["r"] ** 0.5 if config.get("use_rslora") else alpha
+
+
+def convert(adapter: Path, spec: ModelSpec, path: Path, qtype: Q = Q.F32
+            ) -> tuple[Path, dict[str, torch.Tensor]]:
+    tensors, roundtrip = gguf_lora_tensors(adapter, spec, qtype)
+    return write_gguf_lora(path, tensors, gguf_alpha(adapter)), roundtrip
+
+
+@pytest.mark.parametrize("name, qtype_name", [("a", "F32"), ("b", "F32"), ("a", "F16"),
+                                              ("a", "BF16"), ("a", "Q8_0")])
+def test_gguf_adapter_logits_match_peft_and_the_peft_folder(tiny_lora, tmp_path, name,
+                                                            qtype_name):
+    """Adapter a targets every module (q and k, GQA: their lora_b rows come permuted), b is
+    rsLoRA on q, v and down. The reference: peft's merged model of the weights as stored (so a
+    quantized file is compared exactly); in F32 also Treadle's own logits with the folder."""
+    folder, base, adapters = tiny_lora
+    spec, qtype = tiny_spec(folder), Q[qtype_name]
+    peft_folder = adapters[name][0]
+    path, stored = convert(peft_folder, spec, tmp_path / f"{name}.gguf", qtype)
+    model = peft.PeftModel.from_pretrained(copy.deepcopy(base), peft_folder)
+    peft.set_peft_model_state_dict(model, stored)
+    merged = model.merge_and_unload().eval()
+    ids = torch.randint(3, 256, (24,), generator=torch.Generator().manual_seed(6)).tolist()
+    want = reference_logits(merged, ids)
+    assert (want - reference_logits(base, ids)).abs().max() > 1e-2  # the adapter shows
+
+    runner = lora_runner(folder)
+    table = list(range(8))
+    got = runner.execute(ModelInput([sequence(ids, 0, table, (1, path))]))
+    assert (got - want).abs().max().item() < 1e-3
+    if qtype == Q.F32:
+        with_folder = runner.execute(ModelInput([sequence(ids, 0, list(range(8, 16)),
+                                                          (2, peft_folder))]))
+        assert (got - with_folder).abs().max().item() < 1e-5
+
+
+def test_gguf_and_peft_adapters_load_the_same_matrices(tiny_lora, tmp_path):
+    """Module by module, A and B (scale folded) from the file equal the folder's: the q/k rows
+    come back in Hugging Face's order."""
+    folder, _, adapters = tiny_lora
+    spec = tiny_spec(folder)
+    for name, (peft_folder, _) in adapters.items():
+        path, _ = convert(peft_folder, spec, tmp_path / f"{name}.gguf")
+        from_file = load_adapter(path, 16, spec)
+        from_folder = load_adapter(peft_folder, 16, spec)
+        assert from_file.weights.keys() == from_folder.weights.keys()
+        assert from_file.rank == from_folder.rank
+        for key, (a, b) in from_folder.weights.items():
+            torch.testing.assert_close(from_file.weights[key][0], a, rtol=0, atol=0)
+            torch.testing.assert_close(from_file.weights[key][1], b, rtol=1e-6, atol=1e-7)
+
+
+def refused_file(kind: str, adapter: Path, spec: ModelSpec, folder: Path) -> Path:
+    """A file of `kind` that Treadle must refuse."""
+    path = folder / f"{kind}.gguf"
+    tensors, _ = gguf_lora_tensors(adapter, spec, Q.F32)
+    a_b = tensors["blk.0.attn_q.weight.lora_a"], tensors["blk.0.attn_q.weight.lora_b"]
+    if kind == "text":
+        path.write_text("not a GGUF file at all\n")
+        return path
+    if kind == "model":
+        return write_gguf_lora(path, tensors, 16.0, general_type="model")
+    if kind == "arch":
+        return write_gguf_lora(path, tensors, 16.0, arch="qwen2")
+    if kind == "norm":
+        tensors["blk.0.attn_norm.weight"] = (np.ones(spec.hidden_size, np.float32), Q.F32)
+    elif kind == "half":
+        del tensors["blk.0.attn_q.weight.lora_b"]
+    elif kind == "embedding":
+        tensors["token_embd.weight.lora_a"], tensors["token_embd.weight.lora_b"] = a_b
+    elif kind == "layer":
+        tensors["blk.9.attn_q.weight.lora_a"], tensors["blk.9.attn_q.weight.lora_b"] = a_b
+    elif kind == "shape":
+        tensors["blk.0.attn_k.weight.lora_a"], tensors["blk.0.attn_k.weight.lora_b"] = a_b
+    elif kind == "alora":
+        return write_gguf_lora(path, tensors, 16.0, arrays={
+            gguf.Keys.Adapter.ALORA_INVOCATION_TOKENS: [5, 6]})
+    return write_gguf_lora(path, tensors, 16.0)
+
+
+@pytest.mark.parametrize("kind, refusal", [
+    ("text", "not a valid GGUF"), ("model", "not a LoRA adapter"), ("arch", "'qwen2' model"),
+    ("norm", "not a lora_a or lora_b"), ("half", "lacks its lora_b"),
+    ("embedding", "not a layer's"), ("layer", "not a layer's"),
+    ("shape", "another base model"), ("alora", "activated LoRA")])
+def test_gguf_files_treadle_cannot_serve_are_refused(tiny_lora, tmp_path, kind, refusal):
+    folder, _, adapters = tiny_lora
+    spec = tiny_spec(folder)
+    path = refused_file(kind, adapters["a"][0], spec, tmp_path)
+    with pytest.raises(LoraError, match=refusal):
+        check_adapter(path, 16, spec)
+    with pytest.raises(LoraError, match=refusal):
+        load_adapter(path, 16, spec)
+
+
+def test_gguf_rank_above_max_lora_rank_is_refused(tiny_lora, tmp_path):
+    folder, _, adapters = tiny_lora
+    spec = tiny_spec(folder)
+    path, _ = convert(adapters["a"][0], spec, tmp_path / "a.gguf")
+    check_adapter(path, 8, spec)
+    with pytest.raises(LoraError, match="rank 8 is above max_lora_rank 4"):
+        check_adapter(path, 4, spec)
+
+
+def test_server_serves_gguf_adapters_and_refuses_bad_files(tiny_lora, tiny_lora_llm_folder,
+                                                           tmp_path):
+    """`--lora-modules a=a.gguf` and /v1/load_lora_adapter with b.gguf: `model` picks each, the
+    text equal to the offline LLM's with the PEFT folders; files that are no GGUF LoRA are a 400
+    at load, one for another architecture a 400 on `model` at its first request."""
+    import openai
+    from frontends import start_frontends, stop_frontends, wait_started
+
+    from treadle.config import AsyncEngineConfig, ServerConfig, build_config
+    from treadle.frontend.async_engine import AsyncEngine
+    from treadle.llm import LLM
+    from treadle.server.auth import parse_api_keys
+
+    folder, _, adapters = tiny_lora
+    spec = tiny_spec(folder)
+    files = {name: convert(adapters[name][0], spec, tmp_path / f"{name}.gguf")[0]
+             for name in ("a", "b")}
+    settings = dict(model=str(tiny_lora_llm_folder), dtype="float32", enable_lora=True,
+                    max_loras=2, kv_cache_memory_bytes=16 << 20)
+    prompt = [5, 17, 99, 23, 42, 7]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = LLM(**settings)
+    want = {name: llm.generate([prompt], params, use_tqdm=False,
+                               lora_request=LoRARequest(name, i, str(adapters[name][0])))[0]
+            .outputs[0].text for i, name in enumerate(("a", "b"), start=1)}
+    assert want["a"] != want["b"]
+    with pytest.raises(InvalidField, match="'qwen2' model") as refused:
+        llm.engine.add_request("x", prompt, params, lora_request=LoRARequest(
+            "q", 3, str(refused_file("arch", adapters["a"][0], spec, tmp_path))))
+    assert refused.value.param == "model"
+
+    engine = AsyncEngine(build_config(AsyncEngineConfig, settings))
+    config = ServerConfig(port=0, api_keys=tuple(parse_api_keys(["sekrit"])),
+                          lora_modules=(f"a={files['a']}",))
+    frontends, thread = start_frontends(engine, config)
+    try:
+        wait_started(frontends, thread)
+        port = frontends.port
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sekrit",
+                               max_retries=0, timeout=60)
+
+        def complete(model: str) -> str:
+            return client.completions.create(model=model, prompt=prompt, max_tokens=8,
+                                             temperature=0.0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        assert complete("a") == want["a"]
+        status, _ = post_json(port, "/v1/load_lora_adapter",
+                              {"lora_name": "b", "lora_path": str(files["b"])})
+        assert status == 200
+        assert complete("b") == want["b"]
+        for kind, message in [("text", "not a GGUF LoRA file"), ("model", "not a LoRA adapter")]:
+            status, body = post_json(port, "/v1/load_lora_adapter", {
+                "lora_name": kind,
+                "lora_path": str(refused_file(kind, adapters["a"][0], spec, tmp_path))})
+            assert status == 400 and message in body["error"]["message"], body
+            assert body["error"]["param"] == "lora_path"
+        arch = refused_file("arch", adapters["a"][0], spec, tmp_path)
+        assert post_json(port, "/v1/load_lora_adapter",
+                         {"lora_name": "q", "lora_path": str(arch)})[0] == 200
+        with pytest.raises(openai.BadRequestError) as bad:
+            complete("q")
+        assert "'qwen2' model" in bad.value.body["message"]
         assert complete("a") == want["a"]
     finally:
         stop_frontends(frontends, thread)

@@ -116,7 +116,8 @@ class ModelConfig:
     enforce_eager: bool = setting(False, "CUDA: run decode steps eagerly, not as captured CUDA "
                                   "graphs")  # vLLM's flag
     # vLLM's flags and defaults (max_lora_rank 16, max_cpu_loras: max_loras' by default there).
-    enable_lora: bool = setting(False, "serve LoRA adapters (PEFT folders) per request")
+    enable_lora: bool = setting(False, "serve LoRA adapters (PEFT folders, GGUF LoRA files) "
+                                       "per request")
     max_lora_rank: int = setting(16, "largest LoRA rank an adapter may have")
     max_cpu_loras: int = setting(8, "most LoRA adapters kept loaded in memory (least recently "
                                  "used dropped, reloaded from their folder when asked again)")
@@ -285,8 +286,9 @@ class ServerConfig:
     ssl_keyfile: str | None = setting(None, "serve REST over HTTPS with this private key (PEM)")
     ssl_certfile: str | None = setting(None, "... and this certificate (PEM)")
     # vLLM's flag: a request's `model` picks one by name.
-    lora_modules: tuple[str, ...] = setting((), "LoRA adapters served by name, name=path (PEFT "
-                                            "folders; with --enable-lora)", flag={"nargs": "+"})
+    lora_modules: tuple[str, ...] = setting((), "LoRA adapters served by name, name=path (a PEFT "
+                                            "folder or a GGUF LoRA file; with --enable-lora)",
+                                            flag={"nargs": "+"})
 
     def __post_init__(self) -> None:
         if not self.sse_keepalive_interval > 0:

@@ -37,7 +37,7 @@ from treadle.core.structured_output import (
 )
 from treadle.errors import PROMPT, InvalidField
 from treadle.model.batch import ModelInput, ModelOutput, ScheduledSequence, cat_outputs
-from treadle.model.lora import LoraError, adapter_config
+from treadle.model.lora import LoraError, check_adapter
 from treadle.model.memory import gib
 from treadle.model.pooling import PooledHidden
 from treadle.model.source import resolve_model
@@ -125,7 +125,8 @@ class EngineCore:
             if not self.enable_lora:
                 raise InvalidField("model", "LoRA adapters are not enabled (--enable-lora)")
             try:
-                adapter_config(lora_request.lora_path, self.max_lora_rank)
+                check_adapter(lora_request.lora_path, self.max_lora_rank,
+                              self.executor.facts.spec)
             except LoraError as e:
                 raise InvalidField("model", str(e)) from e
         check_max_logprobs(sampling_params, self.max_logprobs)

@@ -1,4 +1,4 @@
-"""A lean GGUF reader: tensor infos and data, and the scalar metadata.
+"""A lean GGUF reader: tensor infos and data, and the scalar metadata (arrays: their keys only).
 
 `gguf.GGUFReader` parses every metadata value into numpy parts, including tokenizer vocabularies
 of hundreds of thousands of strings, which takes tens of seconds for a model like Gemma 3
@@ -24,7 +24,9 @@ from gguf.constants import (
     GGUF_DEFAULT_ALIGNMENT,
     GGUF_MAGIC,
     GGMLQuantizationType,
+    GGUFType,
     GGUFValueType,
+    Keys,
 )
 from gguf.quants import quant_shape_to_byte_shape
 
@@ -70,6 +72,7 @@ class GGUFFile:
     path: Path
     version: int
     metadata: dict[str, Any]  # scalar and string values; arrays are skipped
+    array_keys: frozenset[str]  # the skipped arrays' keys: what a file holds, if not its values
     tensors: list[GGUFTensor]
     alignment: int
     data_offset: int
@@ -166,11 +169,14 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     tensor_count, kv_count = cur.unpack(_U64), cur.unpack(_U64)
 
     metadata: dict[str, Any] = {}
+    array_keys = set()
     for _ in range(kv_count):
         key = cur.string()
         vtype = cur.value_type()
         value = cur.value(vtype)
-        if value is not None:
+        if vtype == GGUFValueType.ARRAY:
+            array_keys.add(key)
+        else:
             metadata[key] = value
 
     infos = []
@@ -216,4 +222,11 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
             dtype = np.uint8
         data = file[begin:begin + n_bytes].view(dtype).reshape(np_shape)
         tensors.append(GGUFTensor(name, ttype, dims, n_elements, n_bytes, begin, data))
-    return GGUFFile(path, version, metadata, tensors, alignment, data_start)
+    return GGUFFile(path, version, metadata, frozenset(array_keys), tensors, alignment,
+                    data_start)
+
+
+def is_lora_adapter(file: GGUFFile) -> bool:
+    """Whether `file` is a LoRA adapter as llama.cpp marks one (convert_lora_to_gguf.py)."""
+    return (file.metadata.get(Keys.General.TYPE) == GGUFType.ADAPTER
+            and file.metadata.get(Keys.Adapter.TYPE) == "lora")

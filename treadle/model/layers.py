@@ -8,22 +8,32 @@ the accounting below reads every family's layers alike.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from treadle.model.attention import AttentionMetadata, KVCache, paged_attention
-from treadle.model.kernels import elementwise_kernels
+from treadle.model.kernels import elementwise_kernels, load_kernels
 from treadle.model.linear import Linear, QuantizedLinear
 from treadle.model.quantization import QuantizedWeight
-
-if TYPE_CHECKING:
-    from treadle.model.lora import LoraBatch
 
 # A layer's weights by role; a callable is a part with its own forward (experts.SparseMoE).
 Layer = dict[str, torch.Tensor | Linear | QuantizedLinear | Callable[[torch.Tensor], torch.Tensor]
              | None]
+
+
+class LoraBatch:
+    """The step's rows by LoRA adapter slot (model/lora.py), read by every wrapped layer: the
+    segments (slot, row indices; None when the slot owns every row); the native kernel's rows'
+    slots (-1 for the others; None: no such row) and its module; every row's slot (-1: the
+    base), the fused decoder's."""
+
+    def __init__(self) -> None:
+        self.segments: list[tuple[int, torch.Tensor | None]] = []
+        self.native_slots: torch.Tensor | None = None
+        self.kernels = load_kernels()
+        self.row_slots: torch.Tensor | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

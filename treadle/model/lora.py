@@ -1,10 +1,11 @@
 """LoRA adapters over the base model's linear layers, never merged into them (quantized bases
 stay quantized, and every adapter shares one copy of the base).
 
-An adapter in PEFT's format (adapter_config.json + adapter_model.safetensors) becomes, per
-targeted module, A [in, r] and B [r, out] with the scale folded into B. The runner keeps up to
-`max_loras` adapters in device slots; each wrapped layer stacks its parts' (q/k/v, gate/up)
-A and B per slot, B block-diagonal, so one fused layer adds x·A·B per row with two matmuls.
+An adapter, a PEFT folder (adapter_config.json + adapter_model.safetensors) or a GGUF LoRA file
+as llama.cpp's convert_lora_to_gguf.py writes it, becomes, per targeted module, A [in, r] and
+B [r, out] with the scale folded into B. The runner keeps up to `max_loras` adapters in device
+slots; each wrapped layer stacks its parts' (q/k/v, gate/up) A and B per slot, B
+block-diagonal, so one fused layer adds x·A·B per row with two matmuls.
 On CPU an adapter's rows, where it has few in the step (decode rows), take the native
 `lora_add` (x·A·B row by row, by each row's slot), also inside the fused decoder; an adapter's
 many rows (a prefill chunk) are a segment (the SGMV idea): one pair of matmuls over its rows
@@ -19,12 +20,19 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
+from gguf.constants import GGMLQuantizationType, Keys
+from gguf.quants import dequantize
 from safetensors.torch import load_file
 
 from treadle.model.family import ModelSpec
-from treadle.model.kernels import load_kernels
+from treadle.model.gguf_file import GGUFTensor, is_lora_adapter, read_gguf
+from treadle.model.layers import LoraBatch
 from treadle.model.linear import Linear, QuantizedLinear
+from treadle.model.loader import hf_name_for_gguf
+from treadle.model.registry import family_of
+from treadle.model.source import ModelLoadError
 
 # Most rows of one adapter in a step that the native lora_add serves; more are a segment's
 # matmuls (docs/decisions.md: the two cross between 16 and 32 rows).
@@ -34,6 +42,15 @@ NATIVE_MAX_ROWS = 16
 MODULE_LAYERS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
                  "o_proj": ("o", 0), "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1),
                  "down_proj": ("down", 0)}
+
+# What convert_lora_to_gguf.py writes (--outtype f32, f16, bf16, q8_0).
+GGUF_LORA_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                             GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0})
+
+# The general.architecture llama.cpp writes for a variant, where it is not the variant's name
+# (it converts Mistral and Mixtral as "llama").
+LLAMA_CPP_ARCHITECTURES = {"mistral": "llama", "mixtral": "llama", "gemma3_text": "gemma3",
+                           "qwen3_moe": "qwen3moe"}
 
 
 class LoraError(ValueError):
@@ -110,17 +127,109 @@ def load_peft_adapter(path: str | Path, max_rank: int) -> LoraAdapter:
     return adapter
 
 
-class LoraBatch:
-    """The step's rows by adapter slot, read by every wrapped layer: the segments (slot, row
-    indices; None when the slot owns every row); the native kernel's rows' slots (-1 for the
-    others; None: no such row) and its module; every row's slot (-1: the base), the fused
-    decoder's."""
+def check_adapter(path: str | Path, max_rank: int, spec: ModelSpec) -> None:
+    """Refuse (LoraError) an adapter this engine cannot serve on `spec`'s model, reading no
+    weights: a file is a GGUF LoRA adapter, a folder PEFT's."""
+    if Path(path).is_file():
+        gguf_adapter_tensors(path, max_rank, spec)
+    else:
+        adapter_config(path, max_rank)
 
-    def __init__(self) -> None:
-        self.segments: list[tuple[int, torch.Tensor | None]] = []
-        self.native_slots: torch.Tensor | None = None
-        self.kernels = load_kernels()
-        self.row_slots: torch.Tensor | None = None
+
+def load_adapter(path: str | Path, max_rank: int, spec: ModelSpec) -> LoraAdapter:
+    """A GGUF LoRA file's or a PEFT folder's weights (see `check_adapter`)."""
+    if Path(path).is_file():
+        return load_gguf_adapter(path, max_rank, spec)
+    return load_peft_adapter(path, max_rank)
+
+
+# (layer, module) → (the base weight's Hugging Face name, lora_a, lora_b)
+GGUFPairs = dict[tuple[int, str], tuple[str, GGUFTensor, GGUFTensor]]
+
+
+def gguf_adapter_tensors(path: str | Path, max_rank: int, spec: ModelSpec
+                         ) -> tuple[float, GGUFPairs]:
+    """A GGUF LoRA file's alpha and its lora_a/lora_b pairs by module, checked against `spec`
+    as llama.cpp checks them (type, architecture, names, shapes) and against `max_rank`;
+    LoraError for what this engine cannot serve. Reads the header only."""
+    try:
+        file = read_gguf(path)
+    except ModelLoadError as e:
+        raise LoraError(str(e)) from e
+    if not is_lora_adapter(file):
+        raise LoraError(f"{path} is not a LoRA adapter (general.type "
+                        f"{file.metadata.get(Keys.General.TYPE)!r}, adapter.type "
+                        f"{file.metadata.get(Keys.Adapter.TYPE)!r})")
+    if Keys.Adapter.ALORA_INVOCATION_TOKENS in file.array_keys:
+        raise LoraError(f"adapter {path}: activated LoRA ({Keys.Adapter.ALORA_INVOCATION_TOKENS}) "
+                        "not supported")
+    architecture = file.metadata.get(Keys.General.ARCHITECTURE)
+    served = LLAMA_CPP_ARCHITECTURES.get(spec.architecture, spec.architecture)
+    if architecture != served:
+        raise LoraError(f"adapter {path} is for a {architecture!r} model, not this "
+                        f"{served!r} one")
+    halves: dict[str, dict[str, GGUFTensor]] = {}
+    for t in file.tensors:
+        base_name, _, half = t.name.rpartition(".")
+        if half not in ("lora_a", "lora_b"):
+            # llama.cpp skips the norms mergekit adds; serving without them would not be the
+            # adapter, so they are refused like PEFT's modules_to_save.
+            raise LoraError(f"adapter {path}: tensor {t.name!r} is not a lora_a or lora_b matrix")
+        halves.setdefault(base_name, {})[half] = t
+    family, shapes = family_of(spec), layer_shapes(spec)
+    pairs: GGUFPairs = {}
+    for base_name, pair in halves.items():
+        if len(pair) != 2:
+            raise LoraError(f"adapter {path}: {base_name!r} lacks its "
+                            f"{'lora_b' if 'lora_a' in pair else 'lora_a'}")
+        try:
+            parts = hf_name_for_gguf(base_name, family).split(".")
+        except ModelLoadError:
+            parts = []
+        if (len(parts) != 6 or parts[:2] != ["model", "layers"] or parts[-2] not in MODULE_LAYERS
+                or not parts[2].isdigit() or int(parts[2]) >= spec.num_layers):
+            raise LoraError(f"adapter {path}: {base_name!r} is not a layer's "
+                            f"{', '.join(MODULE_LAYERS)}")
+        module = parts[-2]
+        a, b = pair["lora_a"], pair["lora_b"]
+        for t in (a, b):
+            if t.tensor_type not in GGUF_LORA_TYPES or len(t.shape) != 2:
+                raise LoraError(f"adapter {path}: tensor {t.name!r} is a {len(t.shape)}-D "
+                                f"{t.tensor_type.name}; LoRA matrices are 2-D "
+                                f"{', '.join(sorted(q.name for q in GGUF_LORA_TYPES))}")
+        # ggml's dims, innermost first: lora_a is [in, r], lora_b [r, out].
+        (a_in, a_rank), (b_rank, b_out) = (map(int, a.shape), map(int, b.shape))
+        fused, part = MODULE_LAYERS[module]
+        part_sizes, in_features = shapes[fused]
+        if (a_in, b_out) != (in_features, part_sizes[part]) or a_rank != b_rank:
+            raise LoraError(f"adapter {path}: {base_name!r} is {a_in} → {a_rank} → {b_out}, "
+                            f"this model's {in_features} → r → {part_sizes[part]} "
+                            "(an adapter of another base model?)")
+        if not 0 < a_rank <= max_rank:
+            raise LoraError(f"adapter {path}: rank {a_rank} is above max_lora_rank {max_rank}")
+        pairs[(int(parts[2]), module)] = (".".join(parts), a, b)
+    if not pairs:
+        raise LoraError(f"adapter {path} holds no LoRA matrices")
+    return float(file.metadata.get(Keys.Adapter.LORA_ALPHA, 0.0)), pairs
+
+
+def load_gguf_adapter(path: str | Path, max_rank: int, spec: ModelSpec) -> LoraAdapter:
+    """A GGUF LoRA file's weights (see `gguf_adapter_tensors` for what is refused), dequantized;
+    the scale is llama.cpp's, alpha / r (1 where alpha is 0 or absent)."""
+    alpha, pairs = gguf_adapter_tensors(path, max_rank, spec)
+    fix = family_of(spec).gguf_fix
+    adapter = LoraAdapter(max(int(a.shape[1]) for _, a, _ in pairs.values()))
+    for key, (hf_name, a, b) in pairs.items():
+        rank = int(a.shape[1])
+        a_rows = dequantize(a.data, a.tensor_type).reshape(rank, -1)
+        b_rows = dequantize(b.data, b.tensor_type).reshape(-1, rank)
+        if fix is not None:  # B's rows are the base weight's: llama.cpp permuted q/k alike
+            b_rows = fix(hf_name, b_rows, spec, True)
+        scale = alpha / rank if alpha else 1.0
+        adapter.weights[key] = (torch.from_numpy(np.ascontiguousarray(a_rows.T, np.float32)),
+                                torch.from_numpy(np.ascontiguousarray(b_rows.T * scale,
+                                                                      np.float32)))
+    return adapter
 
 
 class LoraLinear:
@@ -171,6 +280,7 @@ class LoraSlots:
 
     def __init__(self, spec: ModelSpec, layers: list[dict], max_loras: int, max_rank: int,
                  max_cpu_loras: int, dtype: torch.dtype) -> None:
+        self.spec = spec
         self.batch = LoraBatch()
         self.dtype = dtype
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
@@ -192,7 +302,7 @@ class LoraSlots:
 
     def adapter(self, lora_id: int, path: str) -> LoraAdapter:
         if lora_id not in self.adapters:
-            self.adapters[lora_id] = load_peft_adapter(path, self.max_rank)
+            self.adapters[lora_id] = load_adapter(path, self.max_rank, self.spec)
             if len(self.adapters) > self.max_cpu_loras:
                 dropped, _ = self.adapters.popitem(last=False)
                 self.slot_of.pop(dropped, None)

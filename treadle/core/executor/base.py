@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from treadle.model.batch import ModelInput, ModelOutput
+from treadle.model.family import ModelSpec
 from treadle.model.memory import KVCacheSize
 
 
@@ -22,6 +23,7 @@ from treadle.model.memory import KVCacheSize
 class ModelFacts:
     """What the scheduler and the frontend need to know of the loaded model and its cache."""
 
+    spec: ModelSpec  # its hyperparameters, which a LoRA adapter's shapes must fit
     max_model_len: int
     num_blocks: int
     vocab_size: int

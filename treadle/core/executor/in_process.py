@@ -27,7 +27,7 @@ class InProcessExecutor(Executor):
         loaded = load_model(model.model, torch_dtype(model.dtype, device), model.quantization,
                             device=device, load_format=model.load_format)
         self.runner = ModelRunner(loaded, model, config.cache, config.scheduler)
-        self.facts = ModelFacts(self.runner.max_model_len, self.runner.num_blocks,
+        self.facts = ModelFacts(loaded.spec, self.runner.max_model_len, self.runner.num_blocks,
                                 loaded.spec.vocab_size, frozenset(loaded.spec.eos_token_ids),
                                 self.runner.kv_size, self.runner.model.resident_bytes(),
                                 loaded.spec.num_parameters(), loaded.spec.active_parameters())

@@ -83,7 +83,7 @@ class TensorParallelExecutor(Executor):
         except BaseException:
             self.stop()
             raise
-        self.facts = ModelFacts(self.runner.max_model_len, self.runner.num_blocks,
+        self.facts = ModelFacts(spec, self.runner.max_model_len, self.runner.num_blocks,
                                 spec.vocab_size, frozenset(spec.eos_token_ids),
                                 self.runner.kv_size, self.runner.model.resident_bytes(),
                                 spec.num_parameters(), spec.active_parameters())

@@ -1,6 +1,7 @@
 """The LoRA adapters a server serves by name (`--lora-modules`, and those loaded live through
 /v1/load_lora_adapter): each name's LoRARequest, and its requests in flight, so an adapter in
-use is not unloaded. The engine checks an adapter's files when a request names it."""
+use is not unloaded. An adapter is a PEFT folder or a GGUF LoRA file (llama.cpp's); here only
+that it is one, the engine checks the rest when a request names it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from collections import Counter
 from pathlib import Path
 
 from treadle.core.lora_request import LoRARequest
+from treadle.model.gguf_file import is_lora_adapter, read_gguf
+from treadle.model.source import ModelLoadError
 from treadle.server.openai.errors import APIError
 
 MAX_LORA_NAME_CHARS = 256
@@ -41,8 +44,7 @@ class LoraAdapters:
         if len(self.by_name) >= self.max_adapters:
             raise APIError(409, f"{self.max_adapters} adapters are loaded already "
                            "(max_cpu_loras): unload one first")
-        if not (Path(path) / "adapter_config.json").is_file():
-            raise APIError(400, f"no adapter_config.json in {path!r}", param="lora_path")
+        check_adapter_files(path)
         lora = LoRARequest(name, self.next_id, str(path))
         self.next_id += 1
         self.by_name[name] = lora
@@ -56,3 +58,19 @@ class LoraAdapters:
             raise APIError(409, f"The lora adapter '{name}' is in use by "
                            f"{self.in_flight[name]} requests")
         del self.by_name[name]
+
+
+def check_adapter_files(path: str) -> None:
+    """APIError 400 unless `path` is a GGUF LoRA file or a folder with adapter_config.json."""
+    if not Path(path).is_file():
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise APIError(400, f"{path!r} is neither a GGUF LoRA file nor a folder with "
+                           "adapter_config.json", param="lora_path")
+        return
+    try:
+        adapter = is_lora_adapter(read_gguf(path))
+    except ModelLoadError as e:
+        raise APIError(400, f"{path!r} is not a GGUF LoRA file: {e}", param="lora_path") from e
+    if not adapter:
+        raise APIError(400, f"{path!r} is a GGUF file but not a LoRA adapter (llama.cpp's "
+                       "general.type adapter, adapter.type lora)", param="lora_path")
