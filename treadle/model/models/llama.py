@@ -35,7 +35,6 @@ from treadle.model.layers import (
     silu_and_mul,
 )
 from treadle.model.linear import Linear, QuantizedLinear, make_linear
-from treadle.model.lora import LoraLinear
 from treadle.model.quantization import QuantizedWeight
 from treadle.model.source import ModelLoadError
 
@@ -211,7 +210,7 @@ class LlamaModel(DecoderModel):
                               qkv.bias, o.data, o.qtypes, gate_up.data, gate_up.qtypes,
                               down.data, down.qtypes)
             adapted = [layer[name] for name in PROJECTIONS]
-            if all(isinstance(p, LoraLinear) for p in adapted):
+            if all(base_layer(p) is not p for p in adapted):  # LoRA's wrappers
                 decoder.set_lora(i, [p.a for p in adapted], [p.b for p in adapted],
                                  [p.offsets for p in adapted], adapted[0].max_rank)
         return decoder
