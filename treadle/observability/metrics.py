@@ -4,10 +4,10 @@ The frontend owns them: the engine process reports each step's stats and its cum
 counters; request latencies come from the frontend's clock (TTFT, ITL, E2E: what a client sees)
 and from the engine's (queue, prefill, decode time: where the time went).
 
-Request-level counters and histograms carry a `tenant` label (the API key's name, the `user`
-field, or "default"). Its values are bounded: the first `max_tenant_labels` tenants seen get a
-label of their own, every later one shares "other", so no client-chosen `user` can grow the
-series without bound.
+Request-level counters and histograms, and the engine census's per-tenant KV blocks and tokens
+scheduled, carry a `tenant` label (the API key's name, the `user` field, or "default"). Its
+values are bounded: the first `max_tenant_labels` tenants seen get a label of their own, every
+later one shares "other", so no client-chosen `user` can grow the series without bound.
 """
 
 from __future__ import annotations
