@@ -2,7 +2,8 @@
 by hand and percentiles against numpy), and the real page in headless Chromium (Debian's
 `chromium`, driven by Playwright) against a live server over a tiny model, behind an API key:
 it loads without console errors, its numbers move under load, a click shows a request's
-timeline. Screenshots go to the test's tmp dir (and /tmp/dashboard.png)."""
+timeline, each tenant's share of the KV cache and of the tokens scheduled shows. Screenshots go
+to the test's tmp dir (and /tmp/dashboard.png)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -18,7 +20,7 @@ import openai
 import pytest
 from frontends import start_frontends, stop_frontends, wait_started
 
-from treadle.config import AsyncEngineConfig, ServerConfig, build_config
+from treadle.config import APIKey, AsyncEngineConfig, ServerConfig, build_config
 from treadle.core.messages import EngineCensus, EngineLoad, StepRecord
 from treadle.frontend.async_engine import AsyncEngine
 from treadle.frontend.output_processor import SampleDelta
@@ -27,7 +29,8 @@ from treadle.observability.live import LiveFeed, timeline_segments
 from treadle.server.dashboard import router
 
 CHROMIUM = shutil.which("chromium")
-KEY = "dash-key"
+KEY = "dash-key"  # tenant key-1: reads its own tenant's rows
+ADMIN_KEY = "dash-admin-key"  # tenant admin: reads every tenant's
 
 
 def delta(request_id: str, tokens: int, finished: bool = False, reason: str | None = None,
@@ -111,6 +114,46 @@ def test_snapshot_of_a_known_workload():
     assert later["latency"]["ttft"]["count"] == 0 and later["rejections"]["minute"] == 0
 
 
+def shares_census(blocks: tuple = (), shared: int = 0, tokens: tuple = ()) -> EngineCensus:
+    return EngineCensus((), (), 0, blocks, shared, tokens)
+
+
+def test_tenant_shares_in_the_snapshot():
+    feed, t0 = LiveFeed(), 1000.0
+    busy = load(3, 0, 0.5, 0, 0, 0)
+    # A census a second: a's tokens since the start 300, then 30 more a second; b's 10 a
+    # second from t0 + 4.
+    for i in range(8):
+        tokens = (("a", 300 + 30 * i),) + ((("b", 10 * (i - 3)),) if i > 3 else ())
+        feed.record_engine(busy, None, shares_census((("a", 12), ("b", 4)), 2, tokens), t0 + i)
+    now = feed.snapshot(0, num_blocks=40, now=t0 + 7)["now"]
+    # The last RATE_WINDOW (5 s): since the census at t0 + 2, a 150 tokens and b 40.
+    assert now["tenants"] == [
+        {"tenant": "a", "kv_blocks": 12, "kv_share": 0.3, "token_share": round(150 / 190, 4)},
+        {"tenant": "b", "kv_blocks": 4, "kv_share": 0.1, "token_share": round(40 / 190, 4)}]
+    assert now["kv_shared"] == {"kv_blocks": 2, "kv_share": 0.05}
+    assert now["token_window_s"] == live.RATE_WINDOW
+    # A tenant's key: its own row, and nothing of blocks it may share with others.
+    own = feed.snapshot(0, 40, t0 + 7, tenant="b")["now"]
+    assert own["tenants"] == [now["tenants"][1]] and own["kv_shared"] is None
+    # Two live replicas: shares of both pools.
+    feed.record_replica(0, True, busy)
+    feed.record_replica(1, True, busy)
+    assert feed.snapshot(0, 40, t0 + 7)["now"]["tenants"][0]["kv_share"] == 0.15
+    feed.record_replica(1, False, busy)
+    # A new engine counts from 0: its tokens are all in the window; a holds no blocks now.
+    feed.record_engine(busy, None, shares_census((("b", 3),), 0, (("a", 5),)), t0 + 8)
+    assert feed.snapshot(0, 40, t0 + 8)["now"]["tenants"] == [
+        {"tenant": "a", "kv_blocks": 0, "kv_share": 0.0, "token_share": 1.0},
+        {"tenant": "b", "kv_blocks": 3, "kv_share": 0.075, "token_share": 0.0}]
+    # Idle since the census: nobody holds blocks; long after, nothing was scheduled lately.
+    feed.record_engine(load(0, 0, 0.0, 0, 0, 0), None, None, t0 + 9)
+    idle = feed.snapshot(0, 40, t0 + 9)["now"]
+    assert [t["kv_blocks"] for t in idle["tenants"]] == [0] and idle["kv_shared"]["kv_blocks"] == 0
+    feed.record_engine(load(0, 0, 0.0, 0, 0, 0), None, shares_census(tokens=(("a", 5),)), t0 + 20)
+    assert feed.snapshot(0, 40, t0 + 20)["now"]["tenants"] == []
+
+
 def test_replicas_in_the_snapshot():
     feed = LiveFeed()
     assert feed.snapshot(0, 40, 1.0)["now"]["replicas"] == []  # one engine: no rows
@@ -149,19 +192,25 @@ def server(tiny_folder):
     engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
         model=str(tiny_folder), dtype="float32", kv_cache_memory_bytes=4 << 20,
         max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64)))
-    frontends, thread = start_frontends(engine, ServerConfig(port=0, api_keys=(KEY,)))
+    frontends, thread = start_frontends(engine, ServerConfig(
+        port=0, api_keys=(APIKey("key-1", KEY), APIKey("admin", ADMIN_KEY))))
     wait_started(frontends, thread)
     yield engine, frontends.port
     stop_frontends(frontends, thread)
 
 
-def first_event(port: int, headers: dict) -> dict:
+def first_event(port: int, headers: dict, until: Callable[[dict], bool] = lambda event: True,
+                limit: int = 1) -> dict:
+    """The feed's first event for which `until` holds, within `limit` events (one a second)."""
     with httpx.stream("GET", f"http://127.0.0.1:{port}/dashboard/feed", headers=headers,
                       timeout=10) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             if line.startswith("data: "):
-                return json.loads(line[6:])
+                event = json.loads(line[6:])
+                limit -= 1
+                if until(event) or not limit:
+                    return event
     raise AssertionError("the feed ended without an event")
 
 
@@ -182,10 +231,10 @@ def test_page_open_feed_keyed(server):
     assert event["now"]["kv_blocks"]["total"] == engine.num_blocks
 
 
-def run_load(port: int, model: str, stop: threading.Event, errors: list) -> None:
+def run_load(port: int, model: str, stop: threading.Event, errors: list, key: str = KEY) -> None:
     """Four clients sending completions until told to stop."""
     def client() -> None:
-        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
         try:
             while not stop.is_set():
                 api.completions.create(model=model, prompt="The quick brown fox " * 8,
@@ -233,6 +282,18 @@ def test_page_in_chromium(server, tmp_path):
                     (tr) => [tr.className, tr.textContent]);
             }""")
             assert rows == [["", "0up1250.0%"], ["down", "1down000.0%"]]
+            # Tenants' shares, and blocks several tenants hold on a row of their own.
+            rows = page.evaluate("""() => {
+                update({...lastData, steps: [], now: {...lastData.now, token_window_s: 5,
+                    tenants: [{tenant: "a", kv_blocks: 12, kv_share: 0.3, token_share: 0.75},
+                              {tenant: "b", kv_blocks: 0, kv_share: 0, token_share: null}],
+                    kv_shared: {kv_blocks: 2, kv_share: 0.05}}});
+                return [...document.querySelectorAll('#tenants tr')].map((tr) =>
+                    [...tr.children].map((td) => td.textContent));
+            }""")
+            assert rows == [["a", "12", "30.0%", "75.0%"], ["b", "0", "0.0%", "–"],
+                            ["shared by tenants", "2", "5.0%", "–"]]
+            assert page.text_content("#token-window") == "5"
             idle_rate = page.text_content("#step-rate")
             load_thread.start()
             # Numbers move: steps per second and the Gantt's rows, while the load runs.
@@ -240,8 +301,15 @@ def test_page_in_chromium(server, tmp_path):
                                    ".textContent) > 0", timeout=10_000)
             page.wait_for_function("document.querySelectorAll('#gantt .grow').length >= 4",
                                    timeout=10_000)
+            # The key's tenant's row: its blocks now, and all the tokens lately (only its load).
+            page.wait_for_function("document.querySelector('#tenants td')"
+                                   ".textContent === 'key-1'", timeout=10_000)
             page.wait_for_timeout(1500)
             page.screenshot(path=str(shots / "under_load.png"))
+            tenant_row = page.evaluate("[...document.querySelectorAll('#tenants tr')].map((tr) =>"
+                                       " [...tr.children].map((td) => td.textContent))")
+            assert len(tenant_row) == 1 and tenant_row[0][0] == "key-1", tenant_row
+            assert tenant_row[0][3] == "100.0%" and tenant_row[0][2].endswith("%"), tenant_row
             assert idle_rate == "0.0" and float(page.text_content("#step-rate")) > 0
             stop.set()
             load_thread.join(30)
@@ -264,6 +332,48 @@ def test_page_in_chromium(server, tmp_path):
             browser.close()
     shutil.copy(shots / "request.png", "/tmp/dashboard.png")
     assert model and not problems, problems
+
+
+def test_feed_shares_by_tenant(server):
+    """Two tenants' load through the real server: the admin's feed has both tenants' rows, their
+    token shares summing to 1 and KV shares of the pool; a tenant's key, its own row only; the
+    Prometheus series count both."""
+    engine, port = server
+    stop, errors = threading.Event(), []
+    loads = [threading.Thread(target=run_load, args=(port, engine.model_name, stop, errors, key))
+             for key in (KEY, ADMIN_KEY)]
+    for thread in loads:
+        thread.start()
+    try:
+        def both_hold_blocks(event: dict) -> bool:
+            return sum(1 for t in event["now"]["tenants"] if t["kv_blocks"]) == 2
+
+        event = first_event(port, {"Authorization": f"Bearer {ADMIN_KEY}"}, both_hold_blocks, 30)
+        own = first_event(port, {"Authorization": f"Bearer {KEY}"})
+    finally:
+        stop.set()
+        for thread in loads:
+            thread.join(30)
+    assert not errors, errors
+    now = event["now"]
+    assert [t["tenant"] for t in now["tenants"]] == ["admin", "key-1"], now["tenants"]
+    assert sum(t["token_share"] for t in now["tenants"]) == pytest.approx(1, abs=1e-3)
+    assert all(0 < t["token_share"] < 1 for t in now["tenants"])
+    held = sum(t["kv_blocks"] for t in now["tenants"]) + now["kv_shared"]["kv_blocks"]
+    assert 0 < held <= engine.num_blocks
+    for row in now["tenants"]:
+        assert row["kv_share"] == round(row["kv_blocks"] / engine.num_blocks, 4)
+    assert [t["tenant"] for t in own["now"]["tenants"]] == ["key-1"]
+    assert own["now"]["kv_shared"] is None
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics",
+                        headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
+    for tenant in ("admin", "key-1"):
+        tokens = [line for line in metrics.splitlines()
+                  if line.startswith("treadle:scheduled_tokens_total{")
+                  and f'tenant="{tenant}"' in line]
+        assert len(tokens) == 1 and float(tokens[0].split()[-1]) > 0, tokens
+        assert f'treadle:tenant_kv_cache_blocks{{model_name="{engine.model_name}",' \
+               f'tenant="{tenant}"}}' in metrics
 
 
 def test_feeds_are_bounded_and_released(server, monkeypatch):

@@ -91,6 +91,30 @@ def test_settings_are_checked():
         build_config(AsyncEngineConfig, {"router": "random"})
 
 
+def test_census_of_the_replicas_sums_their_tenants():
+    """The merged census the dashboard and /metrics read: each tenant's blocks and tokens
+    summed over the replicas that sent one (a dead replica's are gone with it)."""
+    pytest.importorskip("ray")
+    from treadle.core.messages import EngineCensus
+    from treadle.frontend.data_parallel import Replica, ReplicaGroup
+    from treadle.observability.live import LiveFeed
+    from treadle.observability.metrics import ServerMetrics
+
+    group = ReplicaGroup(build_config(AsyncEngineConfig, {"data_parallel_size": 3}),
+                         ServerMetrics("m", 4), LiveFeed())
+    group.replicas = [
+        Replica(0, None, census=EngineCensus((("a", 0, 1),), (), 2, (("a", 5), ("b", 1)), 2,
+                                             (("a", 50), ("b", 7)))),
+        Replica(1, None, census=EngineCensus((), (("b", 0, 2),), 1, (("b", 4),), 1,
+                                             (("b", 30), ("c", 3)))),
+        Replica(2, None)]  # dead: no census
+    merged = group._merged_census()
+    assert merged.kv_blocks_by_tenant == (("a", 5), ("b", 5)) and merged.kv_blocks_shared == 3
+    assert merged.scheduled_tokens_by_tenant == (("a", 50), ("b", 37), ("c", 3))
+    assert (merged.waiting, merged.running, merged.num_cached_free_blocks) == (
+        (("a", 0, 1),), (("b", 0, 2),), 3)
+
+
 def test_without_ray_the_flag_says_how_to_install_it():
     code = ("import sys; sys.modules['ray'] = None; from treadle.cli import main; "
             "sys.exit(main(['serve', '--data-parallel-size', '2']))")

@@ -769,7 +769,8 @@ def test_the_dashboard_feed_shows_a_tenant_only_its_own_requests(port, engine):
             assert response.status_code == 200
             line = next(line for line in response.iter_lines() if line.startswith("data: "))
         snapshot = json.loads(line[6:])
-        census = snapshot["now"]["waiting_by"] + snapshot["now"]["running_by"]
+        now = snapshot["now"]
+        census = now["waiting_by"] + now["running_by"] + now["tenants"]
         return {row["tenant"] for row in snapshot["requests"] + census}
 
     assert tenants_in_feed("bob") == {"bob"}

@@ -121,14 +121,18 @@ def serve_engine(core: EngineCore, requests: Connection, outputs: Connection,
 
 
 def take_census(core: EngineCore) -> EngineCensus:
-    """Requests by (tenant, priority), waiting and running, and the cached free blocks."""
+    """Requests by (tenant, priority), waiting and running, the cached free blocks, the blocks
+    each tenant holds and the tokens each has been scheduled."""
     def count(requests: Iterable[Request]) -> tuple[tuple[str, int, int], ...]:
         counts = Counter((r.tenant, r.priority) for r in requests)
         return tuple((tenant, priority, n) for (tenant, priority), n in sorted(counts.items()))
 
     pool = core.kv_cache_manager.block_pool
     cached_free = sum(1 for b in pool.cached_block_hash_to_block.values() if b.ref_cnt == 0)
-    return EngineCensus(count(core.scheduler.waiting), count(core.scheduler.running), cached_free)
+    held, shared = core.scheduler.kv_blocks_by_tenant()
+    return EngineCensus(count(core.scheduler.waiting), count(core.scheduler.running), cached_free,
+                        tuple(sorted(held.items())), shared,
+                        tuple(sorted(core.loop.scheduled_tokens_by_tenant.items())))
 
 
 def add_request(core: EngineCore, message: AddRequest, outputs: Connection) -> None:

@@ -142,11 +142,18 @@ class StepRecord:
 @dataclass(frozen=True, slots=True)
 class EngineCensus:
     """Who is in the engine, counted at most once a second (it walks the queues and the
-    cached blocks): (tenant, priority, requests) for the waiting and the running."""
+    cached blocks): (tenant, priority, requests) for the waiting and the running; the KV blocks
+    each tenant holds and the tokens each has been scheduled, (tenant, count) sorted by tenant."""
 
     waiting: tuple[tuple[str, int, int], ...]
     running: tuple[tuple[str, int, int], ...]
     num_cached_free_blocks: int  # free blocks still holding a prefix (evicted on demand)
+    # Blocks held by one tenant's running requests only; those held by several tenants'
+    # (a prefix shared across tenants) are kv_blocks_shared: together, the blocks in use.
+    kv_blocks_by_tenant: tuple[tuple[str, int], ...] = ()
+    kv_blocks_shared: int = 0
+    # Tokens scheduled (prompt chunks, recompute, decode, proposed) since the engine started.
+    scheduled_tokens_by_tenant: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

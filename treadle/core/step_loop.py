@@ -8,6 +8,7 @@ the engine's by construction.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -94,6 +95,9 @@ class StepLoop:
         self.num_accepted_tokens = 0  # proposed tokens the last step accepted, as the runner
         # counted them
         self.experts_read = 0  # experts the last step's model pass ran, as the runner counted
+        # Tokens scheduled per tenant since the start (the dashboard's share of steps): counted
+        # in the loop over the batch that each step makes anyway.
+        self.scheduled_tokens_by_tenant: Counter[str] = Counter()
 
     def step(self, run_batch: BatchRunner,
              before_schedule: Callable[[], list[EngineCoreOutput]] | None = None,
@@ -117,6 +121,7 @@ class StepLoop:
             draft_tokens += len(s.spec_token_ids)
             decodes.append(is_decode(request, s.num_new_tokens - len(s.spec_token_ids)))
             request.events.append((now, "scheduled", s.num_new_tokens))
+            self.scheduled_tokens_by_tenant[request.tenant] += s.num_new_tokens
             if request.scheduled_time is None:
                 request.scheduled_time = now
         decode_tokens = sum(decodes)

@@ -492,6 +492,9 @@ class AsyncEngine:
         if self.config.engine.model.enable_lora:
             self.metrics.observe_loras(load.running_loras, load.waiting_loras,
                                        self.config.engine.scheduler.max_loras)
+        if message.census is not None:
+            self.metrics.observe_tenants(message.census.kv_blocks_by_tenant,
+                                         message.census.scheduled_tokens_by_tenant)
         self.live.record_engine(load, step, message.census, self.load_state.last_message)
         state = self.load_state
         if step is not None or not load.has_work:  # a step ran, or no work

@@ -419,14 +419,20 @@ class ReplicaGroup:
     def _merged_census(self) -> EngineCensus:
         waiting: Counter = Counter()
         running: Counter = Counter()
-        cached_free = 0
+        blocks: Counter = Counter()
+        tokens: Counter = Counter()  # the live replicas' (a restarted one counts from 0 again)
+        cached_free = shared = 0
         for census in (r.census for r in self.replicas if r.census is not None):
             for counts, rows in ((waiting, census.waiting), (running, census.running)):
                 for tenant, priority, n in rows:
                     counts[tenant, priority] += n
             cached_free += census.num_cached_free_blocks
+            blocks.update(dict(census.kv_blocks_by_tenant))
+            shared += census.kv_blocks_shared
+            tokens.update(dict(census.scheduled_tokens_by_tenant))
         return EngineCensus(*(tuple((t, p, n) for (t, p), n in sorted(counts.items()))
-                              for counts in (waiting, running)), cached_free)
+                              for counts in (waiting, running)), cached_free,
+                            tuple(sorted(blocks.items())), shared, tuple(sorted(tokens.items())))
 
     def _observe_replica(self, replica: Replica) -> None:
         self.metrics.observe_replica(str(replica.index), replica.live, replica.load.num_running,

@@ -1,5 +1,6 @@
 """What the live dashboard shows, kept in the frontend process: the engine's recent steps, its
-last load and census, recent requests (in flight and finished) and a minute of latencies.
+last load and census, each tenant's share of the KV cache and of the tokens scheduled, recent
+requests (in flight and finished) and a minute of latencies.
 
 AsyncEngine feeds it (the reader thread: steps, load, tokens, finishes; the event loop: a
 request's start and end); the dashboard's feed reads `snapshot()` about once a second. Every
@@ -23,7 +24,7 @@ REQUEST_HISTORY = 200  # finished requests kept for the Gantt, newest first
 MAX_ROWS = 60  # requests a snapshot carries (the page's Gantt shows about 40)
 LATENCY_WINDOW = 60.0  # seconds the percentiles cover
 MAX_LATENCY_SAMPLES = 50_000  # per series (ITL has one per token): bounded under any load
-RATE_WINDOW = 5.0  # seconds the step and token rates average over
+RATE_WINDOW = 5.0  # seconds the step and token rates, and tenants' token shares, average over
 PERCENTILES = (50, 90, 99)
 
 
@@ -127,6 +128,50 @@ def percentiles(values: list[float]) -> dict:
     return out
 
 
+def is_idle(load: EngineLoad | None) -> bool:
+    """Idle since the census (taken once a second): nobody is left in its classes, and no
+    tenant holds blocks."""
+    return load is not None and not load.num_running + load.num_waiting
+
+
+def tenant_tokens_since(samples: deque[tuple[float, dict[str, int]]], since: float
+                        ) -> dict[str, int]:
+    """Tokens scheduled per tenant after `since`: the newest sample less the newest taken at or
+    before `since`; with none that old, the newest whole (the engine started in the window)."""
+    if not samples:
+        return {}
+    base: dict[str, int] = {}
+    for t, tokens in reversed(samples):
+        if t <= since:
+            base = tokens
+            break
+    return {tenant: n - base.get(tenant, 0) for tenant, n in samples[-1][1].items()
+            if n > base.get(tenant, 0)}
+
+
+def tenant_shares(census: EngineCensus | None, tokens: dict[str, int], pool_blocks: int,
+                  tenant: str | None, idle: bool) -> dict:
+    """Each tenant's KV blocks held now (and share of the pool) and share of the tokens
+    scheduled in the last RATE_WINDOW seconds (None: nothing was scheduled), and the blocks
+    shared across tenants; with a `tenant`, its row only (and no shared blocks: they would
+    tell of the others)."""
+    blocks = dict(census.kv_blocks_by_tenant) if census is not None and not idle else {}
+    total_tokens = sum(tokens.values())
+
+    def share(n: int) -> float | None:
+        return round(n / pool_blocks, 4) if pool_blocks else None
+
+    names = sorted(t for t in {*blocks, *tokens} if tenant in (None, t) and
+                   (blocks.get(t) or tokens.get(t)))
+    rows = [{"tenant": t, "kv_blocks": blocks.get(t, 0), "kv_share": share(blocks.get(t, 0)),
+             "token_share": round(tokens.get(t, 0) / total_tokens, 4) if total_tokens else None}
+            for t in names]
+    shared = census.kv_blocks_shared if census is not None and not idle else 0
+    return {"tenants": rows, "token_window_s": RATE_WINDOW,
+            "kv_shared": {"kv_blocks": shared, "kv_share": share(shared)} if tenant is None
+            else None}
+
+
 class LiveFeed:
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -136,6 +181,10 @@ class LiveFeed:
         self.census: EngineCensus | None = None
         # (time, prefix queries, prefix hits, preemptions), about once a second.
         self.counters: deque[tuple[float, int, int, int]] = deque(maxlen=int(LATENCY_WINDOW) + 5)
+        # (time, tokens scheduled per tenant since the engine started) at each census, about
+        # once a second: a few more than RATE_WINDOW's worth.
+        self.tenant_tokens: deque[tuple[float, dict[str, int]]] = deque(
+            maxlen=int(RATE_WINDOW) + 5)
         self.requests: OrderedDict[tuple[str, int], LiveRequest] = OrderedDict()
         self.num_finished = 0  # of those, finished (kept to REQUEST_HISTORY)
         self.latency: dict[str, deque[tuple[float, float]]] = {
@@ -153,6 +202,11 @@ class LiveFeed:
                 self.steps.append((self.num_steps, step))
             if census is not None:
                 self.census = census
+                tokens = dict(census.scheduled_tokens_by_tenant)
+                last = self.tenant_tokens[-1][1] if self.tenant_tokens else {}
+                if any(tokens.get(t, 0) < n for t, n in last.items()):  # a new engine
+                    self.tenant_tokens.clear()
+                self.tenant_tokens.append((now, tokens))
             self.load = load
             counts = (load.prefix_cache_queries, load.prefix_cache_hits, load.num_preemptions)
             last = self.counters[-1][1:] if self.counters else counts
@@ -173,6 +227,7 @@ class LiveFeed:
         with self.lock:
             self.load = self.census = None
             self.counters.clear()
+            self.tenant_tokens.clear()
 
     def rejected(self, reason: str, now: float) -> None:
         """Admission (or the engine, under deadlines) refused a request."""
@@ -242,8 +297,9 @@ class LiveFeed:
                  tenant: str | None = None) -> dict:
         """What the page draws: steps after the cursor `after_step` (0: all kept), the engine
         now, the newest requests first and the last minute's latency percentiles. With a
-        `tenant`, the requests and the census by tenant are that tenant's only (the steps,
-        load and latencies stay the whole server's: they name no request or tenant)."""
+        `tenant`, the requests, the census by tenant and the tenants' shares are that tenant's
+        only (the steps, load and latencies stay the whole server's: they name no request or
+        tenant)."""
         now = time.monotonic() if now is None else now
         with self.lock:
             steps = [s for seq, s in self.steps if seq > after_step]
@@ -256,11 +312,14 @@ class LiveFeed:
                     samples.popleft()
                 windows[name] = [v for _, v in samples]
             load, census, counters = self.load, self.census, list(self.counters)
+            tokens = tenant_tokens_since(self.tenant_tokens, now - RATE_WINDOW)
             if census is not None and tenant is not None:
                 census = replace(
                     census, waiting=tuple(c for c in census.waiting if c[0] == tenant),
                     running=tuple(c for c in census.running if c[0] == tenant))
             replicas = [self.replicas[i] for i in sorted(self.replicas)]
+            # Under data parallelism num_blocks is one replica's: shares are of the live pools.
+            pool_blocks = num_blocks * max(1, sum(r["up"] for r in replicas))
             cursor = self.num_steps
             while self.rejection_times and self.rejection_times[0] < now - LATENCY_WINDOW:
                 self.rejection_times.popleft()
@@ -270,7 +329,8 @@ class LiveFeed:
         minute = [c for c in counters if c[0] >= now - LATENCY_WINDOW]
         return {
             "cursor": cursor,
-            "now": self._now(load, census, minute, recent, num_blocks) | {"replicas": replicas},
+            "now": self._now(load, census, minute, recent, num_blocks) | {"replicas": replicas}
+            | tenant_shares(census, tokens, pool_blocks, tenant, idle=is_idle(load)),
             "steps": [[round(s.scheduled_at - now, 4), round(s.duration, 5), s.num_requests,
                        s.num_prefill_tokens, s.num_decode_tokens, s.num_preemptions]
                       for s in steps],
@@ -295,8 +355,7 @@ class LiveFeed:
         def by_class(entries: tuple[tuple[str, int, int], ...] | None) -> list[dict]:
             return [{"tenant": t, "priority": p, "requests": n} for t, p, n in entries or ()]
 
-        # Idle since the census (taken once a second): nobody is left in its classes.
-        idle = load is not None and not load.num_running + load.num_waiting
+        idle = is_idle(load)
 
         return {
             "running": load.num_running if load else 0,

@@ -4,10 +4,10 @@ The frontend owns them: the engine process reports each step's stats and its cum
 counters; request latencies come from the frontend's clock (TTFT, ITL, E2E: what a client sees)
 and from the engine's (queue, prefill, decode time: where the time went).
 
-Request-level counters and histograms carry a `tenant` label (the API key's name, the `user`
-field, or "default"). Its values are bounded: the first `max_tenant_labels` tenants seen get a
-label of their own, every later one shares "other", so no client-chosen `user` can grow the
-series without bound.
+Request-level counters and histograms, and the engine census's per-tenant KV blocks and tokens
+scheduled, carry a `tenant` label (the API key's name, the `user` field, or "default"). Its
+values are bounded: the first `max_tenant_labels` tenants seen get a label of their own, every
+later one shares "other", so no client-chosen `user` can grow the series without bound.
 """
 
 from __future__ import annotations
@@ -70,6 +70,12 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started.",
                                      tenant)
         self.generation_tokens = counter("generation_tokens", "Tokens generated.", tenant)
+        # Each tenant's share of the steps: rate(scheduled_tokens) over the sum of the rates.
+        self.scheduled_tokens = counter("scheduled_tokens", "Tokens scheduled in engine steps "
+                                        "(prompt chunks, recompute, decode, proposed).", tenant)
+        self.tenant_kv_blocks = gauge("tenant_kv_cache_blocks", "KV cache blocks held by the "
+                                      "tenant's running requests alone (blocks shared across "
+                                      "tenants count for none).", tenant)
         self.request_success = counter("request_success", "Requests finished, by reason.",
                                        ("finished_reason", *tenant))
         self.rejections = counter("admission_rejections", "Requests refused before queuing.",
@@ -117,6 +123,8 @@ class ServerMetrics:
         self._cache_counts = (0, 0, 0)  # last cumulative (queries, hits, preemptions) seen
         self._spec_decode_counts = (0, 0, 0)
         self._spec_decode_per_position: tuple[int, ...] = ()
+        self._scheduled_tokens: dict[str, int] = {}  # last cumulative count per tenant seen
+        self._kv_block_labels: set[str] = set()  # tenant labels the KV gauge has set
 
     def labels(self, metric, **extra):
         return metric.labels(model_name=self.model_name, **extra)
@@ -154,6 +162,26 @@ class ServerMetrics:
         self._cache_counts = cumulative
         if iteration_tokens is not None:
             self.labels(self.iteration_tokens).observe(iteration_tokens)
+
+    def observe_tenants(self, kv_blocks: tuple[tuple[str, int], ...],
+                        scheduled_tokens: tuple[tuple[str, int], ...]) -> None:
+        """A census's KV blocks held and cumulative tokens scheduled, (tenant, count) each; a
+        fresh engine counts from 0."""
+        blocks: dict[str, int] = {}  # by label: tenants past max_tenant_labels share "other"
+        for tenant, n in kv_blocks:
+            label = self.tenant_label(tenant)
+            blocks[label] = blocks.get(label, 0) + n
+        for label in self._kv_block_labels - blocks.keys():  # its requests have all left
+            self.labels(self.tenant_kv_blocks, tenant=label).set(0)
+        for label, n in blocks.items():
+            self.labels(self.tenant_kv_blocks, tenant=label).set(n)
+        self._kv_block_labels |= blocks.keys()
+        for tenant, now in scheduled_tokens:
+            before = self._scheduled_tokens.get(tenant, 0)
+            if now != before:
+                self.labels(self.scheduled_tokens, tenant=self.tenant_label(tenant)).inc(
+                    now - before if now > before else now)
+        self._scheduled_tokens = dict(scheduled_tokens)
 
     def observe_spec_decode(self, cumulative: tuple[int, int, int],
                             per_position: tuple[int, ...] = ()) -> None:

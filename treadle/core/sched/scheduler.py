@@ -114,6 +114,31 @@ class Scheduler:
         block_size = self.kv_cache_manager.block_size
         return sum(cdiv(r.num_tokens, block_size) for r in self.running if r.tenant == tenant)
 
+    def kv_blocks_by_tenant(self) -> tuple[Counter[str], int]:
+        """The KV blocks held by each tenant's running requests alone, and those held by more
+        than one tenant's (a prefix shared across tenants): each block in use counted once."""
+        kv = self.kv_cache_manager
+        held: Counter[str] = Counter()
+        # Blocks in several tables (prefix hits): their tenants, so each is counted once.
+        holders: dict[int, set[str]] = {}
+        for request in self.running:
+            table = kv.block_tables.get(request.request_id, ())
+            if not kv.block_pool.num_shared_blocks:  # no block is in two tables: count tables
+                held[request.tenant] += len(table)
+                continue
+            for block in table:
+                if block.ref_cnt == 1:
+                    held[request.tenant] += 1
+                else:
+                    holders.setdefault(block.block_id, set()).add(request.tenant)
+        num_shared = 0
+        for tenants in holders.values():
+            if len(tenants) == 1:
+                held[next(iter(tenants))] += 1
+            else:
+                num_shared += 1
+        return held, num_shared
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)

@@ -153,7 +153,36 @@ function drawNow(now, rejections) {
     tr.innerHTML = '<td class="muted" colspan="4">no requests in the engine</td>';
     body.appendChild(tr);
   }
+  drawTenants(now);
   drawReplicas(now.replicas);
+}
+
+// Each tenant's KV blocks held now and share of the tokens scheduled lately; blocks several
+// tenants hold (a shared prefix) on a row of their own, so the rows add up to the blocks in use.
+function drawTenants(now) {
+  $("token-window").textContent = now.token_window_s;
+  const rows = now.tenants.map((t) => [t.tenant, fmtInt(t.kv_blocks), fmtPct(t.kv_share),
+                                       fmtPct(t.token_share)]);
+  if (now.kv_shared && now.kv_shared.kv_blocks) {
+    rows.push(["shared by tenants", fmtInt(now.kv_shared.kv_blocks),
+               fmtPct(now.kv_shared.kv_share), "–"]);
+  }
+  const body = $("tenants");
+  body.replaceChildren();
+  for (const cells of rows) {
+    const tr = document.createElement("tr");
+    for (const v of cells) {
+      const td = document.createElement("td");
+      td.textContent = v;
+      tr.appendChild(td);
+    }
+    body.appendChild(tr);
+  }
+  if (!rows.length) {
+    const tr = document.createElement("tr");
+    tr.innerHTML = '<td class="muted" colspan="4">no tenant holds blocks or was scheduled lately</td>';
+    body.appendChild(tr);
+  }
 }
 
 // Data-parallel replicas (--data-parallel-size): one row each; hidden with one engine.
