@@ -212,6 +212,32 @@ def test_fused_decoder_adds_each_rows_adapter(tiny_lora):
     assert (fused[1:] - base_rows).abs().max().item() > 1e-2
 
 
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_bfloat16_adapters_beside_a_float32_model(tiny_lora, quantization):
+    """--lora-dtype bfloat16 on a float32 model: adapters stored in bfloat16, every path (a
+    segment's matmuls, the native rows, the fused decoder) within bfloat16's rounding of the
+    float32 adapters' logits, and far from the base's."""
+    folder, _, adapters = tiny_lora
+    path = adapters["a"][0]
+    ids = torch.randint(3, 256, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    steps = [ids[:20], ids[20:26]] + [[t] for t in ids[26:]]  # segment, native rows, decodes
+
+    def logits(lora_dtype: str, lora: tuple[int, Path] | None) -> torch.Tensor:
+        runner = lora_runner(folder, quantization=quantization, quant_gemv_max_rows=4,
+                             lora_dtype=lora_dtype)
+        assert runner.lora.layers[0]["qkv"].a.dtype == getattr(torch, lora_dtype)
+        start, rows = 0, []
+        for chunk in steps:
+            rows.append(runner.execute(ModelInput([sequence(chunk, start, list(range(8)),
+                                                            lora)])))
+            start += len(chunk)
+        return torch.cat(rows)
+
+    full, half = logits("float32", (1, path)), logits("bfloat16", (1, path))
+    moved = (full - logits("float32", None)).abs().max().item()
+    assert (half - full).abs().max().item() < moved / 20
+
+
 def write_adapter(folder: Path, source: Path, **config_changes) -> Path:
     shutil.copytree(source, folder)
     config = json.loads((folder / "adapter_config.json").read_text())

@@ -267,10 +267,9 @@ class LoraLinear:
             self.batch.kernels.lora_add(y, x.contiguous(), self.a, self.b,
                                         self.batch.native_slots, self.offsets, self.max_rank)
         for slot, rows in self.batch.segments:
-            if rows is None:
-                y = y + (x @ self.a[slot]) @ self.b[slot]
-            else:
-                y = y.index_add(0, rows, (x[rows] @ self.a[slot]) @ self.b[slot])
+            a, b = self.a[slot].to(x.dtype), self.b[slot].to(x.dtype)  # --lora-dtype's
+            y = (y + (x @ a) @ b if rows is None
+                 else y.index_add(0, rows, (x[rows] @ a) @ b))
         return y
 
 

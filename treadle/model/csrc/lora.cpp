@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -18,8 +19,9 @@ namespace {
 // this many, fewer where the threads would otherwise idle.
 constexpr int64_t kRowsPerTask = 4;
 
-template <typename T>
-void lora_rows(T* y, const T* x, const T* a, const T* b, const int64_t* slots, int64_t tokens,
+// T: the rows' dtype, W: the adapters' (float32 or bfloat16 each).
+template <typename T, typename W>
+void lora_rows(T* y, const T* x, const W* a, const W* b, const int64_t* slots, int64_t tokens,
                int64_t in, int64_t out, int64_t width, const std::vector<int64_t>& offsets,
                int64_t rank) {
   const int64_t parts = static_cast<int64_t>(offsets.size()) - 1;
@@ -43,11 +45,11 @@ void lora_rows(T* y, const T* x, const T* a, const T* b, const int64_t* slots, i
     for (int64_t task = first; task < last; ++task) {
       const auto [begin, end] = tasks[task];
       const int64_t n = end - begin, slot = slots[rows[begin]];
-      const T* a_slot = a + slot * in * width;
-      const T* b_slot = b + slot * width * out;
+      const W* a_slot = a + slot * in * width;
+      const W* b_slot = b + slot * width * out;
       std::fill(low.begin(), low.begin() + n * width, 0.0f);
       for (int64_t i = 0; i < in; ++i) {
-        const T* a_row = a_slot + i * width;
+        const W* a_row = a_slot + i * width;
         for (int64_t r = 0; r < n; ++r) {
           const float xi = static_cast<float>(x[rows[begin + r] * in + i]);
           float* low_r = low.data() + r * width;
@@ -57,7 +59,7 @@ void lora_rows(T* y, const T* x, const T* a, const T* b, const int64_t* slots, i
       std::fill(sum.begin(), sum.begin() + n * out, 0.0f);
       for (int64_t p = 0; p < parts; ++p) {
         for (int64_t k = p * rank; k < (p + 1) * rank; ++k) {
-          const T* b_row = b_slot + k * out;
+          const W* b_row = b_slot + k * out;
           for (int64_t r = 0; r < n; ++r) {
             const float lw = low[r * width + k];
             if (lw == 0.0f) continue;  // a rank past the adapter's own (zeros in A)
@@ -88,20 +90,31 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::
               y.dim() == 2 && y.size(0) == tokens && y.size(1) == out && a.size(1) == in &&
               b.size(1) == width && slots.scalar_type() == at::kLong &&
               slots.numel() == tokens && slots.is_contiguous(), "lora_add: shapes");
-  TORCH_CHECK(y.scalar_type() == x.scalar_type() && a.scalar_type() == x.scalar_type() &&
-              b.scalar_type() == x.scalar_type(), "lora_add: one dtype");
+  const auto is_float = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+  };
+  TORCH_CHECK(y.scalar_type() == x.scalar_type() && a.scalar_type() == b.scalar_type() &&
+              is_float(x) && is_float(a), "lora_add: rows and adapters float32 or bfloat16");
   TORCH_CHECK(static_cast<int64_t>(offsets.size()) >= 2 && offsets.back() == out &&
               (static_cast<int64_t>(offsets.size()) - 1) * rank == width, "lora_add: parts");
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(slot[t] < a.size(0), "lora_add: slot ", slot[t], " out of range");
   }
-  if (x.scalar_type() == at::kFloat) {
-    lora_rows(y.data_ptr<float>(), x.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(),
-              slot, tokens, in, out, width, offsets, rank);
+  const auto run = [&](auto* y_data, auto* a_data) {
+    using T = std::remove_pointer_t<decltype(y_data)>;
+    using W = std::remove_pointer_t<decltype(a_data)>;
+    lora_rows<T, W>(y_data, static_cast<const T*>(x.data_ptr()), a_data,
+                    static_cast<const W*>(b.data_ptr()), slot, tokens, in, out, width, offsets,
+                    rank);
+  };
+  const bool rows_float = x.scalar_type() == at::kFloat;
+  if (a.scalar_type() == at::kFloat) {
+    if (rows_float) run(y.data_ptr<float>(), static_cast<const float*>(a.data_ptr()));
+    else run(y.data_ptr<at::BFloat16>(), static_cast<const float*>(a.data_ptr()));
   } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "lora_add: float32 or bfloat16");
-    lora_rows(y.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(), a.data_ptr<at::BFloat16>(),
-              b.data_ptr<at::BFloat16>(), slot, tokens, in, out, width, offsets, rank);
+    const auto* a_bf16 = static_cast<const at::BFloat16*>(a.data_ptr());
+    if (rows_float) run(y.data_ptr<float>(), a_bf16);
+    else run(y.data_ptr<at::BFloat16>(), a_bf16);
   }
 }
