@@ -673,3 +673,28 @@ def test_server_serves_gguf_adapters_and_refuses_bad_files(tiny_lora, tiny_lora_
         assert complete("a") == want["a"]
     finally:
         stop_frontends(frontends, thread)
+
+
+@pytest.mark.slow  # transformers dequantizes the default model's GGUF; peft trains on it
+def test_default_model_adapters_match_peft_merged_model(tmp_path):
+    """Two adapters trained on the default model (its GGUF as transformers loads it): Treadle's
+    logits with each, over a prompt and then decode steps, equal peft's merged model's."""
+    from transformers import AutoModelForCausalLM
+
+    from treadle.model.source import default_model_path
+
+    path = default_model_path()
+    base = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                dtype=torch.float32).eval()
+    runner = make_runner(None, block_size=16, num_blocks=128, enable_lora=True, max_loras=2)
+    ids = torch.randint(3, 2000, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    for lora_id, (name, config) in enumerate(ADAPTERS.items(), start=1):
+        folder = tmp_path / name
+        merged = train_adapter(base, folder, lora_id, **config)
+        want = reference_logits(merged, ids)
+        assert (want - reference_logits(base, ids)).abs().max() > 1e-2, name
+        table = list(range(10 * lora_id, 10 * lora_id + 4))
+        rows = [runner.execute(ModelInput([sequence(ids[:32], 0, table, (lora_id, folder))]))]
+        rows += [runner.execute(ModelInput([sequence([t], 32 + i, table, (lora_id, folder))]))
+                 for i, t in enumerate(ids[32:])]
+        assert (torch.cat(rows) - want).abs().max().item() < 1e-3, name
