@@ -137,22 +137,8 @@ function drawNow(now, rejections) {
       classes.set(key, row);
     }
   }
-  const body = $("classes");
-  body.replaceChildren();
-  for (const row of classes.values()) {
-    const tr = document.createElement("tr");
-    for (const v of [row.tenant, row.priority, row.waiting, row.running]) {
-      const td = document.createElement("td");
-      td.textContent = v;
-      tr.appendChild(td);
-    }
-    body.appendChild(tr);
-  }
-  if (!classes.size) {
-    const tr = document.createElement("tr");
-    tr.innerHTML = '<td class="muted" colspan="4">no requests in the engine</td>';
-    body.appendChild(tr);
-  }
+  fillTable($("classes"), [...classes.values()].map((row) =>
+    [row.tenant, row.priority, row.waiting, row.running]), "no requests in the engine");
   drawTenants(now);
   drawReplicas(now.replicas);
 }
@@ -167,7 +153,11 @@ function drawTenants(now) {
     rows.push(["shared by tenants", fmtInt(now.kv_shared.kv_blocks),
                fmtPct(now.kv_shared.kv_share), "–"]);
   }
-  const body = $("tenants");
+  fillTable($("tenants"), rows, "no tenant holds blocks or was scheduled lately");
+}
+
+// A table body's rows of 4 cells, or one muted row saying why there are none.
+function fillTable(body, rows, emptyText) {
   body.replaceChildren();
   for (const cells of rows) {
     const tr = document.createElement("tr");
@@ -180,7 +170,11 @@ function drawTenants(now) {
   }
   if (!rows.length) {
     const tr = document.createElement("tr");
-    tr.innerHTML = '<td class="muted" colspan="4">no tenant holds blocks or was scheduled lately</td>';
+    const td = document.createElement("td");
+    td.className = "muted";
+    td.colSpan = 4;
+    td.textContent = emptyText;
+    tr.appendChild(td);
     body.appendChild(tr);
   }
 }
