@@ -81,13 +81,14 @@ def make_runner(model: str | Path | None, dtype: str = "float32", block_size: in
                 quant_gemv_max_rows: int | None = None, device: str = "auto",
                 enforce_eager: bool = False, max_num_seqs: int = 16,
                 kv_cache_dtype: str = "auto", enable_lora: bool = False,
-                max_loras: int = 4, lora_dtype: str = "auto") -> ModelRunner:
+                max_loras: int = 4, lora_dtype: str = "auto",
+                max_cpu_loras: int = 8) -> ModelRunner:
     """`max_num_seqs`: the largest decode step captured as a CUDA graph, on a GPU."""
     model_config = ModelConfig(model=None if model is None else str(model), dtype=dtype,
                                quantization=quantization, device=device,
                                quant_gemv_max_rows=quant_gemv_max_rows,
                                enforce_eager=enforce_eager, enable_lora=enable_lora,
-                               lora_dtype=lora_dtype)
+                               lora_dtype=lora_dtype, max_cpu_loras=max_cpu_loras)
     cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                kv_cache_dtype=kv_cache_dtype)
     device = resolve_device(device)

@@ -156,6 +156,54 @@ def test_more_adapters_than_slots_swap_in_and_stay_exact(tiny_lora):
                                             (2, adapters["b"][0]))]))
 
 
+def test_a_slot_outlives_its_adapter_dropped_from_memory(tiny_lora):
+    """Two slots, two adapters kept in memory, four ids: b stays in its slot while the others
+    come and go, and a newcomer never takes the slot of an adapter in the same step."""
+    folder, _, adapters = tiny_lora
+    runner = lora_runner(folder, max_loras=2, max_cpu_loras=2)
+    ids = list(range(5, 25))
+    a, b = adapters["a"], adapters["b"]
+    for other in (1, 3, 4):  # 3 and 4: a's files under new ids, each dropping the oldest
+        got = runner.execute(ModelInput([sequence(ids, 0, list(range(8)), (2, b[0])),
+                                         sequence(ids, 0, list(range(8, 16)), (other, a[0]))]))
+        rows = len(ids)
+        assert (got[:rows] - reference_logits(b[1], ids)).abs().max().item() < 1e-3, other
+        assert (got[rows:] - reference_logits(a[1], ids)).abs().max().item() < 1e-3, other
+
+
+def test_a_cold_adapter_loads_off_the_step(tiny_lora, tiny_lora_llm_folder):
+    """A request for an adapter not yet in memory waits while its adapter loads in the
+    background; the base request beside it runs meanwhile; both end with peft's tokens."""
+    from treadle.llm import LLM
+
+    _, base, adapters = tiny_lora
+    llm = LLM(str(tiny_lora_llm_folder), dtype="float32", enable_lora=True,
+              kv_cache_memory_bytes=16 << 20)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = [5, 6, 7, 8]
+    engine.add_request("base", prompt, params)
+    engine.add_request("a", prompt, params,
+                       lora_request=LoRARequest("a", 1, str(adapters["a"][0])))
+    tokens: dict[str, list[int]] = {"base": [], "a": []}
+    for output in engine.step():
+        tokens[output.request_id] += output.new_token_ids
+    assert [r.request_id for r in engine.scheduler.running] == ["base"]
+    assert [r.request_id for r in engine.scheduler.waiting] == ["a"]
+    slots = engine.executor.runner.lora
+    loading_id, load = slots.loading
+    assert loading_id == 1 and 1 not in slots.adapters
+    load.result()  # once loaded, the next step takes the request
+    for output in engine.step():
+        tokens[output.request_id] += output.new_token_ids
+    assert "a" in {r.request_id for r in engine.scheduler.running}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    assert tokens["a"] == peft_greedy(adapters["a"][1], prompt, 6)
+    assert tokens["base"] == peft_greedy(base, prompt, 6)
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_base_stays_quantized_and_takes_the_adapter(tiny_lora, mode):
     """A base quantized at load (served as blocks, the integer kernel for the decode rows)
@@ -320,6 +368,8 @@ def test_scheduler_keeps_at_most_max_loras_adapters_running(tiny_lora, tiny_lora
                            lora_request=LoRARequest(name, 1 + (name == "b"),
                                                     str(adapters[name][0])))
     seen = set()
+    engine.step()  # a's load starts; then a runs
+    engine.executor.runner.lora.loading[1].result()
     engine.step()
     # What the lora_requests_info gauge reports: a running, b waiting for its turn.
     assert adapter_names(engine.scheduler.running) == ("a",)

@@ -65,8 +65,10 @@ class EngineCore:
                     facts.num_parameters / 1e9, active, facts.kv_cache.describe())
         self.kv_cache_manager = KVCacheManager(facts.num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, scheduling_policy,
-                                   facts.max_model_len, facts.eos_token_ids)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_cache_manager, scheduling_policy, facts.max_model_len,
+            facts.eos_token_ids, adapter_ready=lambda lora: self.executor.lora_ready(
+                lora.lora_int_id, lora.lora_path))
         self.sampler = Sampler()
         self.structured_output = StructuredOutputManager(
             resolve_model(config.model.model).folder / "tokenizer.json", facts.vocab_size,

@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 
 # The engine reports its load at least this often when idle.
 HEARTBEAT_SECONDS = 1.0
+# With requests but no step to run (they wait on an adapter's load or a grammar's compile, off
+# the step), the loop waits this long for messages rather than spinning, which would hold the
+# interpreter lock from the loading thread.
+STALLED_POLL_SECONDS = 0.001
 # Who waits and runs, by tenant and priority, at most this often: the live dashboard's pace.
 CENSUS_SECONDS = 1.0
 
@@ -86,9 +90,11 @@ def serve_engine(core: EngineCore, requests: Connection, outputs: Connection,
     """The engine process's loop: take messages, step, send outputs and load."""
     last_report = last_census = 0.0
     traced: StepStats | None = None
+    stalled = False  # the last step ran nothing
     while True:
         busy = core.has_unfinished_requests()
-        if requests.poll(0 if busy else HEARTBEAT_SECONDS):
+        if requests.poll((STALLED_POLL_SECONDS if stalled else 0) if busy
+                         else HEARTBEAT_SECONDS):
             while requests.poll(0):
                 message: EngineRequest = requests.recv()
                 if isinstance(message, Shutdown):
@@ -104,6 +110,7 @@ def serve_engine(core: EngineCore, requests: Connection, outputs: Connection,
             step = traced.record()
             if trace is not None:
                 trace.write(traced.trace_event())
+        stalled = step is None
         now = time.monotonic()
         if step is not None or now - last_report >= HEARTBEAT_SECONDS:
             scheduler, kv = core.scheduler, core.kv_cache_manager

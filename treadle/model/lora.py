@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -275,7 +276,8 @@ class LoraLinear:
 
 class LoraSlots:
     """The runner's adapters: loaded ones kept by id (at most `max_cpu_loras`, least recently
-    used dropped), up to `max_loras` of them in the layers' slots."""
+    used dropped), up to `max_loras` of them in the layers' slots. A slot holds a copy of its
+    adapter's weights, so dropping the loaded adapter leaves its slot valid."""
 
     def __init__(self, spec: ModelSpec, layers: list[dict], max_loras: int, max_rank: int,
                  max_cpu_loras: int, dtype: torch.dtype) -> None:
@@ -298,13 +300,35 @@ class LoraSlots:
             self.layers.append(wrapped)
         self.adapters: OrderedDict[int, LoraAdapter] = OrderedDict()
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id → slot, LRU first
+        # Cold adapters load on this thread while steps run (one at a time: one disk read).
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="lora-load")
+        self.loading: tuple[int, Future] | None = None
+
+    def ready(self, lora_id: int, path: str) -> bool:
+        """Whether the adapter can join the next step without loading in it; if not, its load
+        starts in the background (when none is under way) and a later call says True."""
+        if lora_id in self.slot_of or lora_id in self.adapters:
+            return True
+        if self.loading is not None and self.loading[1].done():
+            loaded_id, future = self.loading
+            self.loading = None
+            if future.exception() is None:
+                self._keep(loaded_id, future.result())
+            if loaded_id == lora_id:  # failed: the step that takes it loads again, and fails
+                return True
+        if self.loading is None:
+            self.loading = (lora_id, self.loader.submit(load_adapter, path, self.max_rank,
+                                                        self.spec))
+        return False
+
+    def _keep(self, lora_id: int, adapter: LoraAdapter) -> None:
+        self.adapters[lora_id] = adapter
+        if len(self.adapters) > self.max_cpu_loras:
+            self.adapters.popitem(last=False)
 
     def adapter(self, lora_id: int, path: str) -> LoraAdapter:
         if lora_id not in self.adapters:
-            self.adapters[lora_id] = load_adapter(path, self.max_rank, self.spec)
-            if len(self.adapters) > self.max_cpu_loras:
-                dropped, _ = self.adapters.popitem(last=False)
-                self.slot_of.pop(dropped, None)
+            self._keep(lora_id, load_adapter(path, self.max_rank, self.spec))
         self.adapters.move_to_end(lora_id)
         return self.adapters[lora_id]
 
@@ -312,6 +336,8 @@ class LoraSlots:
         """The adapter's slot, loading it into one not used this step if it has none."""
         if lora_id in self.slot_of:
             self.slot_of.move_to_end(lora_id)
+            if lora_id in self.adapters:
+                self.adapters.move_to_end(lora_id)
             return self.slot_of[lora_id]
         adapter = self.adapter(lora_id, path)
         free = set(range(self.max_loras)) - set(self.slot_of.values())

@@ -42,6 +42,11 @@ class Executor(ABC):
         """Float32 logits [rows, vocab] of one step, and the final hidden states pooling
         sequences asked for (see `ModelRunner.run`)."""
 
+    def lora_ready(self, lora_id: int, path: str) -> bool:
+        """Whether the adapter's weights are in memory for the next step; if not, they start
+        loading in the background. True where adapters load inside the step."""
+        return True
+
     @abstractmethod
     def platform_info(self) -> dict[str, Any]:
         """The dtype served and why, and which fast paths run: for logs and /v1/models."""

@@ -40,6 +40,9 @@ class InProcessExecutor(Executor):
             torch.cuda.synchronize(self.runner.device)
         return output
 
+    def lora_ready(self, lora_id: int, path: str) -> bool:
+        return self.runner.lora is None or self.runner.lora.ready(lora_id, path)
+
     def platform_info(self) -> dict[str, Any]:
         return self.runner.platform_info()
 

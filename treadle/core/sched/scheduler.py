@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from treadle.config import SchedulerConfig
 from treadle.core.kv_cache import KVCacheManager, cdiv
+from treadle.core.lora_request import LoRARequest
 from treadle.core.request import Request, RequestStatus
 from treadle.core.sched.policy import (
     SchedulingPolicy,
@@ -81,13 +82,17 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  policy: SchedulingPolicy, max_model_len: int,
                  eos_token_ids: Iterable[int] = (),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 adapter_ready: Callable[[LoRARequest], bool] = lambda lora: True) -> None:
         self.config = scheduler_config
         self.kv_cache_manager = kv_cache_manager
         self.policy = policy
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock  # the clock of requests' arrival times (deadlines, slack)
+        # Whether an adapter is in memory (its load starts if not): a request waits for its
+        # adapter's load off the step, never in one.
+        self.adapter_ready = adapter_ready
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: WaitingQueue = policy.new_queue()
         self.running: list[Request] = []  # sorted by the policy's key
@@ -360,7 +365,9 @@ class Scheduler:
                 continue
             if request.tenant in yielding:
                 break
-            if self._over_lora_cap(request):  # waits for a running adapter's requests to end
+            if self._over_lora_cap(request) or (  # waits for a running adapter's requests to end
+                    request.lora_request is not None
+                    and not self.adapter_ready(request.lora_request)):  # or its adapter to load
                 if len(passed_over) >= MAX_LOOKAHEAD:
                     break
                 passed_over.append(self.waiting.pop())
