@@ -23,7 +23,7 @@ import pytest
 import torch
 from gguf.quants import QuantError, dequantize, quantize
 from model_utils import build_tiny_model, make_runner, permute_like_llama_cpp
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_kv_cache import admit
 
 from treadle.core.engine_process import adapter_names
@@ -300,9 +300,70 @@ def write_adapter(folder: Path, source: Path, **config_changes) -> Path:
 def test_unsupported_adapters_are_refused_by_name(tiny_lora, tmp_path, changes, refusal):
     path = write_adapter(tmp_path / "adapter", tiny_lora[2]["a"][0], **changes)
     with pytest.raises(LoraError, match=refusal):
-        load_peft_adapter(path, max_rank=16)
+        load_peft_adapter(path, 16, tiny_spec(tiny_lora[0]))
     with pytest.raises(LoraError, match="adapter_config.json"):
-        load_peft_adapter(tmp_path / "missing", max_rank=16)
+        load_peft_adapter(tmp_path / "missing", 16, tiny_spec(tiny_lora[0]))
+
+
+def write_tensors(folder: Path, tensors: dict[str, torch.Tensor], r: int = 4) -> Path:
+    """A PEFT folder of the given lora_A/lora_B tensors (random ones, of any names and shapes)."""
+    folder.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()},
+              str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": r, "lora_alpha": 8, "target_modules": ["q_proj"]}))
+    return folder
+
+
+def pair(module: str, fan_in: int, fan_out: int, r: int = 4) -> dict[str, torch.Tensor]:
+    prefix = f"base_model.model.model.layers.{module}"
+    return {f"{prefix}.lora_A.weight": torch.randn(r, fan_in),
+            f"{prefix}.lora_B.weight": torch.randn(fan_out, r)}
+
+
+def test_peft_adapters_are_checked_against_the_model_before_they_load(tiny_lora, tmp_path):
+    """An adapter of another model's shape, past the last layer, on a module LoRA does not
+    serve, or with a lone A is refused when a request names it (the safetensors header read,
+    no weights), not in a step."""
+    spec = tiny_spec(tiny_lora[0])
+    hidden, q = spec.hidden_size, spec.num_heads * spec.head_dim
+    bad = {"another model's shape": (pair("0.self_attn.q_proj", hidden + 8, q), "another base"),
+           "past the last layer": (pair(f"{spec.num_layers}.self_attn.q_proj", hidden, q),
+                                   "not a module"),
+           "a norm": (pair("0.input_layernorm", hidden, hidden), "not a module"),
+           "a lone A": ({k: v for k, v in pair("0.self_attn.q_proj", hidden, q).items()
+                         if "lora_A" in k}, "lacks its lora_B"),
+           "rank unlike r": (pair("0.self_attn.q_proj", hidden, q, r=2), r"r=4")}
+    for i, (tensors, refusal) in enumerate(bad.values()):
+        folder = write_tensors(tmp_path / f"bad-{i}", tensors)
+        with pytest.raises(LoraError, match=refusal):
+            check_adapter(folder, 16, spec)
+        with pytest.raises(LoraError, match=refusal):
+            load_adapter(folder, 16, spec)
+    good = write_tensors(tmp_path / "good", pair("0.self_attn.q_proj", hidden, q))
+    check_adapter(good, 16, spec)
+    assert set(load_adapter(good, 16, spec).weights) == {(0, "q_proj")}
+
+
+def test_moe_model_adapters_serve_attention_and_refuse_experts(tmp_path):
+    """On a mixture of experts: an attention adapter trained by peft gives peft's merged
+    logits; one on the experts, or on a sparse layer's feed-forward, is refused by name."""
+    base = build_tiny_model("qwen3-moe", tmp_path)
+    adapter = tmp_path / "attention"
+    merged = train_adapter(base, adapter, 7, r=8, lora_alpha=16,
+                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    ids = list(range(5, 25))
+    want = reference_logits(merged, ids)
+    assert (want - reference_logits(base, ids)).abs().max() > 1e-2
+    runner = lora_runner(tmp_path)
+    got = runner.execute(ModelInput([sequence(ids, 0, list(range(8)), (1, adapter))]))
+    assert (got - want).abs().max().item() < 1e-3
+    spec = tiny_spec(tmp_path)
+    hidden, inter = spec.hidden_size, spec.intermediate_size
+    for i, module in enumerate(["0.mlp.experts.0.gate_proj", "0.mlp.gate_proj"]):
+        folder = write_tensors(tmp_path / f"ffn-{i}", pair(module, hidden, inter))
+        with pytest.raises(LoraError, match="no experts"):
+            check_adapter(folder, 16, spec)
 
 
 def test_adapters_never_share_cached_blocks():
@@ -636,7 +697,7 @@ def refused_file(kind: str, adapter: Path, spec: ModelSpec, folder: Path) -> Pat
 @pytest.mark.parametrize("kind, refusal", [
     ("text", "not a valid GGUF"), ("model", "not a LoRA adapter"), ("arch", "'qwen2' model"),
     ("norm", "not a lora_a or lora_b"), ("half", "lacks its lora_b"),
-    ("embedding", "not a layer's"), ("layer", "not a layer's"),
+    ("embedding", "not a module LoRA serves"), ("layer", "not a module LoRA serves"),
     ("shape", "another base model"), ("alora", "activated LoRA")])
 def test_gguf_files_treadle_cannot_serve_are_refused(tiny_lora, tmp_path, kind, refusal):
     folder, _, adapters = tiny_lora

@@ -22,9 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import safetensors
 import torch
 from gguf.constants import GGMLQuantizationType, Keys
 from gguf.quants import dequantize
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from treadle.model.family import ModelSpec
@@ -102,29 +104,72 @@ def adapter_config(path: str | Path, max_rank: int) -> dict:
     return config
 
 
-def load_peft_adapter(path: str | Path, max_rank: int) -> LoraAdapter:
-    """A PEFT LoRA folder's weights (see `adapter_config` for what is refused)."""
+def served_module(path: str | Path, name: str, in_features: int, out_features: int,
+                  rank: int, spec: ModelSpec) -> tuple[int, str]:
+    """The (layer, module) of a LoRA pair on the base weight `name` (its Hugging Face name,
+    e.g. model.layers.3.self_attn.q_proj), checked against `spec`: a layer's attention or
+    dense feed-forward projection (not a mixture of experts' experts), of its shape."""
+    parts = name.split(".")
+    shape = spec.expected_shapes().get(f"{name}.weight")
+    if (len(parts) != 5 or parts[:2] != ["model", "layers"] or parts[-1] not in MODULE_LAYERS
+            or shape is None):
+        raise LoraError(f"adapter {path}: {name!r} is not a module LoRA serves on this model "
+                        f"(a layer's {', '.join(MODULE_LAYERS)}; no experts)")
+    if (in_features, out_features) != (shape[1], shape[0]):
+        raise LoraError(f"adapter {path}: {name!r} is {in_features} → {rank} → {out_features}, "
+                        f"this model's {shape[1]} → r → {shape[0]} (an adapter of another "
+                        "base model?)")
+    return int(parts[2]), parts[-1]
+
+
+# (layer, module) → (the safetensors names of its lora_A and lora_B)
+PEFTPairs = dict[tuple[int, str], tuple[str, str]]
+
+
+def peft_adapter_tensors(path: str | Path, max_rank: int, spec: ModelSpec
+                         ) -> tuple[dict, PEFTPairs]:
+    """A PEFT LoRA folder's config and its A/B pairs by module, checked against `spec` and
+    `max_rank` (see `adapter_config`); LoraError for what this engine cannot serve. Reads the
+    safetensors header only."""
     folder = Path(path)
     config = adapter_config(folder, max_rank)
-    rank, scale = int(config["r"]), lora_scale(config)
-    weights_file = folder / "adapter_model.safetensors"
-    tensors = load_file(str(weights_file))
-    adapter = LoraAdapter(rank)
-    for name, a in tensors.items():
-        if ".lora_A." not in name:
-            if ".lora_B." not in name:
-                raise LoraError(f"adapter {folder}: tensor {name} is not a LoRA A or B matrix")
+    rank = int(config["r"])
+    try:
+        with safe_open(str(folder / "adapter_model.safetensors"), "pt") as f:
+            names = f.keys()  # a list: the handle itself is not iterable
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in names}
+    except (OSError, safetensors.SafetensorError) as e:
+        raise LoraError(f"adapter {folder}: unreadable adapter_model.safetensors ({e})") from e
+    pairs: PEFTPairs = {}
+    for a_name, a_shape in shapes.items():
+        if ".lora_A." not in a_name:
+            if ".lora_B." not in a_name:
+                raise LoraError(f"adapter {folder}: tensor {a_name} is not a LoRA A or B matrix")
             continue
-        module_path = name.split(".lora_A.")[0]
-        module = module_path.rsplit(".", 1)[-1]
-        parts = module_path.split(".")
-        if module not in MODULE_LAYERS or "layers" not in parts:
-            raise LoraError(f"adapter {folder}: module {module_path} is not one LoRA serves "
-                            f"({', '.join(MODULE_LAYERS)})")
-        layer = int(parts[parts.index("layers") + 1])
-        b = tensors[name.replace(".lora_A.", ".lora_B.")]
-        adapter.weights[(layer, module)] = (a.float().t().contiguous(),
-                                            (b.float() * scale).t().contiguous())
+        b_name = a_name.replace(".lora_A.", ".lora_B.")
+        b_shape = shapes.get(b_name)
+        if b_shape is None:
+            raise LoraError(f"adapter {folder}: {a_name} lacks its lora_B")
+        if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != rank or b_shape[1] != rank:
+            raise LoraError(f"adapter {folder}: {a_name} and its lora_B are {list(a_shape)} and "
+                            f"{list(b_shape)}, not [r={rank}, in] and [out, r={rank}]")
+        base_name = a_name.split(".lora_A.")[0].removeprefix("base_model.model.")
+        key = served_module(folder, base_name, a_shape[1], b_shape[0], rank, spec)
+        pairs[key] = (a_name, b_name)
+    if not pairs:
+        raise LoraError(f"adapter {folder} holds no LoRA matrices")
+    return config, pairs
+
+
+def load_peft_adapter(path: str | Path, max_rank: int, spec: ModelSpec) -> LoraAdapter:
+    """A PEFT LoRA folder's weights (see `peft_adapter_tensors` for what is refused)."""
+    config, pairs = peft_adapter_tensors(path, max_rank, spec)
+    scale = lora_scale(config)
+    tensors = load_file(str(Path(path) / "adapter_model.safetensors"))
+    adapter = LoraAdapter(int(config["r"]))
+    for key, (a_name, b_name) in pairs.items():
+        adapter.weights[key] = (tensors[a_name].float().t().contiguous(),
+                                (tensors[b_name].float() * scale).t().contiguous())
     return adapter
 
 
@@ -134,14 +179,14 @@ def check_adapter(path: str | Path, max_rank: int, spec: ModelSpec) -> None:
     if Path(path).is_file():
         gguf_adapter_tensors(path, max_rank, spec)
     else:
-        adapter_config(path, max_rank)
+        peft_adapter_tensors(path, max_rank, spec)
 
 
 def load_adapter(path: str | Path, max_rank: int, spec: ModelSpec) -> LoraAdapter:
     """A GGUF LoRA file's or a PEFT folder's weights (see `check_adapter`)."""
     if Path(path).is_file():
         return load_gguf_adapter(path, max_rank, spec)
-    return load_peft_adapter(path, max_rank)
+    return load_peft_adapter(path, max_rank, spec)
 
 
 # (layer, module) → (the base weight's Hugging Face name, lora_a, lora_b)
@@ -177,21 +222,16 @@ def gguf_adapter_tensors(path: str | Path, max_rank: int, spec: ModelSpec
             # adapter, so they are refused like PEFT's modules_to_save.
             raise LoraError(f"adapter {path}: tensor {t.name!r} is not a lora_a or lora_b matrix")
         halves.setdefault(base_name, {})[half] = t
-    family, shapes = family_of(spec), layer_shapes(spec)
+    family = family_of(spec)
     pairs: GGUFPairs = {}
     for base_name, pair in halves.items():
         if len(pair) != 2:
             raise LoraError(f"adapter {path}: {base_name!r} lacks its "
                             f"{'lora_b' if 'lora_a' in pair else 'lora_a'}")
         try:
-            parts = hf_name_for_gguf(base_name, family).split(".")
+            hf_name = hf_name_for_gguf(base_name, family)
         except ModelLoadError:
-            parts = []
-        if (len(parts) != 6 or parts[:2] != ["model", "layers"] or parts[-2] not in MODULE_LAYERS
-                or not parts[2].isdigit() or int(parts[2]) >= spec.num_layers):
-            raise LoraError(f"adapter {path}: {base_name!r} is not a layer's "
-                            f"{', '.join(MODULE_LAYERS)}")
-        module = parts[-2]
+            hf_name = base_name
         a, b = pair["lora_a"], pair["lora_b"]
         for t in (a, b):
             if t.tensor_type not in GGUF_LORA_TYPES or len(t.shape) != 2:
@@ -200,15 +240,13 @@ def gguf_adapter_tensors(path: str | Path, max_rank: int, spec: ModelSpec
                                 f"{', '.join(sorted(q.name for q in GGUF_LORA_TYPES))}")
         # ggml's dims, innermost first: lora_a is [in, r], lora_b [r, out].
         (a_in, a_rank), (b_rank, b_out) = (map(int, a.shape), map(int, b.shape))
-        fused, part = MODULE_LAYERS[module]
-        part_sizes, in_features = shapes[fused]
-        if (a_in, b_out) != (in_features, part_sizes[part]) or a_rank != b_rank:
-            raise LoraError(f"adapter {path}: {base_name!r} is {a_in} → {a_rank} → {b_out}, "
-                            f"this model's {in_features} → r → {part_sizes[part]} "
-                            "(an adapter of another base model?)")
+        if a_rank != b_rank:
+            raise LoraError(f"adapter {path}: {base_name!r} has lora_a of rank {a_rank} and "
+                            f"lora_b of rank {b_rank}")
+        key = served_module(path, hf_name.removesuffix(".weight"), a_in, b_out, a_rank, spec)
         if not 0 < a_rank <= max_rank:
             raise LoraError(f"adapter {path}: rank {a_rank} is above max_lora_rank {max_rank}")
-        pairs[(int(parts[2]), module)] = (".".join(parts), a, b)
+        pairs[key] = (hf_name, a, b)
     if not pairs:
         raise LoraError(f"adapter {path} holds no LoRA matrices")
     return float(file.metadata.get(Keys.Adapter.LORA_ALPHA, 0.0)), pairs
