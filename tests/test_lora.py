@@ -553,6 +553,65 @@ def test_server_model_picks_the_adapter_and_adapters_load_and_unload(tiny_lora,
         stop_frontends(frontends, thread)
 
 
+def test_adapters_load_and_unload_under_traffic_with_nothing_dropped(tiny_lora,
+                                                                    tiny_lora_llm_folder):
+    """Streams of the base and of adapter a run on six client threads while b is loaded,
+    used and unloaded three times: every stream ends whole with its own greedy text, and b's
+    answers are b's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+    from frontends import start_frontends, stop_frontends, wait_started
+
+    from treadle.config import AsyncEngineConfig, ServerConfig, build_config
+    from treadle.frontend.async_engine import AsyncEngine
+    from treadle.llm import LLM
+    from treadle.server.auth import parse_api_keys
+
+    adapters = tiny_lora[2]
+    settings = dict(model=str(tiny_lora_llm_folder), dtype="float32", enable_lora=True,
+                    max_loras=2, kv_cache_memory_bytes=16 << 20)
+    prompt = [5, 17, 99, 23, 42, 7]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    llm = LLM(**settings)
+    want = {name: llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0]
+            .outputs[0].text
+            for name, lora in [("base", None), ("a", LoRARequest("a", 1, str(adapters["a"][0]))),
+                               ("b", LoRARequest("b", 2, str(adapters["b"][0])))]}
+    engine = AsyncEngine(build_config(AsyncEngineConfig, settings))
+    config = ServerConfig(port=0, api_keys=tuple(parse_api_keys(["sekrit"])),
+                          lora_modules=(f"a={adapters['a'][0]}",))
+    frontends, thread = start_frontends(engine, config)
+    try:
+        wait_started(frontends, thread)
+        port = frontends.port
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sekrit",
+                               max_retries=0, timeout=120)
+        models = {"base": engine.model_name, "a": "a", "b": "b"}
+
+        def stream(name: str) -> tuple[str, str, str | None]:
+            text, reason = "", None
+            for chunk in client.completions.create(
+                    model=models[name], prompt=prompt, max_tokens=32, temperature=0.0,
+                    stream=True, extra_body={"ignore_eos": True}):
+                text += chunk.choices[0].text
+                reason = chunk.choices[0].finish_reason or reason
+            return name, text, reason
+
+        with ThreadPoolExecutor(6) as pool:
+            streams = [pool.submit(stream, "a" if i % 2 else "base") for i in range(24)]
+            for _ in range(3):
+                assert post_json(port, "/v1/load_lora_adapter",
+                                 {"lora_name": "b", "lora_path": str(adapters["b"][0])})[0] == 200
+                assert stream("b") == ("b", want["b"], "length")
+                assert post_json(port, "/v1/unload_lora_adapter", {"lora_name": "b"})[0] == 200
+            for done in streams:
+                name, text, reason = done.result()
+                assert (text, reason) == (want[name], "length"), name
+    finally:
+        stop_frontends(frontends, thread)
+
+
 Q = gguf.GGMLQuantizationType
 # Hugging Face module name (layer as {}) → llama.cpp's tensor name.
 TO_GGUF = {hf.removesuffix(".weight"): g for g, hf in GGUF_TENSOR_NAMES.items()}
