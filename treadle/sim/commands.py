@@ -94,6 +94,10 @@ def add_steps_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="step_profile.json", help="the profile JSON")
     parser.add_argument("--notes", default="", help="kept in the profile (e.g. the machine's load)")
+    parser.add_argument("--lora-rank", type=int, default=16,
+                        help="time LoRA rows with random adapters of this rank (the server's "
+                             "--max-lora-rank default) for the profile's LoRA terms; 0: skip "
+                             "them (the engine then serves no LoRA while timing)")
     add_setting_flag(parser, setting_fields(ModelConfig)["quant_gemv_max_rows"], default=None,
                      help="as `treadle serve`'s: pin the quantized layers' crossover to the "
                           "server's")
