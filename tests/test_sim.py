@@ -250,7 +250,8 @@ def test_profile_fit_recovers_known_coefficients(tmp_path, gemv_rows):
     """Float weights (one regime) and quantized ones (up to 4 rows on the integer kernel, each
     row dearer; above, the dense copy's fixed cost)."""
     rng = np.random.default_rng(0)
-    truth = dict(zip(FEATURES, [0.02, 3e-4, 1e-3, 2e-6, 5e-5, 0.0, 0.0, 0.0], strict=True))
+    truth = dict(zip(FEATURES, [0.02, 3e-4, 1e-3, 2e-6, 5e-5, 0.0, 0.0, 0.0, 0.0, 0.0],
+                     strict=True))  # the LoRA terms: fitted apart (bench steps)
     if gemv_rows:
         truth |= {"const": 0.01, "integer_rows": 4e-3, "dense_weights": 0.03,
                   "shared_context": 5e-7}

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from treadle.bench.grpc_client import GrpcBackend
 from treadle.bench.metrics import PERCENTILES, RequestRecord, compute_metrics, tenant_metrics
 from treadle.bench.streaming import Backend, Clock, Send, StreamTimer
-from treadle.bench.workloads import BenchRequest
+from treadle.bench.workloads import BenchRequest, draw_adapters
 from treadle.core.request import DEFAULT_TENANT
 
 
@@ -264,8 +264,7 @@ def bench_serve(base_url: str, model: str, requests: list[BenchRequest],
     if lora_modules:
         if backend == "grpc":
             raise ValueError("--lora-modules needs --backend openai (gRPC has no adapter field)")
-        draw = random.Random(seed)
-        request_models = [draw.choice(lora_modules) for _ in requests]
+        request_models = draw_adapters(lora_modules, len(requests), seed)
     client: Backend
     if backend == "grpc":
         client = GrpcBackend(base_url, model, requests, prompt_format, ignore_eos, api_key,

@@ -301,3 +301,10 @@ def summarize(requests: list[BenchRequest]) -> dict:
             "mean_output_len": output_tokens / n if n else 0.0,
             "longest_prompt_len": max((r.prompt_len for r in requests), default=0),
             "longest_output_len": max((r.output_len for r in requests), default=0)}
+
+
+def draw_adapters(names: list[str], count: int, seed: int) -> list[str]:
+    """Each of `count` requests' adapter, drawn from `names` by `seed` (`treadle sim` draws
+    the same, so a simulated run and a served one give each request the same adapter)."""
+    draw = random.Random(seed)
+    return [draw.choice(names) for _ in range(count)]

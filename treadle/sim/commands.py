@@ -45,6 +45,10 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--burstiness", type=float, default=1.0)
     w.add_argument("--tenants", type=int, default=1,
                    help="bench workloads: spread requests round robin over this many tenants")
+    w.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                   help="bench workloads: each request's LoRA adapter, drawn from these by "
+                        "--seed as `bench serve --lora-modules` draws them (a trace names "
+                        "its own: \"lora\"); needs --enable-lora")
     w.add_argument("--ttft", type=float, default=None, help="objective for every request (s)")
     w.add_argument("--tpot", type=float, default=None, help="objective for every request (s)")
 
@@ -90,6 +94,10 @@ def add_steps_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="step_profile.json", help="the profile JSON")
     parser.add_argument("--notes", default="", help="kept in the profile (e.g. the machine's load)")
+    parser.add_argument("--lora-rank", type=int, default=16,
+                        help="time LoRA rows with random adapters of this rank (the server's "
+                             "--max-lora-rank default) for the profile's LoRA terms; 0: skip "
+                             "them (the engine then serves no LoRA while timing)")
     add_setting_flag(parser, setting_fields(ModelConfig)["quant_gemv_max_rows"], default=None,
                      help="as `treadle serve`'s: pin the quantized layers' crossover to the "
                           "server's")
@@ -98,6 +106,9 @@ def add_steps_args(parser: argparse.ArgumentParser) -> None:
 def build_requests(args: argparse.Namespace, rate: float) -> list[SimRequest]:
     from treadle.sim import workload
 
+    if args.lora_modules and args.workload in ("trace", "bench-json"):
+        raise ValueError("--lora-modules draws adapters for bench workloads: a trace names "
+                         "each request's (\"lora\"), a bench serve report its own")
     if args.workload == "trace":
         return workload.read_trace(_need(args.trace, "--trace"))
     if args.workload == "bench-json":
@@ -109,7 +120,7 @@ def build_requests(args: argparse.Namespace, rate: float) -> list[SimRequest]:
     bench_args = argparse.Namespace(**vars(args), prompt_format="ids")
     bench_requests = build_workload(bench_args)
     times = send_times(bench_requests, rate, args.burstiness, args.seed)
-    requests = workload.from_bench(bench_requests, times)
+    requests = workload.from_bench(bench_requests, times, args.lora_modules, args.seed)
     for i, r in enumerate(requests):
         r.tenant = f"t{i % args.tenants}" if args.tenants > 1 else r.tenant
         r.ttft, r.tpot = args.ttft, args.tpot
@@ -153,7 +164,13 @@ def runs_of(args: argparse.Namespace) -> list[tuple[str, SimSettings, float]]:
 def run_sim(args: argparse.Namespace) -> int:
     from treadle.bench.metrics import parse_goodput
     from treadle.sim.profile import StepProfile
-    from treadle.sim.report import format_kv, format_table, format_tenants, summarize
+    from treadle.sim.report import (
+        format_adapters,
+        format_kv,
+        format_table,
+        format_tenants,
+        summarize,
+    )
     from treadle.sim.simulator import simulate
     from treadle.sim.workload import write_trace
 
@@ -168,6 +185,10 @@ def run_sim(args: argparse.Namespace) -> int:
                 workloads[rate] = build_requests(args, rate)
                 if args.save_trace:
                     write_trace(workloads[rate], args.save_trace)
+            if not settings.engine.model.enable_lora and any(
+                    r.lora is not None for r in workloads[rate]):
+                raise ValueError("the workload's requests name LoRA adapters: serving them "
+                                 "needs --enable-lora, as treadle serve does")
             result = simulate(workloads[rate], settings, profile)
             report = summarize(result, slos, per_request=args.per_request)
             report["label"], report["settings"] = label, settings.as_dict()
@@ -187,6 +208,10 @@ def run_sim(args: argparse.Namespace) -> int:
         if len(report["tenants"]) > 1:
             print(f"-- {label} tenants (Jain's index {report['jain_index']:.3f})")
             print(format_tenants(report))
+        if report["adapters"]:
+            print(f"-- {label} LoRA adapters (at most {report['most_loras_in_a_step']} in a "
+                  f"step, --max-loras {report['settings']['max_loras']})")
+            print(format_adapters(report))
         print(f"-- {label} {format_kv(report)}")
     if args.json:
         Path(args.json).write_text(json.dumps({"profile": dataclasses.asdict(profile),

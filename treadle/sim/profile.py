@@ -2,6 +2,7 @@
 
     step_s = const + b * prefill_tokens + c * decode_seqs + d * decode_context
              + e * prefill_attention + f * integer_rows + g * dense_weights
+             + h * shared_context + i * lora_adapters + j * lora_rows
 
 prefill_tokens: tokens of chunks longer than one token (the runner's prefill path);
 decode_seqs: one-token chunks (its decode path); decode_context: the context lengths those read;
@@ -11,10 +12,13 @@ with each row (integer_rows: the step's rows there, else 0), and a larger one th
 path, which reads the float copy of every weight once (dense_weights: 1 there, else 0): one
 line through both regimes fits neither. shared_context: decode context in KV blocks that an
 earlier decode of the same step reads too (a shared prefix), taken out of decode_context: a
-block read again in one step comes from cache. Fitted
+block read again in one step comes from cache. lora_adapters: the distinct LoRA adapters whose
+rows the step runs (each read and multiplied on its own); lora_rows: the token rows that run
+with an adapter (base rows pay nothing). Fitted
 by least squares (numpy) to measured steps (`treadle bench steps`), saved as a small JSON profile
 that names the machine and model it came from. `fit_profile` reports the relative error on
-held-out steps.
+held-out steps. The LoRA terms are fitted apart, to the difference adapters make to the same
+steps (`bench steps`); a profile saved before them has them at 0.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 FEATURES = ("const", "prefill_tokens", "decode_seqs", "decode_context", "prefill_attention",
-            "integer_rows", "dense_weights", "shared_context")
+            "integer_rows", "dense_weights", "shared_context", "lora_adapters", "lora_rows")
+LORA_FEATURES = ("lora_adapters", "lora_rows")
 DEFAULT_PROFILE = Path(__file__).parent / "data" / "default_profile.json"
 
 
@@ -44,10 +49,12 @@ def shared_decode_context(decodes: Iterable[tuple[int, Sequence[int]]], block_si
 
 
 def step_features(chunks: Iterable[tuple[int, int]], gemv_rows: int | None = None,
-                  shared_context: int = 0) -> list[float]:
+                  shared_context: int = 0, lora_adapters: int = 0, lora_rows: int = 0
+                  ) -> list[float]:
     """Features of one step from its chunks: (tokens already computed, new tokens) each;
     `gemv_rows`: the quantized layers' crossover (None: float weights, one regime);
-    `shared_context`: what `shared_decode_context` counts."""
+    `shared_context`: what `shared_decode_context` counts; `lora_adapters`, `lora_rows`: the
+    distinct adapters among the chunks and the rows (tokens) of chunks that have one."""
     prefill = decode = decode_context = attention = 0
     for start, n in chunks:
         if n == 1:
@@ -60,7 +67,8 @@ def step_features(chunks: Iterable[tuple[int, int]], gemv_rows: int | None = Non
     integer = gemv_rows is not None and rows <= gemv_rows
     return [1.0, float(prefill), float(decode), float(decode_context - shared_context),
             attention / 1000.0, float(rows) if integer else 0.0,
-            1.0 if gemv_rows is not None and not integer else 0.0, float(shared_context)]
+            1.0 if gemv_rows is not None and not integer else 0.0, float(shared_context),
+            float(lora_adapters), float(lora_rows)]
 
 
 @dataclass
@@ -77,9 +85,10 @@ class StepProfile:
         seconds = sum(c.get(name, 0.0) * x for name, x in zip(FEATURES, features, strict=True))
         return max(seconds, 1e-6)  # a step always takes some time: the clock must advance
 
-    def predict_chunks(self, chunks: Iterable[tuple[int, int]], shared_context: int = 0
-                       ) -> float:
-        return self.predict(step_features(chunks, self.gemv_rows, shared_context))
+    def predict_chunks(self, chunks: Iterable[tuple[int, int]], shared_context: int = 0,
+                       lora_adapters: int = 0, lora_rows: int = 0) -> float:
+        return self.predict(step_features(chunks, self.gemv_rows, shared_context,
+                                          lora_adapters, lora_rows))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -99,6 +108,8 @@ class StepProfile:
             # Fitted before shared_context was split out of decode_context: it counts shared
             # context as any decode context, as it did when fitted (the shipped default too).
             coefficients["shared_context"] = coefficients["decode_context"]
+        for name in LORA_FEATURES:  # fitted before LoRA rows were measured: no cost known
+            coefficients.setdefault(name, 0.0)
         return cls(**{k: data[k] for k in ("coefficients", "model", "machine", "fit", "notes",
                                            "gemv_rows") if k in data})
 
@@ -114,14 +125,19 @@ def fit_coefficients(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     misses small ones by half). Coefficients stay >= 0 (a negative cost per token is noise,
     and would let large steps predict negative times): negative columns are dropped and the
     rest refitted, until none is negative."""
-    x, y = features / seconds[:, None], np.ones_like(seconds)
-    keep = np.ones(features.shape[1], dtype=bool)
+    return nonnegative_lstsq(features / seconds[:, None], np.ones_like(seconds))
+
+
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares x @ coef ~ y with coef >= 0: negative columns dropped and the rest
+    refitted, until none is negative."""
+    keep = np.ones(x.shape[1], dtype=bool)
     while True:
         sub, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
         if (sub >= 0).all():
             break
         keep[np.flatnonzero(keep)[sub < 0]] = False
-    coef = np.zeros(features.shape[1])
+    coef = np.zeros(x.shape[1])
     coef[keep] = sub
     return coef
 

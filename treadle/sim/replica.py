@@ -7,6 +7,8 @@ engine process would (the policy's admission hook, through the scheduler's `refu
 speculative config, the engine's own `Speculator` picks who proposes how many tokens each step
 (a proposer that always has them), the step runs them as the engine schedules them, and each
 proposed token is accepted with the `spec_acceptance` chance until the first rejection.
+A request with a LoRA adapter carries a `LoRARequest` (an id per adapter name), so the
+scheduler's `max_loras` cap acts as in the engine, and its rows add the profile's LoRA terms.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import random
 from dataclasses import dataclass, field
 
 from treadle.core.kv_cache import KVCacheManager
+from treadle.core.lora_request import LoRARequest
 from treadle.core.messages import EngineCoreOutput
 from treadle.core.request import Request
 from treadle.core.sampling_params import SamplingParams
@@ -22,6 +25,7 @@ from treadle.core.sched.policy import make_policy
 from treadle.core.sched.scheduler import Scheduler, SchedulerOutput
 from treadle.core.spec_decode.speculator import Speculator
 from treadle.core.step_loop import StepLoop
+from treadle.errors import InvalidField
 from treadle.sim.profile import StepProfile, shared_decode_context
 from treadle.sim.settings import SimSettings
 from treadle.sim.workload import SimRequest
@@ -75,6 +79,7 @@ class StepRecord:
     num_decode_seqs: int  # decode tokens: one per sequence
     kv_usage: float  # after the step
     num_preempted: int
+    num_loras: int = 0  # distinct LoRA adapters whose rows the step ran
 
 
 class VirtualClock:
@@ -114,6 +119,9 @@ class SimReplica:
                            else Speculator(engine.speculative_config, AlwaysProposes()))
         self.spec_acceptance = settings.options.spec_acceptance
         self.rng = random.Random(index)  # which proposed tokens are accepted
+        self.enable_lora = engine.model.enable_lora
+        self.loras: dict[str, LoRARequest] = {}  # by adapter name, ids from 1 as first seen
+        self.last_num_loras = 0  # of the batch the profile last ran
 
     @property
     def now(self) -> float:
@@ -134,7 +142,7 @@ class SimReplica:
         params = SamplingParams(max_tokens=request.output_len, ignore_eos=True)
         req = Request(str(index), request.prompt_token_ids, params, priority=request.priority,
                       arrival_time=request.arrival, tenant=request.tenant, ttft=request.ttft,
-                      tpot=request.tpot)
+                      tpot=request.tpot, lora_request=self._lora_request(request.lora))
         why = self.scheduler.refusal(req)
         if why is not None:
             raise PolicyRefused(why, self.scheduler.policy.name)
@@ -143,6 +151,17 @@ class SimReplica:
         timeline = self.timelines[req.request_id] = Timeline(index, self.index, request.arrival)
         self.outstanding_tokens += request.prompt_len + request.output_len
         return timeline
+
+    def _lora_request(self, name: str | None) -> LoRARequest | None:
+        """The adapter's LoRARequest (one id per name, as the server's `LoraAdapters` gives);
+        InvalidField, as the engine refuses it, when LoRA is not enabled."""
+        if name is None:
+            return None
+        if not self.enable_lora:
+            raise InvalidField("model", "LoRA adapters are not enabled (--enable-lora)")
+        if name not in self.loras:  # no file behind it: the profile stands for its weights
+            self.loras[name] = LoRARequest(name, len(self.loras) + 1, "")
+        return self.loras[name]
 
     def step(self) -> list[Timeline]:
         """One engine step at `now`; returns the timelines of the requests that ended."""
@@ -153,7 +172,7 @@ class SimReplica:
         if stats is not last:  # a batch ran
             self.steps.append(StepRecord(stats.start, stats.duration, stats.num_prefill_tokens,
                                          stats.num_decode_tokens, stats.kv_cache_usage,
-                                         stats.num_preemptions))
+                                         stats.num_preemptions, self.last_num_loras))
         for output in outputs:
             timeline = self.timelines[output.request_id]
             if output.new_token_ids:
@@ -188,7 +207,10 @@ class SimReplica:
         shared = 0 if not self.kv.block_pool.num_shared_blocks else shared_decode_context(
             ((s.num_computed_tokens, s.block_ids) for s in batch.scheduled
              if s.num_new_tokens == 1), self.kv.block_size)
-        self.now += self.profile.predict_chunks(chunks, shared)
+        adapted = [s for s in batch.scheduled if s.request.lora_request is not None]
+        self.last_num_loras = len({s.request.lora_request.lora_int_id for s in adapted})
+        self.now += self.profile.predict_chunks(chunks, shared, self.last_num_loras,
+                                                sum(s.num_new_tokens for s in adapted))
         if self.batches is not None:
             self.batches.append([(s.request.request_id, s.num_computed_tokens, s.num_new_tokens)
                                  for s in batch.scheduled])

@@ -1,6 +1,7 @@
 """A simulation's report: `bench serve`'s metrics (treadle.bench.metrics, over the same
 RequestRecord), plus queue time, goodput against each request's own objectives, per-tenant
-tables with Jain's fairness index, preemptions and KV cache usage over time."""
+tables with Jain's fairness index, per-LoRA-adapter queue time and TTFT (what `max_loras`
+holds back), preemptions and KV cache usage over time."""
 
 from __future__ import annotations
 
@@ -59,14 +60,34 @@ def kv_usage_over_time(result: SimResult) -> list[tuple[float, float]]:
     return [(start + span * (i + 1) / KV_POINTS, p) for i, p in enumerate(peaks)]
 
 
+def queue_seconds(result: SimResult) -> list[float | None]:
+    """Each request's wait from arrival to its first schedule (None: never scheduled)."""
+    return [None if t.scheduled is None else t.scheduled - r.arrival
+            for r, t in zip(result.requests, result.timelines, strict=True)]
+
+
+def adapter_table(result: SimResult, recs: list[RequestRecord]) -> dict[str, dict]:
+    """Per LoRA adapter (by name; none when no request has one): its requests, how long they
+    queued (a request whose adapter would be one too many waits for a running one's requests
+    to end) and their TTFT."""
+    queue = queue_seconds(result)
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, r in enumerate(result.requests):
+        if r.lora is not None:
+            groups[r.lora].append(i)
+    return {name: {"requests": len(idx),
+                   "successful": sum(recs[i].success for i in idx),
+                   "queue_ms": latency_stats([queue[i] for i in idx if queue[i] is not None]),
+                   "ttft_ms": latency_stats([recs[i].ttft for i in idx if recs[i].success])}
+            for name, idx in sorted(groups.items())}
+
+
 def summarize(result: SimResult, slos: dict[str, float] | None = None,
               per_request: bool = False) -> dict:
     recs = records(result)
     duration = max(result.duration, 1e-9)
     report = compute_metrics(recs, duration, slos)
-    queue = [t.scheduled - r.arrival for r, t in zip(result.requests, result.timelines,
-                                                     strict=True) if t.scheduled is not None]
-    report["queue_ms"] = latency_stats(queue)
+    report["queue_ms"] = latency_stats([q for q in queue_seconds(result) if q is not None])
     with_objectives = [(r, rec) for r, rec in zip(result.requests, recs, strict=True)
                        if r.ttft is not None or r.tpot is not None]
     if with_objectives:
@@ -86,7 +107,9 @@ def summarize(result: SimResult, slos: dict[str, float] | None = None,
             "tpot_ms": m["tpot_ms"]}
     report["tenants"] = per_tenant
     report["jain_index"] = jain_index([t["service_tokens"] for t in per_tenant.values()])
+    report["adapters"] = adapter_table(result, recs)
     steps = [s for replica in result.steps for s in replica]
+    report["most_loras_in_a_step"] = max((s.num_loras for s in steps), default=0)
     report["steps"] = len(steps)
     report["preemptions"] = result.num_preemptions
     report["rejected"] = len(result.rejected)
@@ -100,7 +123,7 @@ def summarize(result: SimResult, slos: dict[str, float] | None = None,
     report["speedup_vs_real_time"] = duration / result.wall_s if result.wall_s else None
     if per_request:
         report["requests"] = [{
-            "arrival": r.arrival, "tenant": r.tenant, "prompt_len": r.prompt_len,
+            "arrival": r.arrival, "tenant": r.tenant, "lora": r.lora, "prompt_len": r.prompt_len,
             "output_len": r.output_len, "replica": t.replica, "finish_reason": t.finish_reason,
             "queue_s": None if t.scheduled is None else t.scheduled - r.arrival,
             "ttft_s": rec.ttft if rec.success else None,
@@ -156,6 +179,16 @@ def format_tenants(report: dict) -> str:
         lines.append(f"{name:<12}{t['requests']:>9}{t['service_tokens']:>12}"
                      f"{t['output_throughput']:>10.1f}{_fmt(t['ttft_ms']['median']):>10}"
                      f"{_fmt(t['ttft_ms']['p99']):>10}{_fmt(t['tpot_ms']['median']):>10}")
+    return "\n".join(lines)
+
+
+def format_adapters(report: dict) -> str:
+    lines = [f"{'adapter':<12}{'requests':>9}{'queue p50':>10}{'queue p99':>10}"
+             f"{'TTFT p50':>10}{'TTFT p99':>10}"]
+    for name, a in report["adapters"].items():
+        lines.append(f"{name:<12}{a['requests']:>9}{_fmt(a['queue_ms']['median']):>10}"
+                     f"{_fmt(a['queue_ms']['p99']):>10}{_fmt(a['ttft_ms']['median']):>10}"
+                     f"{_fmt(a['ttft_ms']['p99']):>10}")
     return "\n".join(lines)
 
 

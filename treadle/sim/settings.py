@@ -61,12 +61,12 @@ SIM_OPTION_TYPES = {f.name: f.type for f in fields(SimOptions)}
 
 def engine_setting_fields() -> dict[str, Field]:
     """The engine settings that shape a simulated replica's batches, by name: the scheduler's,
-    the policy and the registered policies' settings, the KV cache's (the model's and the
-    executor's have nothing to act on here)."""
+    the policy and the registered policies' settings, the KV cache's, whether LoRA adapters
+    are served (the model's other settings and the executor's have nothing to act on here)."""
     everything = setting_fields(EngineConfig)
     names = [*setting_fields(SchedulerConfig), "policy", *policy_setting_fields(), "block_size",
              "num_blocks", "enable_prefix_caching", "max_model_len", "kv_cache_dtype",
-             "speculative_config"]
+             "speculative_config", "enable_lora"]
     return {name: everything[name] for name in names}
 
 
@@ -115,7 +115,8 @@ class SimSettings:
                                             self.engine.policy_settings)
                 if section is not None for name, value in asdict(section).items()}
         values = {**flat, "policy": self.engine.policy,
-                  "max_model_len": self.engine.model.max_model_len, **asdict(self.options)}
+                  "max_model_len": self.engine.model.max_model_len,
+                  "enable_lora": self.engine.model.enable_lora, **asdict(self.options)}
         return {name: values[name] for name in sim_setting_fields() if name in values}
 
 

@@ -11,30 +11,45 @@ Beside the model pass, each step of the engine schedules, samples and updates it
 that work is timed on the engine core itself (steps of 1, 8 and 32 decodes, its `StepStats`:
 the step's time less the model pass's), fitted as a cost per step plus one per decode, and
 added to the profile's `const` and `decode_seqs`.
+
+LoRA rows (with `lora_rank` > 0; the engine then serves LoRA, as `--enable-lora`): decode steps
+and a prefill chunk are timed with their rows spread over 1 and up to LORA_ADAPTERS random
+adapters of that rank and back to back without (the twin's time taken off, so the machine's
+load drifts alike over both); the differences are fitted as a cost per adapter in the step plus
+one per adapter row (the profile's `lora_adapters` and `lora_rows`). The adapters stay in their
+slots: swapping one in when more than `max_loras` take turns is not in the term.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import platform
 import random
 import statistics
+import tempfile
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from treadle.config import EngineConfig, build_config
 from treadle.core.engine_core import EngineCore
 from treadle.core.sampling_params import SamplingParams
 from treadle.model.batch import ModelInput, ScheduledSequence
+from treadle.model.family import ModelSpec
+from treadle.model.lora import MODULE_LAYERS, layer_shapes
 from treadle.model.runner import ModelRunner
 from treadle.model.source import resolve_model
 from treadle.sim.profile import (
     FEATURES,
     StepProfile,
     fit_profile,
+    nonnegative_lstsq,
     shared_decode_context,
     step_features,
 )
@@ -45,6 +60,9 @@ BLOCK_SIZE = 16
 OVERHEAD_DECODES = (1, 8, 32)
 OVERHEAD_TOKENS = (32, 24)
 OVERHEAD_BLOCKS = max(OVERHEAD_DECODES) * -(-sum(OVERHEAD_TOKENS) // BLOCK_SIZE)
+# The most adapters a LoRA step spreads its rows over (the engine's max_loras while timing):
+# the server's default max_loras.
+LORA_ADAPTERS = 4
 
 
 def cpu_name() -> str:
@@ -117,18 +135,101 @@ def engine_overhead(core: EngineCore) -> tuple[float, float]:
     return max(float(per_step), 0.0), max(float(per_decode), 0.0)
 
 
+def write_random_adapter(folder: Path, spec: ModelSpec, rank: int, seed: int) -> Path:
+    """A PEFT folder of rank `rank` on every module LoRA serves, random weights (a step's time
+    depends on their shapes, not their values)."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = layer_shapes(spec)
+    tensors = {}
+    for layer in range(spec.num_layers):
+        for module, (fused, part) in MODULE_LAYERS.items():
+            part_sizes, in_features = shapes[fused]
+            name = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, in_features,
+                                                           generator=generator) * 0.01
+            tensors[f"{name}.lora_B.weight"] = torch.randn(part_sizes[part], rank,
+                                                           generator=generator) * 0.01
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": rank,
+        "target_modules": list(MODULE_LAYERS)}))
+    return folder
+
+
+def lora_points(prefill_tokens: list[int], decode_seqs: list[int], context_lens: list[int]
+                ) -> list[tuple[int, int, int, int]]:
+    """(P, D, C, adapters) of the steps timed with and without adapters: each decode count
+    over one adapter and over as many as it has rows (up to LORA_ADAPTERS), and the largest
+    prefill chunk of one adapter."""
+    context = max(context_lens)
+    points = [(0, d, context, k) for d in sorted(set(decode_seqs)) if d
+              for k in sorted({1, min(d, LORA_ADAPTERS)})]
+    return points + ([(max(prefill_tokens), 0, context, 1)] if max(prefill_tokens) else [])
+
+
+def with_adapters(model_input: ModelInput, adapters: list[Path]) -> ModelInput:
+    """The same step with sequence i on adapter i mod len(adapters)."""
+    return ModelInput([dataclasses.replace(s, lora_id=i % len(adapters) + 1,
+                                           lora_path=str(adapters[i % len(adapters)]))
+                       for i, s in enumerate(model_input.sequences)])
+
+
+def lora_extra_seconds(runner: ModelRunner, base: ModelInput, adapted: ModelInput,
+                       repeats: int) -> float:
+    """The median over `repeats` pairs of (adapted - base) seconds, each pair back to back."""
+    runner.execute(adapted)  # warm-up, and its adapters loaded into their slots
+    runner.execute(base)
+    extra = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.execute(adapted)
+        middle = time.perf_counter()
+        runner.execute(base)
+        extra.append((middle - start) - (time.perf_counter() - middle))
+    return statistics.median(extra)
+
+
+def lora_cost(runner: ModelRunner, rank: int, points: list[tuple[int, int, int, int]],
+              repeats: int, progress: bool) -> dict:
+    """Seconds LoRA rows add to a step: per adapter in it and per adapter row, fitted (>= 0)
+    to the extra time of each of `points` with adapters of `rank` over the same step
+    without."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = [write_random_adapter(Path(tmp) / f"adapter-{i}", runner.spec, rank, i)
+                    for i in range(LORA_ADAPTERS)]
+        for p, d, c, k in points:
+            base = step_input(p, d, c)
+            extra = lora_extra_seconds(runner, base, with_adapters(base, adapters[:k]), repeats)
+            rows.append({"prefill_tokens": p, "decode_seqs": d, "context": c, "adapters": k,
+                         "extra_s": extra})
+            if progress:
+                print(f"    lora P={p:<5} D={d:<4} C={c:<5} adapters={k} "
+                      f"{extra * 1e3:+8.2f} ms", flush=True)
+    per_adapter, per_row = nonnegative_lstsq(
+        np.asarray([[r["adapters"], r["prefill_tokens"] + r["decode_seqs"]] for r in rows],
+                   dtype=float), np.asarray([r["extra_s"] for r in rows]))
+    return {"rank": rank, "per_adapter_s": float(per_adapter), "per_row_s": float(per_row),
+            "steps": rows}
+
+
 def bench_steps(model: str | None, dtype: str, quantization: str, prefill_tokens: list[int],
                 decode_seqs: list[int], context_lens: list[int], repeats: int = 3,
                 held_out: int = 12, seed: int = 0, progress: bool = True,
-                quant_gemv_max_rows: int | None = None, load_format: str = "auto") -> dict:
+                quant_gemv_max_rows: int | None = None, load_format: str = "auto",
+                lora_rank: int = 0) -> dict:
+    """`lora_rank` > 0: the LoRA terms measured with adapters of that rank (else 0)."""
     began = time.perf_counter()
     num_blocks = max((max(decode_seqs) + 2) * -(-(max(context_lens) + max(prefill_tokens))
                                                 // BLOCK_SIZE), OVERHEAD_BLOCKS)
+    lora = ({"enable_lora": True, "max_loras": LORA_ADAPTERS, "max_lora_rank": lora_rank}
+            if lora_rank else {})
     core = EngineCore(build_config(EngineConfig, {
         "model": model, "device": "cpu", "dtype": dtype, "quantization": quantization,
         "quant_gemv_max_rows": quant_gemv_max_rows, "block_size": BLOCK_SIZE,
         "num_blocks": num_blocks, "enable_prefix_caching": False,
-        "load_format": load_format}))
+        "load_format": load_format, **lora}))
     # First, while the engine's blocks hold its own requests' KV: the grid below writes its
     # steps' KV into blocks the engine's cache manager does not know of.
     per_step, per_decode = engine_overhead(core)
@@ -159,6 +260,9 @@ def bench_steps(model: str | None, dtype: str, quantization: str, prefill_tokens
             if progress:
                 print(f"{kind:>8} P={p:<5} D={d:<4} C={c:<5} {seconds * 1e3:8.2f} ms"
                       f"{' shared prefix' if shared else ''}", flush=True)
+    lora_fit = (lora_cost(runner, lora_rank, lora_points(prefill_tokens, decode_seqs,
+                                                         context_lens), repeats, progress)
+                if lora_rank else None)
     train = [(r["features"], r["seconds"]) for r in rows if r["set"] == "fit"]
     test = [(r["features"], r["seconds"]) for r in rows if r["set"] == "held_out"]
     source = resolve_model(model)
@@ -173,6 +277,10 @@ def bench_steps(model: str | None, dtype: str, quantization: str, prefill_tokens
     # The errors above are the model pass's; the engine's own work is added after the fit.
     profile.coefficients["const"] += per_step
     profile.coefficients["decode_seqs"] += per_decode
+    if lora_fit is not None:  # the grid's steps had no adapter rows: its fit left these at 0
+        profile.coefficients["lora_adapters"] = lora_fit["per_adapter_s"]
+        profile.coefficients["lora_rows"] = lora_fit["per_row_s"]
+        profile.fit["lora"] = lora_fit
     profile.fit.update({"engine_overhead_s": {"per_step": per_step, "per_decode": per_decode},
                         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                         "grid": {"prefill_tokens": prefill_tokens, "decode_seqs": decode_seqs,
@@ -192,6 +300,11 @@ def format_steps(report: dict) -> str:
                      f"{overhead['per_step'] * 1e3:.2f} ms a step + "
                      f"{overhead['per_decode'] * 1e3:.3f} ms a decode (the rows below: the "
                      "model pass alone)")
+    lora = profile.fit.get("lora")
+    if lora:
+        lines.append(f"LoRA rows (rank {lora['rank']}, fitted apart on the same steps with and "
+                     f"without adapters): {lora['per_adapter_s'] * 1e3:.3f} ms an adapter + "
+                     f"{lora['per_row_s'] * 1e3:.4f} ms a row")
     lines += [f"{'set':>8} {'P':>5} {'D':>4} {'C':>5} {'ms':>8} {'pred ms':>8} {'err':>6}"]
     for r in report["rows"]:
         err = (r["predicted"] - r["seconds"]) / r["seconds"]
@@ -210,7 +323,7 @@ def run_steps(args) -> int:
     report = bench_steps(args.model, args.dtype, args.quantization, args.prefill_tokens,
                          args.decode_seqs, args.context_lens, args.repeats, args.held_out,
                          args.seed, quant_gemv_max_rows=args.quant_gemv_max_rows,
-                         load_format=args.load_format)
+                         load_format=args.load_format, lora_rank=args.lora_rank)
     report["profile"].notes = args.notes
     report["profile"].save(args.output)
     print(format_steps(report))

@@ -4,7 +4,8 @@ records of a real `bench serve --json` run.
 A trace row (one JSON object a line):
     {"arrival": 0.25, "prompt_len": 120, "output_len": 64,           # required
      "prompt_token_ids": [...],   # instead of prompt_len: prefix caching sees real sharing
-     "tenant": "a", "priority": 0, "ttft": 0.5, "tpot": 0.05}       # optional (s)
+     "tenant": "a", "priority": 0, "ttft": 0.5, "tpot": 0.05,       # optional (s)
+     "lora": "sql"}               # optional: the LoRA adapter it runs with (a served name)
 Prompts given only as a length get token ids of their own (no prefix is shared).
 """
 
@@ -15,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from treadle.bench.workloads import draw_adapters
 from treadle.core.request import DEFAULT_TENANT
 
 UNIQUE_BASE = 1_000_000  # token ids of length-only prompts: above any real vocabulary
@@ -29,6 +31,7 @@ class SimRequest:
     priority: int = 0
     ttft: float | None = None  # objectives, seconds
     tpot: float | None = None
+    lora: str | None = None  # its LoRA adapter's name; None: the base model
 
     @property
     def prompt_len(self) -> int:
@@ -44,7 +47,7 @@ class SimRequest:
             row["tenant"] = self.tenant
         if self.priority:
             row["priority"] = self.priority
-        for name in ("ttft", "tpot"):
+        for name in ("ttft", "tpot", "lora"):
             if getattr(self, name) is not None:
                 row[name] = getattr(self, name)
         return row
@@ -63,7 +66,8 @@ def from_row(row: dict, index: int, where: str = "") -> SimRequest:
             ids = unique_prompt(index, int(row["prompt_len"]))
         request = SimRequest(float(row["arrival"]), ids, int(row["output_len"]),
                              str(row.get("tenant", DEFAULT_TENANT)), int(row.get("priority", 0)),
-                             row.get("ttft"), row.get("tpot"))
+                             row.get("ttft"), row.get("tpot"),
+                             None if row.get("lora") is None else str(row["lora"]))
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}: expected arrival, prompt_len or prompt_token_ids, "
                          f"output_len ({type(e).__name__}: {e})") from None
@@ -90,23 +94,31 @@ def write_trace(requests: Iterable[SimRequest], path: str | Path, with_ids: bool
 
 def from_bench_serve(report: dict, run: int = 0) -> list[SimRequest]:
     """The requests of run `run` of a `bench serve --json` report, at the times they were sent,
-    with the prompt and output lengths the server reported. Failed requests are left out. The
+    with the prompt and output lengths the server reported, and the adapters its
+    `--lora-modules` drew (by its seed, as it drew them). Failed requests are left out. The
     report holds no token ids: prompts get ids of their own (no prefix sharing)."""
     runs = report.get("runs") or []
     if not 0 <= run < len(runs):
         raise ValueError(f"the report has {len(runs)} runs; run {run} does not exist")
+    records = runs[run]["requests"]  # in workload order, as bench serve drew adapters
+    adapters = (draw_adapters(report["lora_modules"], len(records), report.get("seed", 0))
+                if report.get("lora_modules") else [None] * len(records))
     requests = []
-    for i, rec in enumerate(runs[run]["requests"]):
+    for i, (rec, lora) in enumerate(zip(records, adapters, strict=True)):
         if rec.get("success") and rec.get("output_tokens", 0) >= 1:
             requests.append(SimRequest(float(rec["start"]),
                                        unique_prompt(i, max(1, int(rec["prompt_tokens"]))),
-                                       int(rec["output_tokens"])))
+                                       int(rec["output_tokens"]), lora=lora))
     return sorted(requests, key=lambda r: r.arrival)
 
 
-def from_bench(bench_requests: list, times: list[float]) -> list[SimRequest]:
+def from_bench(bench_requests: list, times: list[float], lora_modules: list[str] | None = None,
+               seed: int = 0) -> list[SimRequest]:
     """`treadle.bench.workloads` requests sent at `times` (bench serve's arrival_times), with
-    the tenant a workload file names (the same "tenant" field as a trace row's)."""
+    the tenant a workload file names (the same "tenant" field as a trace row's) and, given
+    `lora_modules`, the adapter `bench serve --lora-modules` would draw for each by `seed`."""
+    adapters = (draw_adapters(lora_modules, len(bench_requests), seed) if lora_modules
+                else [None] * len(bench_requests))
     return [SimRequest(t, list(r.prompt_token_ids), r.output_len,
-                       r.tenant or DEFAULT_TENANT)
-            for r, t in zip(bench_requests, times, strict=True)]
+                       r.tenant or DEFAULT_TENANT, lora=lora)
+            for r, t, lora in zip(bench_requests, times, adapters, strict=True)]
