@@ -42,7 +42,7 @@ from treadle.core.engine_core import EngineCore
 from treadle.core.sampling_params import SamplingParams
 from treadle.model.batch import ModelInput, ScheduledSequence
 from treadle.model.family import ModelSpec
-from treadle.model.lora import MODULE_LAYERS, layer_shapes
+from treadle.model.lora import MODULE_LAYERS
 from treadle.model.runner import ModelRunner
 from treadle.model.source import resolve_model
 from treadle.sim.profile import (
@@ -139,16 +139,17 @@ def write_random_adapter(folder: Path, spec: ModelSpec, rank: int, seed: int) ->
     """A PEFT folder of rank `rank` on every module LoRA serves, random weights (a step's time
     depends on their shapes, not their values)."""
     generator = torch.Generator().manual_seed(seed)
-    shapes = layer_shapes(spec)
     tensors = {}
-    for layer in range(spec.num_layers):
-        for module, (fused, part) in MODULE_LAYERS.items():
-            part_sizes, in_features = shapes[fused]
-            name = f"base_model.model.model.layers.{layer}.{module}"
-            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, in_features,
-                                                           generator=generator) * 0.01
-            tensors[f"{name}.lora_B.weight"] = torch.randn(part_sizes[part], rank,
-                                                           generator=generator) * 0.01
+    for weight, shape in spec.expected_shapes().items():
+        name = weight.removesuffix(".weight")
+        parts = name.split(".")
+        if len(parts) != 5 or parts[:2] != ["model", "layers"] or parts[-1] not in MODULE_LAYERS:
+            continue  # not a module LoRA serves (norms, embeddings, experts)
+        out_features, in_features = shape
+        tensors[f"base_model.model.{name}.lora_A.weight"] = torch.randn(
+            rank, in_features, generator=generator) * 0.01
+        tensors[f"base_model.model.{name}.lora_B.weight"] = torch.randn(
+            out_features, rank, generator=generator) * 0.01
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps({
