@@ -363,6 +363,7 @@ class Scheduler:
             if self._over_lora_cap(request):  # waits for a running adapter's requests to end
                 if len(passed_over) >= MAX_LOOKAHEAD:
                     break
+                request.stats.lora_cap_steps += 1
                 passed_over.append(self.waiting.pop())
                 continue
             hit_blocks, num_hit = self._prefix_hit(request)
