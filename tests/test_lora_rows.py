@@ -6,8 +6,10 @@ its explain and the dashboard feed's adapters table."""
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
+import httpx
 import pytest
 from conftest import assert_engine_empty
 from model_utils import save_random_adapter
@@ -73,3 +75,78 @@ def test_census_counts_each_adapters_requests_and_tokens(tiny_folder, adapters):
         (t, n, c) for (t, n), c in sorted(tokens.items()))
     assert census.lora_waiting == census.lora_running == ()
     assert_engine_empty(engine)
+
+
+def stream(base: str, model: str, request_id: str, max_tokens: int,
+           started: threading.Event) -> None:
+    """A streamed completion through `model`; `started` set at its first token."""
+    with httpx.stream("POST", f"{base}/v1/completions", timeout=120,
+                      headers={"X-Request-Id": request_id},
+                      json={"model": model, "prompt": "Once upon a time", "stream": True,
+                            "max_tokens": max_tokens, "temperature": 0,
+                            "ignore_eos": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                started.set()
+
+
+def at(timeline: dict, event: str) -> float:
+    """When a timeline's first `event` happened, on time.monotonic()."""
+    return timeline["arrival_monotonic"] + next(e["t_s"] for e in timeline["events"]
+                                                if e["event"] == event)
+
+
+def test_server_timelines_and_explain_name_the_adapter(tiny_folder, adapters):
+    """Through a real server with one adapter at a time: a's request streams (200 tokens: it
+    surely still runs when the next arrives), b's waits for its slot; each timeline names its
+    adapter (none for the base model), b's explain says it waited for a LoRA slot, and b was
+    first scheduled only once a's had finished."""
+    from frontends import start_frontends, stop_frontends, wait_started
+
+    from treadle.config import AsyncEngineConfig, ServerConfig, build_config
+    from treadle.frontend.async_engine import AsyncEngine
+
+    engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
+        model=str(tiny_folder), dtype="float32", kv_cache_memory_bytes=4 << 20,
+        enable_lora=True, max_loras=1)))
+    frontends, thread = start_frontends(engine, ServerConfig(
+        port=0, grpc_port=None, enable_debug_endpoints=True,
+        lora_modules=tuple(f"{name}={path}" for name, path in adapters.items())))
+    try:
+        wait_started(frontends, thread)
+        base = f"http://127.0.0.1:{frontends.port}"
+        started = threading.Event()
+        first = threading.Thread(target=stream, args=(base, "a", "with-a", 200, started))
+        first.start()
+        assert started.wait(60)
+        for model, request_id in (("b", "with-b"), (engine.model_name, "plain")):
+            response = httpx.post(f"{base}/v1/completions", timeout=120,
+                                  headers={"X-Request-Id": request_id},
+                                  json={"model": model, "prompt": "Once upon a time",
+                                        "max_tokens": 4, "temperature": 0})
+            assert response.status_code == 200, response.text
+        first.join(120)
+        timelines = {request_id: httpx.get(f"{base}/debug/requests/{request_id}").json()
+                     for request_id in ("with-a", "with-b", "plain")}
+        explained = {request_id: httpx.get(f"{base}/v1/requests/{request_id}/explain").json()
+                     for request_id in timelines}
+        panel = httpx.get(f"{base}/dashboard/requests/with-b").json()
+    finally:
+        stop_frontends(frontends, thread)
+    for request_id, lora in (("with-a", "a"), ("with-b", "b"), ("plain", None)):
+        assert timelines[request_id]["lora"] == explained[request_id]["lora"] == lora
+    assert panel["row"]["lora"] == panel["timeline"]["lora"] == "b"
+    waited = timelines["with-b"]["queue"]["lora_cap_steps"]
+    assert waited > 0 and at(timelines["with-b"], "scheduled") >= at(timelines["with-a"],
+                                                                     "finished")
+    assert timelines["with-a"]["queue"]["lora_cap_steps"] == 0
+    parts = {p["name"]: p for p in explained["with-b"]["parts"]}
+    assert f"passed over in {waited} steps for a LoRA slot: adapter b" in parts["queue"]["detail"]
+    if max(parts.values(), key=lambda p: p["seconds"])["name"] == "queue":
+        assert explained["with-b"]["main_cause"].endswith("(adapter b): max-loras")
+    assert "LoRA" not in parts_text(explained["plain"])
+
+
+def parts_text(explained: dict) -> str:
+    return " ".join([explained["main_cause"], *(p["detail"] for p in explained["parts"])])
