@@ -186,11 +186,11 @@ def adapter_rows(census: EngineCensus | None, lora_tokens: dict[tuple[str, str],
     that tenant's requests only (another's adapters and load are not its to see)."""
     counts: dict[str, dict[str, int]] = {}
 
-    def add(rows: Iterable[tuple[str, str, int]], field: str) -> None:
+    def add(rows: Iterable[tuple[str, str, int]], column: str) -> None:
         for owner, name, n in rows:
             if tenant in (None, owner):
                 row = counts.setdefault(name, {"waiting": 0, "running": 0, "tokens": 0})
-                row[field] += n
+                row[column] += n
 
     if census is not None and not idle:
         add(census.lora_waiting, "waiting")
