@@ -169,3 +169,17 @@ def greedy_decode(runner: ModelRunner, prompts: list[list[int]], max_tokens: int
                 tokens[i].append(token)
                 outputs[i].append(token)
     return outputs
+
+
+def save_random_adapter(base_folder: Path, folder: Path, seed: int, r: int = 4) -> Path:
+    """A PEFT LoRA adapter over the model in `base_folder` with random A and B (peft's
+    init_lora_weights=False: B not zero, so the adapter changes the logits), saved to `folder`:
+    for tests that need a servable adapter, not a trained one."""
+    import peft
+
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_folder)
+    config = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"],
+                             init_lora_weights=False)
+    peft.get_peft_model(base, config).save_pretrained(folder)
+    return folder

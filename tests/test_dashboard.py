@@ -19,6 +19,7 @@ import numpy as np
 import openai
 import pytest
 from frontends import start_frontends, stop_frontends, wait_started
+from model_utils import save_random_adapter
 
 from treadle.config import APIKey, AsyncEngineConfig, ServerConfig, build_config
 from treadle.core.messages import EngineCensus, EngineLoad, StepRecord
@@ -31,6 +32,7 @@ from treadle.server.dashboard import router
 CHROMIUM = shutil.which("chromium")
 KEY = "dash-key"  # tenant key-1: reads its own tenant's rows
 ADMIN_KEY = "dash-admin-key"  # tenant admin: reads every tenant's
+ADAPTER = "tone"  # the server's LoRA adapter
 
 
 def delta(request_id: str, tokens: int, finished: bool = False, reason: str | None = None,
@@ -154,6 +156,35 @@ def test_tenant_shares_in_the_snapshot():
     assert feed.snapshot(0, 40, t0 + 20)["now"]["tenants"] == []
 
 
+def test_adapter_rows_in_the_snapshot():
+    """Per LoRA adapter: requests waiting and running, summed over tenants for the admin, a
+    tenant's own for its key; the share of all tokens scheduled in the window, base model's
+    included."""
+    feed, t0 = LiveFeed(), 1000.0
+    busy = load(5, 2, 0.5, 0, 0, 0)
+    for i in range(8):  # a census a second; t1's adapter x 20 tokens a second, t2's y 10
+        census = EngineCensus(
+            (), (), 0, (), 0, (("t1", 100 * i), ("t2", 100 * i)),
+            lora_waiting=(("t1", "x", 1), ("t2", "y", 1)),
+            lora_running=(("t1", "x", 2), ("t2", "x", 1), ("t2", "y", 1)),
+            scheduled_tokens_by_lora=(("t1", "x", 20 * i), ("t2", "y", 10 * i)))
+        feed.record_engine(busy, None, census, t0 + i)
+    feed.start("r1", 1, "t1", 0, 4, t0 + 7, lora="x")
+    snapshot = feed.snapshot(0, num_blocks=40, now=t0 + 7)
+    # The last RATE_WINDOW (5 s): 1000 tokens in all, x 100 of them, y 50.
+    assert snapshot["now"]["adapters"] == [
+        {"adapter": "x", "waiting": 1, "running": 3, "token_share": 0.1},
+        {"adapter": "y", "waiting": 1, "running": 1, "token_share": 0.05}]
+    assert snapshot["requests"][0]["lora"] == "x"
+    own = feed.snapshot(0, 40, t0 + 7, tenant="t1")["now"]["adapters"]
+    assert own == [{"adapter": "x", "waiting": 1, "running": 2, "token_share": 0.1}]
+    # Idle since the census: nobody waits or runs; the window's tokens still count.
+    feed.record_engine(load(0, 0, 0.0, 0, 0, 0), None, None, t0 + 8)
+    idle = feed.snapshot(0, 40, t0 + 8)["now"]["adapters"]
+    assert [(a["waiting"], a["running"]) for a in idle] == [(0, 0), (0, 0)]
+    assert feed.snapshot(0, 40, t0 + 30)["now"]["adapters"] == []
+
+
 def test_replicas_in_the_snapshot():
     feed = LiveFeed()
     assert feed.snapshot(0, 40, 1.0)["now"]["replicas"] == []  # one engine: no rows
@@ -188,12 +219,16 @@ def test_buffers_stay_bounded():
 
 
 @pytest.fixture(scope="module")
-def server(tiny_folder):
+def server(tiny_folder, tmp_path_factory):
+    """The tiny model with LoRA on and one adapter, `ADAPTER`, served by name."""
+    adapter = save_random_adapter(tiny_folder, tmp_path_factory.mktemp("adapter") / ADAPTER, 0)
     engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
         model=str(tiny_folder), dtype="float32", kv_cache_memory_bytes=4 << 20,
-        max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64)))
+        max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64, enable_lora=True,
+        max_loras=2)))
     frontends, thread = start_frontends(engine, ServerConfig(
-        port=0, api_keys=(APIKey("key-1", KEY), APIKey("admin", ADMIN_KEY))))
+        port=0, api_keys=(APIKey("key-1", KEY), APIKey("admin", ADMIN_KEY)),
+        lora_modules=(f"{ADAPTER}={adapter}",)))
     wait_started(frontends, thread)
     yield engine, frontends.port
     stop_frontends(frontends, thread)
@@ -231,9 +266,11 @@ def test_page_open_feed_keyed(server):
     assert event["now"]["kv_blocks"]["total"] == engine.num_blocks
 
 
-def run_load(port: int, model: str, stop: threading.Event, errors: list, key: str = KEY) -> None:
-    """Four clients sending completions until told to stop."""
-    def client() -> None:
+def run_load(port: int, models: list[str], stop: threading.Event, errors: list,
+             key: str = KEY) -> None:
+    """A client per model (the base's name or an adapter's) sending completions until told to
+    stop."""
+    def client(model: str) -> None:
         api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
         try:
             while not stop.is_set():
@@ -242,7 +279,7 @@ def run_load(port: int, model: str, stop: threading.Event, errors: list, key: st
         except Exception as e:  # reported by the test
             errors.append(e)
 
-    threads = [threading.Thread(target=client) for _ in range(4)]
+    threads = [threading.Thread(target=client, args=(model,)) for model in models]
     for t in threads:
         t.start()
     for t in threads:
@@ -259,7 +296,9 @@ def test_page_in_chromium(server, tmp_path):
     shots.mkdir()
     problems: list[str] = []
     stop, errors = threading.Event(), []
-    load_thread = threading.Thread(target=run_load, args=(port, model, stop, errors))
+    # Two of the four clients through the adapter: its row in the adapters table.
+    load_thread = threading.Thread(target=run_load,
+                                   args=(port, [model, model, ADAPTER, ADAPTER], stop, errors))
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
                                              args=["--no-sandbox"])
@@ -310,6 +349,15 @@ def test_page_in_chromium(server, tmp_path):
                                        " [...tr.children].map((td) => td.textContent))")
             assert len(tenant_row) == 1 and tenant_row[0][0] == "key-1", tenant_row
             assert tenant_row[0][3] == "100.0%" and tenant_row[0][2].endswith("%"), tenant_row
+            # The adapter's row (the key's own requests through it), and the limit.
+            page.wait_for_function(f"document.querySelector('#adapters td').textContent"
+                                   f" === '{ADAPTER}'", timeout=10_000)
+            adapter_rows = page.evaluate("[...document.querySelectorAll('#adapters tr')].map("
+                                         "(tr) => [...tr.children].map((td) => td.textContent))")
+            assert len(adapter_rows) == 1 and adapter_rows[0][3].endswith("%"), adapter_rows
+            assert page.is_visible("#adapters-table")
+            assert page.text_content("#max-loras") == "2"
+            assert page.locator(f"#gantt .grow .name:has-text(' · {ADAPTER} · ')").count() > 0
             assert idle_rate == "0.0" and float(page.text_content("#step-rate")) > 0
             stop.set()
             load_thread.join(30)
@@ -340,7 +388,8 @@ def test_feed_shares_by_tenant(server):
     Prometheus series count both."""
     engine, port = server
     stop, errors = threading.Event(), []
-    loads = [threading.Thread(target=run_load, args=(port, engine.model_name, stop, errors, key))
+    loads = [threading.Thread(target=run_load,
+                              args=(port, [engine.model_name] * 4, stop, errors, key))
              for key in (KEY, ADMIN_KEY)]
     for thread in loads:
         thread.start()

@@ -92,8 +92,9 @@ def test_settings_are_checked():
 
 
 def test_census_of_the_replicas_sums_their_tenants():
-    """The merged census the dashboard and /metrics read: each tenant's blocks and tokens
-    summed over the replicas that sent one (a dead replica's are gone with it)."""
+    """The merged census the dashboard and /metrics read: each tenant's blocks and tokens, and
+    each adapter's requests and tokens, summed over the replicas that sent one (a dead
+    replica's are gone with it)."""
     pytest.importorskip("ray")
     from treadle.core.messages import EngineCensus
     from treadle.frontend.data_parallel import Replica, ReplicaGroup
@@ -104,11 +105,17 @@ def test_census_of_the_replicas_sums_their_tenants():
                          ServerMetrics("m", 4), LiveFeed())
     group.replicas = [
         Replica(0, None, census=EngineCensus((("a", 0, 1),), (), 2, (("a", 5), ("b", 1)), 2,
-                                             (("a", 50), ("b", 7)))),
+                                             (("a", 50), ("b", 7)), (("a", "x", 1),),
+                                             (("a", "x", 2),), (("a", "x", 20),))),
         Replica(1, None, census=EngineCensus((), (("b", 0, 2),), 1, (("b", 4),), 1,
-                                             (("b", 30), ("c", 3)))),
+                                             (("b", 30), ("c", 3)), (("a", "x", 3),),
+                                             (("b", "y", 1),), (("a", "x", 5), ("b", "y", 9)))),
         Replica(2, None)]  # dead: no census
     merged = group._merged_census()
+    # Each (tenant, LoRA adapter)'s requests and tokens, summed the same way.
+    assert merged.lora_waiting == (("a", "x", 4),)
+    assert merged.lora_running == (("a", "x", 2), ("b", "y", 1))
+    assert merged.scheduled_tokens_by_lora == (("a", "x", 25), ("b", "y", 9))
     assert merged.kv_blocks_by_tenant == (("a", 5), ("b", 5)) and merged.kv_blocks_shared == 3
     assert merged.scheduled_tokens_by_tenant == (("a", 50), ("b", 37), ("c", 3))
     assert (merged.waiting, merged.running, merged.num_cached_free_blocks) == (

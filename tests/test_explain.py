@@ -6,6 +6,7 @@ and that must match the client's own clock."""
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
@@ -76,6 +77,25 @@ def test_a_wait_for_another_tenant_names_it():
                  queue={"waiting_ahead": 3, "running_ahead": 6, "tokens_ahead": 9000,
                         "top_tenant": "heavy", "top_tenant_kv_share": 0.92})
     assert explain(t)["main_cause"] == "waited 2.1 s: tenant heavy held 92% of the KV cache"
+
+
+def test_a_wait_for_a_lora_slot_names_the_adapter():
+    """The scheduler's count of steps that passed the request over for --max-loras beats the
+    guess from the cache at arrival; a base-model request's explain has no adapter."""
+    t = timeline([(0.001, "queued"), (1.501, "scheduled"), (1.6, "first_token"),
+                  (1.7, "finished")], lora="support",
+                 queue={"waiting_ahead": 0, "running_ahead": 4, "tokens_ahead": 0,
+                        "top_tenant": "heavy", "top_tenant_kv_share": 0.8,
+                        "lora_cap_steps": 120})
+    explained = explain(t)
+    assert explained["lora"] == "support"
+    assert explained["main_cause"] == ("waited 1.5 s, 120 steps of it for a LoRA slot (adapter "
+                                       "support): max-loras")
+    queue = next(p for p in explained["parts"] if p["name"] == "queue")
+    assert queue["detail"].endswith("; passed over in 120 steps for a LoRA slot: adapter "
+                                    "support would have made one more than --max-loras running")
+    plain = explain(timeline([(0.001, "queued"), (0.2, "scheduled"), (0.3, "finished")]))
+    assert plain["lora"] is None and "LoRA" not in json.dumps(plain)
 
 
 def test_preemption_time_comes_out_of_prefill_and_decode():

@@ -129,17 +129,32 @@ def serve_engine(core: EngineCore, requests: Connection, outputs: Connection,
 
 def take_census(core: EngineCore) -> EngineCensus:
     """Requests by (tenant, priority), waiting and running, the cached free blocks, the blocks
-    each tenant holds and the tokens each has been scheduled."""
+    each tenant holds and the tokens each has been scheduled; requests and tokens by (tenant,
+    LoRA adapter)."""
     def count(requests: Iterable[Request]) -> tuple[tuple[str, int, int], ...]:
         counts = Counter((r.tenant, r.priority) for r in requests)
         return tuple((tenant, priority, n) for (tenant, priority), n in sorted(counts.items()))
 
+    scheduler = core.scheduler
     pool = core.kv_cache_manager.block_pool
     cached_free = sum(1 for b in pool.cached_block_hash_to_block.values() if b.ref_cnt == 0)
-    held, shared = core.scheduler.kv_blocks_by_tenant()
-    return EngineCensus(count(core.scheduler.waiting), count(core.scheduler.running), cached_free,
+    held, shared = scheduler.kv_blocks_by_tenant()
+    return EngineCensus(count(scheduler.waiting), count(scheduler.running), cached_free,
                         tuple(sorted(held.items())), shared,
-                        tuple(sorted(core.loop.scheduled_tokens_by_tenant.items())))
+                        tuple(sorted(core.loop.scheduled_tokens_by_tenant.items())),
+                        count_by_lora(scheduler.waiting), count_by_lora(scheduler.running),
+                        flat(core.loop.scheduled_tokens_by_lora))
+
+
+def count_by_lora(requests: Iterable[Request]) -> tuple[tuple[str, str, int], ...]:
+    """(tenant, adapter, requests) of the requests with a LoRA adapter, sorted."""
+    return flat(Counter((r.tenant, r.lora_request.lora_name) for r in requests
+                        if r.lora_request is not None))
+
+
+def flat(counts: Counter[tuple[str, str]]) -> tuple[tuple[str, str, int], ...]:
+    """A counter by (tenant, adapter) as sorted (tenant, adapter, n) rows."""
+    return tuple((tenant, name, n) for (tenant, name), n in sorted(counts.items()))
 
 
 def add_request(core: EngineCore, message: AddRequest, outputs: Connection) -> None:

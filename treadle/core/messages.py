@@ -154,6 +154,12 @@ class EngineCensus:
     kv_blocks_shared: int = 0
     # Tokens scheduled (prompt chunks, recompute, decode, proposed) since the engine started.
     scheduled_tokens_by_tenant: tuple[tuple[str, int], ...] = ()
+    # Requests with a LoRA adapter, (tenant, adapter, requests) waiting and running, and their
+    # tokens scheduled since the start, (tenant, adapter, tokens); sorted. By tenant too, so that
+    # a tenant's key reads only its own requests' rows.
+    lora_waiting: tuple[tuple[str, str, int], ...] = ()
+    lora_running: tuple[tuple[str, str, int], ...] = ()
+    scheduled_tokens_by_lora: tuple[tuple[str, str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

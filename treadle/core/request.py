@@ -56,6 +56,9 @@ class RequestStats:
     # of the cache, when another tenant held any ("" / 0.0: none).
     top_tenant: str = ""
     top_tenant_kv_share: float = 0.0
+    # Steps whose schedule passed it over while waiting because its LoRA adapter would have made
+    # one adapter too many among the running (max_loras): its wait's cause, for explain.
+    lora_cap_steps: int = 0
     # Prefill chunks (not recompute): (scheduled time, tokens, other requests in the step, their
     # prefill tokens, the step's seconds).
     prefill_chunks: list[tuple[float, int, int, int, float]] = field(default_factory=list)

@@ -98,6 +98,9 @@ class StepLoop:
         # Tokens scheduled per tenant since the start (the dashboard's share of steps): counted
         # in the loop over the batch that each step makes anyway.
         self.scheduled_tokens_by_tenant: Counter[str] = Counter()
+        # The same by (tenant, LoRA adapter) for requests with one: the dashboard's adapters
+        # table, whose rows a tenant's key sees only for its own requests.
+        self.scheduled_tokens_by_lora: Counter[tuple[str, str]] = Counter()
 
     def step(self, run_batch: BatchRunner,
              before_schedule: Callable[[], list[EngineCoreOutput]] | None = None,
@@ -122,6 +125,9 @@ class StepLoop:
             decodes.append(is_decode(request, s.num_new_tokens - len(s.spec_token_ids)))
             request.events.append((now, "scheduled", s.num_new_tokens))
             self.scheduled_tokens_by_tenant[request.tenant] += s.num_new_tokens
+            if request.lora_request is not None:
+                self.scheduled_tokens_by_lora[request.tenant, request.lora_request.lora_name] += \
+                    s.num_new_tokens
             if request.scheduled_time is None:
                 request.scheduled_time = now
         decode_tokens = sum(decodes)

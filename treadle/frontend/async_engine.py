@@ -399,9 +399,10 @@ class AsyncEngine:
             for index, (request_id, prompt) in enumerate(zip(request_ids, prompts, strict=True)):
                 engine_requests = self.processor.add_request(request_id, prompt, params)
                 self.streams[request_id] = Stream(queue, index)
-                self.observer.start(request_id, tenant, ttft, tpot, received,
-                                    None if lora_request is None else lora_request.lora_name)
-                self.live.start(request_id, params.n, tenant, priority, len(prompt), arrival)
+                lora = None if lora_request is None else lora_request.lora_name
+                self.observer.start(request_id, tenant, ttft, tpot, received, lora)
+                self.live.start(request_id, params.n, tenant, priority, len(prompt), arrival,
+                                lora)
                 messages = [AddRequest(engine_id, prompt, engine_params, priority, tenant, salt,
                                        ttft, tpot, pooling, lora_request)
                             for engine_id, engine_params in engine_requests]

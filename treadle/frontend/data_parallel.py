@@ -421,18 +421,24 @@ class ReplicaGroup:
         running: Counter = Counter()
         blocks: Counter = Counter()
         tokens: Counter = Counter()  # the live replicas' (a restarted one counts from 0 again)
+        # By (tenant, LoRA adapter): waiting, running, tokens scheduled.
+        loras: tuple[Counter, Counter, Counter] = (Counter(), Counter(), Counter())
         cached_free = shared = 0
         for census in (r.census for r in self.replicas if r.census is not None):
-            for counts, rows in ((waiting, census.waiting), (running, census.running)):
-                for tenant, priority, n in rows:
-                    counts[tenant, priority] += n
+            for counts, rows in ((waiting, census.waiting), (running, census.running),
+                                 (loras[0], census.lora_waiting), (loras[1], census.lora_running),
+                                 (loras[2], census.scheduled_tokens_by_lora)):
+                for tenant, key, n in rows:
+                    counts[tenant, key] += n
             cached_free += census.num_cached_free_blocks
             blocks.update(dict(census.kv_blocks_by_tenant))
             shared += census.kv_blocks_shared
             tokens.update(dict(census.scheduled_tokens_by_tenant))
-        return EngineCensus(*(tuple((t, p, n) for (t, p), n in sorted(counts.items()))
-                              for counts in (waiting, running)), cached_free,
-                            tuple(sorted(blocks.items())), shared, tuple(sorted(tokens.items())))
+        waiting_rows, running_rows, *lora_rows = (
+            tuple((t, k, n) for (t, k), n in sorted(counts.items()))
+            for counts in (waiting, running, *loras))
+        return EngineCensus(waiting_rows, running_rows, cached_free, tuple(sorted(blocks.items())),
+                            shared, tuple(sorted(tokens.items())), *lora_rows)
 
     def _observe_replica(self, replica: Replica) -> None:
         self.metrics.observe_replica(str(replica.index), replica.live, replica.load.num_running,

@@ -39,7 +39,8 @@ class RequestInfo:
     tpot: float | None
     arrival: float = field(default_factory=time.monotonic)  # frontend clock: handed over
     received: float | None = None  # when the frontend received it (None: at `arrival`)
-    lora: str | None = None  # its LoRA adapter's name, for the log line (None: the base)
+    lora: str | None = None  # its LoRA adapter's name, for the log line and timeline (None: the
+    # base model)
     # Per sample index: (first, last) token times, for TTFT, ITL and the request log.
     token_times: dict[int, tuple[float, float]] = field(default_factory=dict)
 
@@ -147,6 +148,7 @@ class RequestObserver:
             self._count_id(name, 1)
         self.timelines[name] = timeline = {
             "request_id": delta.request_id, "index": delta.index, "tenant": info.tenant,
+            "lora": info.lora,
             "prompt_tokens": len(state.prompt_token_ids), "output_tokens": len(sample.token_ids),
             "cached_tokens": state.num_cached_tokens, "finish_reason": delta.finish_reason,
             "ttft_s": ttft, "e2e_s": round(now - arrival, 6),
@@ -192,7 +194,8 @@ def stats_fields(stats: RequestStats | None, arrival: float, num_preemptions: in
     return {
         "queue": {"waiting_ahead": stats.waiting_ahead, "running_ahead": stats.running_ahead,
                   "tokens_ahead": stats.tokens_ahead, "top_tenant": stats.top_tenant,
-                  "top_tenant_kv_share": round(stats.top_tenant_kv_share, 4)},
+                  "top_tenant_kv_share": round(stats.top_tenant_kv_share, 4),
+                  "lora_cap_steps": stats.lora_cap_steps},
         "prefill_chunks": [{"t_s": round(t - arrival, 6), "tokens": tokens, "others": others,
                             "others_prefill_tokens": others_prefill, "step_s": round(step, 6)}
                            for t, tokens, others, others_prefill, step in stats.prefill_chunks],

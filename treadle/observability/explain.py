@@ -23,15 +23,17 @@ PARTS = ("frontend", "queue", "prefill", "preemption", "decode", "stream")
 
 
 def explain(timeline: dict) -> dict:
-    """{"request_id", "tenant", "finish_reason", "e2e_s", "main_cause", "parts": [{"name",
-    "seconds", "detail"}], "timeline"} for one finished sample's timeline."""
+    """{"request_id", "tenant", "lora", "finish_reason", "e2e_s", "main_cause", "parts":
+    [{"name", "seconds", "detail"}], "timeline"} for one finished sample's timeline ("lora": its
+    LoRA adapter, None for the base model)."""
     seconds = part_seconds(timeline)
     details = part_details(timeline, seconds)
     parts = [{"name": name, "seconds": round(seconds[name], 6), "detail": details[name]}
              for name in PARTS]
     return {"request_id": timeline["request_id"], "tenant": timeline["tenant"],
-            "finish_reason": timeline["finish_reason"], "e2e_s": round(e2e(timeline), 6),
-            "main_cause": main_cause(timeline, seconds), "parts": parts, "timeline": timeline}
+            "lora": timeline.get("lora"), "finish_reason": timeline["finish_reason"],
+            "e2e_s": round(e2e(timeline), 6), "main_cause": main_cause(timeline, seconds),
+            "parts": parts, "timeline": timeline}
 
 
 def timings(timeline: dict) -> dict[str, float]:
@@ -105,7 +107,7 @@ def part_details(timeline: dict, seconds: dict[str, float]) -> dict[str, str]:
                     f"; to the engine {span(at['queued'])}",
         "queue": f"behind {queue.get('waiting_ahead', 0)} waiting and "
                  f"{queue.get('running_ahead', 0)} running requests, "
-                 f"{queue.get('tokens_ahead', 0)} tokens queued ahead",
+                 f"{queue.get('tokens_ahead', 0)} tokens queued ahead" + lora_wait(timeline),
         "prefill": f"{timeline['prompt_tokens']} prompt tokens ({timeline['cached_tokens']} "
                    f"cached) in {len(chunks)} chunks, sharing steps with {others:.1f} others on "
                    f"average ({sum(c['others_prefill_tokens'] for c in chunks)} of their "
@@ -121,6 +123,16 @@ def part_details(timeline: dict, seconds: dict[str, float]) -> dict[str, str]:
         "stream": f"detokenize and write the response {span(seconds['stream'])} after the "
                   f"engine's last token",
     }
+
+
+def lora_wait(timeline: dict) -> str:
+    """The queue line's LoRA clause: the steps that passed the request over because its adapter
+    would have made one too many running (--max-loras); nothing where none did."""
+    steps = timeline.get("queue", {}).get("lora_cap_steps", 0)
+    if not steps:
+        return ""
+    return (f"; passed over in {steps} steps for a LoRA slot: adapter {timeline.get('lora')} "
+            f"would have made one more than --max-loras running")
 
 
 def speculation(decode: dict) -> str:
@@ -146,6 +158,9 @@ def main_cause(timeline: dict, seconds: dict[str, float]) -> str:
         queue = timeline.get("queue", {})
         ahead = queue.get("waiting_ahead", 0) + queue.get("running_ahead", 0)
         share = queue.get("top_tenant_kv_share", 0.0)
+        if queue.get("lora_cap_steps"):  # seen by the scheduler, not guessed at arrival
+            return (f"waited {took}, {queue['lora_cap_steps']} steps of it for a LoRA slot "
+                    f"(adapter {timeline.get('lora')}): max-loras")
         if queue.get("top_tenant") and share >= TENANT_CAUSE_SHARE:
             return (f"waited {took}: tenant {queue['top_tenant']} held {share:.0%} of the KV "
                     f"cache")

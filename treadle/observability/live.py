@@ -1,6 +1,7 @@
 """What the live dashboard shows, kept in the frontend process: the engine's recent steps, its
-last load and census, each tenant's share of the KV cache and of the tokens scheduled, recent
-requests (in flight and finished) and a minute of latencies.
+last load and census, each tenant's share of the KV cache and of the tokens scheduled, each LoRA
+adapter's requests and share of the tokens, recent requests (in flight and finished) and a
+minute of latencies.
 
 AsyncEngine feeds it (the reader thread: steps, load, tokens, finishes; the event loop: a
 request's start and end); the dashboard's feed reads `snapshot()` about once a second. Every
@@ -14,10 +15,14 @@ import threading
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from treadle.core.messages import EngineCensus, EngineLoad, StepRecord
+
+K = TypeVar("K")  # a key tokens are counted by
 
 STEP_HISTORY = 4096  # steps kept: over a minute at the tiny model's ~50 steps/s
 REQUEST_HISTORY = 200  # finished requests kept for the Gantt, newest first
@@ -48,6 +53,7 @@ class LiveRequest:
     priority: int
     prompt_tokens: int
     arrival: float
+    lora: str | None = None  # its LoRA adapter's name (None: the base model)
     first_token: float | None = None
     last_token: float | None = None
     output_tokens: int = 0
@@ -67,7 +73,8 @@ class LiveRequest:
             segments = [("pending", self.arrival, first)]
             if self.first_token is not None:
                 segments.append(("decode", first, end))
-        return {"id": self.name, "tenant": self.tenant, "priority": self.priority,
+        return {"id": self.name, "tenant": self.tenant, "lora": self.lora,
+                "priority": self.priority,
                 "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
                 "arrival": round(self.arrival - now, 4),
                 "ttft": None if self.first_token is None
@@ -134,19 +141,19 @@ def is_idle(load: EngineLoad | None) -> bool:
     return load is not None and not load.num_running + load.num_waiting
 
 
-def tenant_tokens_since(samples: deque[tuple[float, dict[str, int]]], since: float
-                        ) -> dict[str, int]:
-    """Tokens scheduled per tenant after `since`: the newest sample less the newest taken at or
-    before `since`; with none that old, the newest whole (the engine started in the window)."""
+def tokens_since(samples: deque[tuple[float, dict[K, int]]], since: float) -> dict[K, int]:
+    """Tokens scheduled per key (a tenant; a tenant and LoRA adapter) after `since`: the newest
+    sample less the newest taken at or before `since`; with none that old, the newest whole (the
+    engine started in the window)."""
     if not samples:
         return {}
-    base: dict[str, int] = {}
+    base: dict[K, int] = {}
     for t, tokens in reversed(samples):
         if t <= since:
             base = tokens
             break
-    return {tenant: n - base.get(tenant, 0) for tenant, n in samples[-1][1].items()
-            if n > base.get(tenant, 0)}
+    return {key: n - base.get(key, 0) for key, n in samples[-1][1].items()
+            if n > base.get(key, 0)}
 
 
 def tenant_shares(census: EngineCensus | None, tokens: dict[str, int], pool_blocks: int,
@@ -172,6 +179,28 @@ def tenant_shares(census: EngineCensus | None, tokens: dict[str, int], pool_bloc
             else None}
 
 
+def adapter_rows(census: EngineCensus | None, lora_tokens: dict[tuple[str, str], int],
+                 total_tokens: int, tenant: str | None, idle: bool) -> list[dict]:
+    """Per LoRA adapter, its requests waiting and running now and share of all the tokens
+    scheduled in the last RATE_WINDOW seconds (None: nothing was scheduled); with a `tenant`, of
+    that tenant's requests only (another's adapters and load are not its to see)."""
+    counts: dict[str, dict[str, int]] = {}
+
+    def add(rows: Iterable[tuple[str, str, int]], column: str) -> None:
+        for owner, name, n in rows:
+            if tenant in (None, owner):
+                row = counts.setdefault(name, {"waiting": 0, "running": 0, "tokens": 0})
+                row[column] += n
+
+    if census is not None and not idle:
+        add(census.lora_waiting, "waiting")
+        add(census.lora_running, "running")
+    add(((owner, name, n) for (owner, name), n in lora_tokens.items()), "tokens")
+    return [{"adapter": name, "waiting": c["waiting"], "running": c["running"],
+             "token_share": round(c["tokens"] / total_tokens, 4) if total_tokens else None}
+            for name, c in sorted(counts.items())]
+
+
 class LiveFeed:
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -184,6 +213,9 @@ class LiveFeed:
         # (time, tokens scheduled per tenant since the engine started) at each census, about
         # once a second: a few more than RATE_WINDOW's worth.
         self.tenant_tokens: deque[tuple[float, dict[str, int]]] = deque(
+            maxlen=int(RATE_WINDOW) + 5)
+        # The same, by (tenant, LoRA adapter), at the same times.
+        self.lora_tokens: deque[tuple[float, dict[tuple[str, str], int]]] = deque(
             maxlen=int(RATE_WINDOW) + 5)
         self.requests: OrderedDict[tuple[str, int], LiveRequest] = OrderedDict()
         self.num_finished = 0  # of those, finished (kept to REQUEST_HISTORY)
@@ -206,7 +238,10 @@ class LiveFeed:
                 last = self.tenant_tokens[-1][1] if self.tenant_tokens else {}
                 if any(tokens.get(t, 0) < n for t, n in last.items()):  # a new engine
                     self.tenant_tokens.clear()
+                    self.lora_tokens.clear()
                 self.tenant_tokens.append((now, tokens))
+                self.lora_tokens.append((now, {(t, name): n for t, name, n
+                                               in census.scheduled_tokens_by_lora}))
             self.load = load
             counts = (load.prefix_cache_queries, load.prefix_cache_hits, load.num_preemptions)
             last = self.counters[-1][1:] if self.counters else counts
@@ -228,6 +263,7 @@ class LiveFeed:
             self.load = self.census = None
             self.counters.clear()
             self.tenant_tokens.clear()
+            self.lora_tokens.clear()
 
     def rejected(self, reason: str, now: float) -> None:
         """Admission (or the engine, under deadlines) refused a request."""
@@ -236,12 +272,12 @@ class LiveFeed:
             self.rejection_times.append(now)
 
     def start(self, request_id: str, num_samples: int, tenant: str, priority: int,
-              prompt_tokens: int, now: float) -> None:
+              prompt_tokens: int, now: float, lora: str | None = None) -> None:
         with self.lock:
             for index in range(num_samples):
                 name = request_id if num_samples == 1 else f"{request_id}/{index}"
                 self.requests[request_id, index] = LiveRequest(name, tenant, priority,
-                                                               prompt_tokens, now)
+                                                               prompt_tokens, now, lora)
 
     def observe(self, delta: SampleDelta, now: float) -> None:
         """One sample's update: its token times (TTFT, ITL) and, at its end, E2E and phases."""
@@ -297,9 +333,9 @@ class LiveFeed:
                  tenant: str | None = None) -> dict:
         """What the page draws: steps after the cursor `after_step` (0: all kept), the engine
         now, the newest requests first and the last minute's latency percentiles. With a
-        `tenant`, the requests, the census by tenant and the tenants' shares are that tenant's
-        only (the steps, load and latencies stay the whole server's: they name no request or
-        tenant)."""
+        `tenant`, the requests, the census by tenant, the tenants' shares and the adapters' rows
+        are that tenant's only (the steps, load and latencies stay the whole server's: they name
+        no request or tenant)."""
         now = time.monotonic() if now is None else now
         with self.lock:
             steps = [s for seq, s in self.steps if seq > after_step]
@@ -312,7 +348,10 @@ class LiveFeed:
                     samples.popleft()
                 windows[name] = [v for _, v in samples]
             load, census, counters = self.load, self.census, list(self.counters)
-            tokens = tenant_tokens_since(self.tenant_tokens, now - RATE_WINDOW)
+            tokens = tokens_since(self.tenant_tokens, now - RATE_WINDOW)
+            lora_tokens = tokens_since(self.lora_tokens, now - RATE_WINDOW)
+            adapters = adapter_rows(census, lora_tokens, sum(tokens.values()), tenant,
+                                    idle=is_idle(load))
             if census is not None and tenant is not None:
                 census = replace(
                     census, waiting=tuple(c for c in census.waiting if c[0] == tenant),
@@ -330,7 +369,8 @@ class LiveFeed:
         return {
             "cursor": cursor,
             "now": self._now(load, census, minute, recent, num_blocks) | {"replicas": replicas}
-            | tenant_shares(census, tokens, pool_blocks, tenant, idle=is_idle(load)),
+            | tenant_shares(census, tokens, pool_blocks, tenant, idle=is_idle(load))
+            | {"adapters": adapters},
             "steps": [[round(s.scheduled_at - now, 4), round(s.duration, 5), s.num_requests,
                        s.num_prefill_tokens, s.num_decode_tokens, s.num_preemptions]
                       for s in steps],

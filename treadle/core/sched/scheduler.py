@@ -365,11 +365,12 @@ class Scheduler:
                 continue
             if request.tenant in yielding:
                 break
-            if self._over_lora_cap(request) or (  # waits for a running adapter's requests to end
-                    request.lora_request is not None
-                    and not self.adapter_ready(request.lora_request)):  # or its adapter to load
+            over_lora_cap = self._over_lora_cap(request)  # waits for an adapter's requests to end
+            if over_lora_cap or (request.lora_request is not None
+                                 and not self.adapter_ready(request.lora_request)):  # or a load
                 if len(passed_over) >= MAX_LOOKAHEAD:
                     break
+                request.stats.lora_cap_steps += over_lora_cap
                 passed_over.append(self.waiting.pop())
                 continue
             hit_blocks, num_hit = self._prefix_hit(request)

@@ -78,6 +78,9 @@ def dashboard_router(engine: AsyncEngine) -> APIRouter:
     pages = {path: ((STATIC / name).read_bytes(), media) for path, (name, media)
              in PAGE_FILES.items()}
     open_feeds = 0
+    # The adapters a step may run (None: LoRA off, and the page hides its adapters table).
+    config = engine.config.engine
+    max_loras = config.scheduler.max_loras if config.model.enable_lora else None
 
     def page(path: str):
         body, media = pages[path]
@@ -95,7 +98,8 @@ def dashboard_router(engine: AsyncEngine) -> APIRouter:
         data["engine"] = {"model": engine.model_name, "status": engine.status,
                           "num_blocks": engine.num_blocks, "max_model_len": engine.max_model_len,
                           "objectives": {"ttft": objectives[0], "tpot": objectives[1]},
-                          "interval": FEED_SECONDS, "explain": explain}
+                          "interval": FEED_SECONDS, "explain": explain,
+                          "max_loras": max_loras}
         return data["cursor"], json.dumps(data, separators=(",", ":"))
 
     async def updates(request: Request, explain: bool) -> AsyncIterator[str]:

@@ -97,6 +97,7 @@ function update(data) {
   setStatus(`engine ${engine.status}`, engine.status === "ok" ? "ok" : "bad");
   $("updated").textContent = "updated " + new Date().toLocaleTimeString();
   drawNow(data.now, data.rejections);
+  drawAdapters(data.now, engine.max_loras);
   drawLatency(data.latency, engine.objectives);
   drawSteps(now);
   drawGantt(data.requests);
@@ -154,6 +155,19 @@ function drawTenants(now) {
                fmtPct(now.kv_shared.kv_share), "–"]);
   }
   fillTable($("tenants"), rows, "no tenant holds blocks or was scheduled lately");
+}
+
+// Each LoRA adapter's requests waiting and running now and share of the tokens scheduled
+// lately (a tenant's key: its own requests'); hidden when the server serves no adapters.
+function drawAdapters(now, maxLoras) {
+  const served = maxLoras !== null && maxLoras !== undefined;
+  $("adapters-box").hidden = !served;
+  if (!served) return;
+  $("max-loras").textContent = maxLoras;
+  $("adapter-token-window").textContent = now.token_window_s;
+  fillTable($("adapters"), now.adapters.map((a) => [a.adapter, fmtInt(a.waiting),
+                                                    fmtInt(a.running), fmtPct(a.token_share)]),
+            "no adapter's requests in the engine or scheduled lately");
 }
 
 // A table body's rows of 4 cells, or one muted row saying why there are none.
@@ -310,7 +324,8 @@ function drawGantt(requests) {
     row.dataset.id = r.id;
     const name = document.createElement("div");
     name.className = "name";
-    name.textContent = `${r.id} · ${r.tenant} · ${r.prompt_tokens}→${r.output_tokens}`;
+    const adapter = r.lora ? ` · ${r.lora}` : "";
+    name.textContent = `${r.id} · ${r.tenant}${adapter} · ${r.prompt_tokens}→${r.output_tokens}`;
     name.title = name.textContent;
     const track = document.createElement("div");
     track.className = "track";
@@ -362,9 +377,11 @@ async function showRequest(id) {
     return;
   }
   const timeline = detail.body.timeline, row = detail.body.row;
+  const lora = (timeline || row).lora;
+  const adapter = lora ? ` · adapter ${lora}` : "";
   $("detail-summary").textContent = timeline
-    ? `tenant ${timeline.tenant} · ${timeline.finish_reason} · prompt ${timeline.prompt_tokens} tokens (${timeline.cached_tokens} cached) · output ${timeline.output_tokens} · TTFT ${fmtSec(timeline.ttft_s)} · E2E ${fmtSec(timeline.e2e_s)}`
-    : `tenant ${row.tenant} · in flight · prompt ${row.prompt_tokens} tokens · output ${row.output_tokens} so far`;
+    ? `tenant ${timeline.tenant}${adapter} · ${timeline.finish_reason} · prompt ${timeline.prompt_tokens} tokens (${timeline.cached_tokens} cached) · output ${timeline.output_tokens} · TTFT ${fmtSec(timeline.ttft_s)} · E2E ${fmtSec(timeline.e2e_s)}`
+    : `tenant ${row.tenant}${adapter} · in flight · prompt ${row.prompt_tokens} tokens · output ${row.output_tokens} so far`;
   if (timeline && lastData && lastData.engine.explain) {
     const explain = await getJson(`/v1/requests/${path}/explain`);
     if (selected !== id) return;
