@@ -183,3 +183,11 @@ def save_random_adapter(base_folder: Path, folder: Path, seed: int, r: int = 4) 
                              init_lora_weights=False)
     peft.get_peft_model(base, config).save_pretrained(folder)
     return folder
+
+
+def preload_adapters(engine, loras) -> None:
+    """Each LoRARequest's adapter in an EngineCore's memory before requests come: a cold one
+    holds its requests back for the steps its load takes, off the step."""
+    for lora in loras:
+        while not engine.executor.lora_ready(lora.lora_int_id, lora.lora_path):
+            engine.executor.runner.lora.loading[1].result()

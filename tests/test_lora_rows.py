@@ -12,7 +12,7 @@ from collections import Counter
 import httpx
 import pytest
 from conftest import assert_engine_empty
-from model_utils import save_random_adapter
+from model_utils import preload_adapters, save_random_adapter
 
 from treadle.core.engine_process import take_census
 from treadle.core.lora_request import LoRARequest
@@ -37,6 +37,7 @@ def test_census_counts_each_adapters_requests_and_tokens(tiny_folder, adapters):
     engine = llm.engine
     loras = {name: LoRARequest(name, i + 1, path)
              for i, (name, path) in enumerate(adapters.items())}
+    preload_adapters(engine, loras.values())  # so only the cap holds requests back
     # (id, tenant, adapter): with one adapter at a time, b's requests wait while a's run.
     plan = [("a0", "t1", "a"), ("b0", "t1", "b"), ("a1", "t2", "a"), ("base", "t2", None),
             ("b1", "t2", "b")]

@@ -10,7 +10,7 @@ import math
 
 import pytest
 from conftest import assert_engine_empty
-from model_utils import build_tiny_model, make_runner
+from model_utils import build_tiny_model, make_runner, preload_adapters
 
 from treadle.bench.workloads import draw_adapters
 from treadle.cli import main
@@ -103,9 +103,7 @@ def test_sim_forms_the_engines_batches_with_adapters(tiny_model, tmp_path):
     spec = engine.executor.runner.spec
     loras = {name: LoRARequest(name, i, str(write_random_adapter(tmp_path / name, spec, 4, i)))
              for i, name in enumerate(["a", "b"], start=1)}
-    for lora in loras.values():  # loaded before the requests come: the sim models no loading
-        while not engine.executor.lora_ready(lora.lora_int_id, lora.lora_path):
-            engine.executor.runner.lora.loading[1].result()
+    preload_adapters(engine, loras.values())  # the sim models no loading
     engine_batches = []
     schedule = engine.scheduler.schedule
 
