@@ -90,6 +90,19 @@ def test_flags_reach_every_section():
         max_request_bytes=1 << 20)
 
 
+def test_an_api_key_file_binds_keys_to_adapters(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("# tenants\nacme:sk-1:2:acme-sql,acme-chat\nbeta:sk-2::beta-sql\nops:sk-3\n")
+    config = from_flags("--api-key-file", str(path))
+    assert config.server.api_keys == (APIKey("acme", "sk-1", 2.0, ("acme-sql", "acme-chat")),
+                                      APIKey("beta", "sk-2", None, ("beta-sql",)),
+                                      APIKey("ops", "sk-3"))
+    assert config.engine.engine.scheduler.tenant_weights == {"acme": 2.0}
+    path.write_text("acme:sk-1:2:acme-sql,\n")
+    with pytest.raises(ValueError, match="line 1: adapter names"):
+        from_flags("--api-key-file", str(path))
+
+
 @pytest.mark.parametrize("suffix", [".toml", ".json", ".yaml"])
 def test_a_config_file_under_the_flags(tmp_path, suffix):
     settings = {"block_size": 8, "kv_cache_memory_bytes": "2GiB", "max_num_seqs": 4,

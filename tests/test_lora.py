@@ -612,6 +612,105 @@ def test_adapters_load_and_unload_under_traffic_with_nothing_dropped(tiny_lora,
         stop_frontends(frontends, thread)
 
 
+def grpc_text(stub, model: str, prompt: list[int], key: str) -> str:
+    """A greedy Generate's text (gRPC's `model` picks the adapter as REST's does)."""
+    from treadle.server.grpc import treadle_pb2 as pb
+
+    request = pb.GenerateRequest(model=model, token_ids=pb.TokenIds(ids=prompt),
+                                 sampling=pb.SamplingParameters(temperature=0.0),
+                                 stop=pb.StopCriteria(max_tokens=8, ignore_eos=True))
+    responses = stub.Generate(request, metadata=(("authorization", f"Bearer {key}"),),
+                              timeout=60)
+    return "".join(r.chunk.text for r in responses if r.HasField("chunk"))
+
+
+def test_keys_bound_to_adapters_over_rest_and_grpc(tiny_lora, tiny_lora_llm_folder):
+    """A key bound to adapter a (`acme:acme-key::a`) over both frontends: a and the base serve
+    it; b, loaded live by an unbound key, is to it a model that does not exist (REST 404
+    model_not_found with an unknown model's message, gRPC NOT_FOUND), missing from its
+    /v1/models; it may not load or unload adapters (403). gRPC's `model` gives the adapter's
+    text, equal to REST's for the same greedy request, also for the adapter loaded over REST."""
+    import grpc
+    import openai
+    from frontends import start_frontends, stop_frontends, wait_started
+
+    from treadle.config import AsyncEngineConfig, ServerConfig, build_config
+    from treadle.frontend.async_engine import AsyncEngine
+    from treadle.server.auth import parse_api_keys
+    from treadle.server.grpc import treadle_pb2_grpc as pb_grpc
+
+    adapters = tiny_lora[2]
+    engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
+        model=str(tiny_lora_llm_folder), dtype="float32", enable_lora=True, max_loras=2,
+        kv_cache_memory_bytes=16 << 20)))
+    config = ServerConfig(port=0, grpc_port=0,
+                          api_keys=tuple(parse_api_keys(["sekrit"], ["acme:acme-key::a"])),
+                          lora_modules=(f"a={adapters['a'][0]}",))
+    frontends, thread = start_frontends(engine, config)
+    prompt = [5, 17, 99, 23, 42, 7]
+    try:
+        wait_started(frontends, thread)
+        port, base = frontends.port, engine.model_name
+        admin, acme = (openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key,
+                                     max_retries=0, timeout=60)
+                       for key in ("sekrit", "acme-key"))
+
+        def complete(client: openai.OpenAI, model: str) -> str:
+            return client.completions.create(model=model, prompt=prompt, max_tokens=8,
+                                             temperature=0.0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        load = {"lora_name": "b", "lora_path": str(adapters["b"][0])}
+        status, body = post_json(port, "/v1/load_lora_adapter", load, key="acme-key")
+        assert status == 403 and body["error"]["code"] == "permission_denied"
+        assert post_json(port, "/v1/load_lora_adapter", load)[0] == 200
+        assert post_json(port, "/v1/unload_lora_adapter", {"lora_name": "a"},
+                         key="acme-key")[0] == 403
+
+        assert {m.id for m in admin.models.list().data} == {base, "a", "b"}
+        assert {m.id for m in acme.models.list().data} == {base, "a"}
+        texts = {model: complete(admin, model) for model in (base, "a", "b")}
+        assert len(set(texts.values())) == 3  # each adapter changes the text
+        assert complete(acme, "a") == texts["a"] and complete(acme, base) == texts[base]
+
+        refusals = {}
+        for model in ("b", "no-such-adapter"):
+            with pytest.raises(openai.NotFoundError) as missing:
+                complete(acme, model)
+            error = missing.value.body
+            assert error["code"] == "model_not_found" and error["param"] == "model"
+            refusals[model] = error["message"].replace(f"`{model}`", "`X`")
+            status, body = http_get(port, f"/v1/models/{model}", "acme-key")
+            assert status == 404 and body["error"]["message"] == error["message"]
+        assert refusals["b"] == refusals["no-such-adapter"]  # b's existence not revealed
+        assert "does not exist or you do not have access to it" in refusals["b"]
+        assert http_get(port, "/v1/models/b", "sekrit")[0] == 200
+
+        with grpc.insecure_channel(f"127.0.0.1:{frontends.grpc_port}") as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            for model in ("", base, "a", "b"):  # b: loaded over REST, named over gRPC
+                assert grpc_text(stub, model, prompt, "sekrit") == texts[model or base]
+            assert grpc_text(stub, "a", prompt, "acme-key") == texts["a"]
+            details = {}
+            for key, model in (("sekrit", "no-such-adapter"), ("acme-key", "b"),
+                               ("acme-key", "no-such-adapter")):
+                with pytest.raises(grpc.RpcError) as refused:
+                    grpc_text(stub, model, prompt, key)
+                assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+                details[key, model] = refused.value.details().replace(repr(model), "X")
+            assert details["acme-key", "b"] == details["acme-key", "no-such-adapter"]
+            assert "does not exist or you do not have access" in details["acme-key", "b"]
+    finally:
+        stop_frontends(frontends, thread)
+
+
+def http_get(port: int, path: str, key: str) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", path, headers={"Authorization": f"Bearer {key}"})
+    response = conn.getresponse()
+    return response.status, json.loads(response.read())
+
+
 Q = gguf.GGMLQuantizationType
 # Hugging Face module name (layer as {}) → llama.cpp's tensor name.
 TO_GGUF = {hf.removesuffix(".weight"): g for g, hf in GGUF_TENSOR_NAMES.items()}

@@ -90,6 +90,23 @@ def test_key_file_lines():
         parse_api_keys([], ["a:k1:1", "a:k2:2"])
 
 
+def test_key_file_lines_bind_keys_to_adapters():
+    keys = parse_api_keys([], ["acme:sk-1::acme-sql,acme-chat", "beta:sk-2:3:beta-sql",
+                               "gamma:sk-3:2", "delta:sk-4:: x , y "])
+    assert keys == [APIKey("acme", "sk-1", None, ("acme-sql", "acme-chat")),
+                    APIKey("beta", "sk-2", 3.0, ("beta-sql",)),
+                    APIKey("gamma", "sk-3", 2.0, None),  # no binding: every adapter
+                    APIKey("delta", "sk-4", None, ("x", "y"))]  # spaces around names dropped
+    for bad, message in [("a:k::", "at least one adapter"), ("a:k:1:", "at least one adapter"),
+                         ("a:k::x,,y", "1 to 256 printable"), ("a:k::x,x", "named twice"),
+                         ("a:k::" + "x" * 257, "1 to 256 printable"),
+                         ("a:k::x\ty", "1 to 256 printable"), ("a:k:0:x", "weight must be"),
+                         ("a:k:w:x", "not a number"), ("a:k:", "not a number"),
+                         ("a:k::x:y", "expected KEY")]:
+        with pytest.raises(ValueError, match=message):
+            parse_api_keys([], [bad])
+
+
 def test_tenant_is_the_key_name_and_caches_are_isolated(keyed):
     engine, port, _ = keyed
     alice, bob, bare = client(port, "ka"), client(port, "kb"), client(port, "bare")

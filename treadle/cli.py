@@ -93,8 +93,10 @@ def add_serve_settings(srv: argparse.ArgumentParser) -> None:
              "on gRPC (repeatable)")
     groups[SERVER].add_argument(
         "--api-key-file", default=argparse.SUPPRESS,
-        help="API keys, one per line: KEY, NAME:KEY or NAME:KEY:WEIGHT; NAME is the tenant of "
-             "the key's requests (default key-N), WEIGHT its weight; a key reads its own "
+        help="API keys, one per line: KEY, NAME:KEY, NAME:KEY:WEIGHT or "
+             "NAME:KEY:[WEIGHT]:ADAPTER[,ADAPTER...]; NAME is the tenant of the key's requests "
+             "(default key-N), WEIGHT its weight, ADAPTERs the only LoRA adapters it may use "
+             "(besides the base model; it may not load or unload any); a key reads its own "
              "tenant's request records (explain, timelines, the dashboard's rows), keys named "
              "admin every tenant's")
     groups[OPERATIONS].add_argument(
@@ -339,8 +341,8 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
     settings.update(env)
     settings.update((name, value) for name, value in vars(args).items()
                     if name not in ("command", "config"))
-    # Keys: bare keys (--api-key), then NAME:KEY:WEIGHT lines (a file's `api_keys`, the key
-    # file's); their weights, then --tenant-weight's, override a file's tenant_weights.
+    # Keys: bare keys (--api-key), then key lines (a file's `api_keys`, the key file's; see
+    # server/auth.py); their weights, then --tenant-weight's, override a file's tenant_weights.
     lines = list(settings.pop("api_keys", ()))
     api_key_file = settings.pop("api_key_file", None)
     if api_key_file is not None:

@@ -249,6 +249,8 @@ class APIKey:
     name: str
     key: str
     weight: float | None = None  # the tenant's fair-share weight (None: not set here)
+    # The LoRA adapters the key may use besides the base model; None: every adapter.
+    adapters: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

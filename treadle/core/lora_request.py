@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_LORA_NAME_CHARS = 256  # an adapter's name, loaded live or bound to an API key
+
 
 @dataclass(frozen=True, slots=True)
 class LoRARequest:

@@ -35,6 +35,7 @@ from treadle.frontend.async_engine import AsyncEngine
 from treadle.frontend.supervisor import UNAVAILABLE, EngineUnavailable
 from treadle.server.grpc.servicer import start_grpc_server
 from treadle.server.openai.app import build_app
+from treadle.server.openai.lora_adapters import LoraAdapters
 
 logger = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -113,7 +114,9 @@ class Frontends:
         """ValueError for a chat template that is neither a file nor a template that parses;
         OSError (ssl.SSLError) for an unreadable or bad SSL key or certificate."""
         self.engine, self.config = engine, config
-        self.app = build_app(engine, config)
+        # One set of adapters for both frontends: one loaded over REST is one gRPC can name.
+        self.loras = LoraAdapters.served(config, engine.config.engine.model)
+        self.app = build_app(engine, config, self.loras)
         # uvicorn's own cancelling of the requests still running is the backstop: by then ours
         # have ended with their last event.
         self.uvicorn_config = uvicorn.Config(
@@ -171,8 +174,8 @@ class Frontends:
                 return 1
             try:
                 if self.config.grpc_port is not None:
-                    self.grpc_server, self.grpc_port = await start_grpc_server(self.engine,
-                                                                               self.config)
+                    self.grpc_server, self.grpc_port = await start_grpc_server(
+                        self.engine, self.config, self.loras)
                 self.rest = GracefulServer(self.uvicorn_config, self.engine,
                                            self.config.shutdown_timeout, self.grpc_server)
                 if self.stopped:  # a signal came while gRPC started

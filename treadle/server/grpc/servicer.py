@@ -6,11 +6,16 @@ RESOURCE_EXHAUSTED when the queue is full, the tenant is over a limit or (deadli
 TTFT objective cannot be met (the message names the limit; trailing metadata `treadle-reason`
 says which: queue_full, queued_tokens_full, tenant_requests, tenant_queued_tokens, deadline),
 DEADLINE_EXCEEDED when it waited past the server's --max-queue-wait without being scheduled,
-NOT_FOUND for another model, UNAUTHENTICATED without a valid key when keys are set, UNAVAILABLE
+NOT_FOUND for another model (or an adapter the call's key may not use: the same message, as
+REST's 404), UNAUTHENTICATED without a valid key when keys are set, UNAVAILABLE
 when the engine is down or dies (it restarts; retry) or the server is shutting down.
 
 A cancelled call or one past its deadline cancels the handler, which closes the engine stream:
 that aborts the request and frees its blocks.
+
+Models: `model` is REST's: empty or a served name is the base model, an adapter's name (from
+--lora-modules or loaded over REST: both frontends share the adapters) that adapter, if the
+call's key may use it (server/auth.py).
 
 Tenants: a call's tenant is its API key's name, else its `user` field, else "default"; its
 `cache_salt`, `ttft_ms` and `tpot_ms` are the REST fields'.
@@ -38,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import grpc
@@ -46,6 +52,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from treadle.config import APIKey, ServerConfig
+from treadle.core.lora_request import LoRARequest
 from treadle.core.sampling_params import SamplingParams
 from treadle.frontend.admission import EngineOverloaded
 from treadle.frontend.async_engine import AsyncEngine
@@ -54,6 +61,7 @@ from treadle.server.auth import APIKeys, bearer_token
 from treadle.server.chat_template import apply_chat_template, chat_tokenizer
 from treadle.server.grpc import treadle_pb2 as pb
 from treadle.server.grpc import treadle_pb2_grpc as pb_grpc
+from treadle.server.openai.lora_adapters import LoraAdapters
 from treadle.server.validation import check_prompt_text
 
 if TYPE_CHECKING:
@@ -94,11 +102,13 @@ async def overloaded(context: grpc.aio.ServicerContext, error: EngineOverloaded)
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, engine: AsyncEngine, chat_tokenizer: Tokenizer,
+    def __init__(self, engine: AsyncEngine, chat_tokenizer: Tokenizer, loras: LoraAdapters,
                  api_keys: Sequence[APIKey] = (), model_names: Sequence[str] = ()) -> None:
         """`chat_tokenizer`: the engine's tokenizer, or a copy with the server's chat template;
-        `model_names`: those a request's `model` may be (empty: the model's own name)."""
+        `loras`: the adapters served; `model_names`: those a request's `model` may be besides
+        them (empty: the model's own name)."""
         self.engine = engine
+        self.loras = loras
         self.model_names = tuple(model_names) or (engine.model_name,)
         self.chat_tokenizer = chat_tokenizer
         self.keys = APIKeys(api_keys) if api_keys else None
@@ -133,14 +143,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self.engine.check_available()  # first: a down engine answers at once
         except EngineUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        if request.model and request.model not in self.model_names:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"model {request.model!r} is not served here; "
-                                f"this server serves {self.model_names[0]!r}")
+        key = self.key(context)
+        lora = await self.adapter(request.model, key, context)
         try:
             params = sampling_params(request, self.engine.sampling_defaults)
             admitted = self.engine.admit(
-                self.key_name(context), request.user,
+                None if key is None else key.name, request.user,
                 ttft_ms=request.ttft_ms if request.HasField("ttft_ms") else None,
                 tpot_ms=request.tpot_ms if request.HasField("tpot_ms") else None,
                 cache_salt=request.cache_salt)
@@ -151,7 +159,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except EngineOverloaded as e:
             await overloaded(context, e)
         options = {"tenant": admitted.tenant, "cache_salt": admitted.cache_salt,
-                   "ttft": admitted.ttft, "tpot": admitted.tpot}
+                   "ttft": admitted.ttft, "tpot": admitted.tpot, "lora_request": lora}
         label = caller(context, request.request_id)
         if request.request_id:
             if label in self.calls:
@@ -162,17 +170,33 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         else:
             request_id = f"grpc-{uuid.uuid4().hex}"
         try:
-            async for response in self.generate(request, context, request_id, params, options):
-                yield response
+            with self.loras.in_use(lora.lora_name) if lora is not None else nullcontext():
+                async for response in self.generate(request, context, request_id, params,
+                                                    options):
+                    yield response
         finally:
             if request.request_id:
                 self.calls.pop(label, None)
 
-    def key_name(self, context: grpc.aio.ServicerContext) -> str | None:
-        """The name of the caller's API key (the interceptor has let only valid ones in)."""
+    def key(self, context: grpc.aio.ServicerContext) -> APIKey | None:
+        """The caller's API key (the interceptor has let only valid ones in); None: no keys."""
         if self.keys is None:
             return None
-        return self.keys.match(dict(context.invocation_metadata() or ()).get("authorization"))
+        return self.keys.find(dict(context.invocation_metadata() or ()).get("authorization"))
+
+    async def adapter(self, model: str, key: APIKey | None, context: grpc.aio.ServicerContext
+                      ) -> LoRARequest | None:
+        """The adapter `model` names, None for the base model; NOT_FOUND for a name that is
+        neither, or an adapter `key` may not use (one message for both: no key learns of
+        adapters not its own)."""
+        if not model or model in self.model_names:
+            return None
+        lora = self.loras.get(model, key)
+        if lora is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"the model {model!r} does not exist or you do not have access "
+                                f"to it; this server serves {self.model_names[0]!r}")
+        return lora
 
     async def generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
                        request_id: str, params: SamplingParams, options: dict
@@ -331,20 +355,23 @@ def unauthenticated_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHan
                                                handler.response_serializer)
 
 
-async def start_grpc_server(engine: AsyncEngine, config: ServerConfig
-                            ) -> tuple[grpc.aio.Server, int]:
+async def start_grpc_server(engine: AsyncEngine, config: ServerConfig,
+                            loras: LoraAdapters | None = None) -> tuple[grpc.aio.Server, int]:
     """Serve Generation, grpc.health.v1 and reflection on config.host:config.grpc_port (0: a
     free port) over `engine`, which the caller starts; returns the server and its port. From
-    `config` too: api_keys, chat_template. ValueError for a chat template that is neither a
-    file nor a template that parses."""
+    `config` too: api_keys, chat_template, served_model_name. `loras`: the adapters served,
+    shared with the REST frontend (None: lora_modules's, this server's own). ValueError for a
+    chat template that is neither a file nor a template that parses."""
     assert config.grpc_port is not None, "no gRPC port configured"
     tokenizer = chat_tokenizer(engine.tokenizer, config.chat_template)
     # The key first: without one, the request is not even parsed.
     interceptors = [ApiKeyInterceptor(config.api_keys)] if config.api_keys else []
     interceptors.append(ParseErrorInterceptor())
     server = grpc.aio.server(interceptors=interceptors)
+    if loras is None:
+        loras = LoraAdapters.served(config, engine.config.engine.model)
     pb_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(engine, tokenizer, config.api_keys, config.served_model_name),
+        GenerationServicer(engine, tokenizer, loras, config.api_keys, config.served_model_name),
         server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -38,6 +38,7 @@ from treadle.server.openai.embeddings import embeddings_router
 from treadle.server.openai.errors import install_error_handlers
 from treadle.server.openai.health import health_router
 from treadle.server.openai.logprobs import TokenTable
+from treadle.server.openai.lora_adapters import LoraAdapters
 from treadle.server.openai.middleware import (
     APIKeyMiddleware,
     BodyLimitMiddleware,
@@ -49,16 +50,20 @@ from treadle.server.openai.serving import ClientDisconnected, OpenAIServing
 from treadle.server.openai.tokenization import tokenize_router
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+def build_app(engine: AsyncEngine, config: ServerConfig, loras: LoraAdapters | None = None
+              ) -> FastAPI:
     """The REST app over `engine`, which the caller starts before serving it. From `config`:
     api_keys (Bearer keys for every route but /health and /ready, and /metrics unless
     metrics_without_auth; none: open), allowed_origins (CORS), max_request_bytes,
     enable_debug_endpoints, chat_template (replacing the model's own), served_model_name,
-    sse_keepalive_interval (root_path is uvicorn's: the launcher's). ValueError for a chat
-    template that is neither a file nor a template that parses."""
+    sse_keepalive_interval (root_path is uvicorn's: the launcher's). `loras`: the adapters
+    served, shared with the gRPC frontend (None: lora_modules's, this app's own). ValueError
+    for a chat template that is neither a file nor a template that parses."""
+    if loras is None:
+        loras = LoraAdapters.served(config, engine.config.engine.model)
     serving = OpenAIServing(engine, chat_tokenizer(engine.tokenizer, config.chat_template),
                             config.served_model_name, config.sse_keepalive_interval,
-                            config.tool_call_parser, config.lora_modules)
+                            config.tool_call_parser, loras)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -45,7 +45,7 @@ POOLING_PARAMS = SamplingParams(max_tokens=1)
 def admit(serving: OpenAIServing, body: EmbeddingRequest, request: Request) -> RequestContext:
     """Refuse a request for another model, one asking for `dimensions`, or one the queue or its
     tenant's limits cannot take, before any costly work; its tenant."""
-    serving.check_model(body.model)
+    serving.check_model(body.model, request)
     if body.dimensions is not None:
         raise APIError(400, f'Model "{serving.model_name}" does not support matryoshka '
                        f"representation, changing output dimensions will lead to poor results.",

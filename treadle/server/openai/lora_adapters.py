@@ -1,19 +1,25 @@
 """The LoRA adapters a server serves by name (`--lora-modules`, and those loaded live through
 /v1/load_lora_adapter): each name's LoRARequest, and its requests in flight, so an adapter in
 use is not unloaded. An adapter is a PEFT folder or a GGUF LoRA file (llama.cpp's); here only
-that it is one, the engine checks the rest when a request names it."""
+that it is one, the engine checks the rest when a request names it.
+
+One instance serves both frontends (the launcher's), so an adapter loaded over REST is one gRPC
+calls can name, and one in use by either is not unloaded. A key bound to adapters
+(server/auth.py) sees only those: to it any other is not served."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from treadle.core.lora_request import LoRARequest
+from treadle.config import APIKey, ModelConfig, ServerConfig
+from treadle.core.lora_request import MAX_LORA_NAME_CHARS, LoRARequest
 from treadle.model.gguf_file import is_lora_adapter, read_gguf
 from treadle.model.source import ModelLoadError
+from treadle.server.auth import may_use_adapter
 from treadle.server.openai.errors import APIError
-
-MAX_LORA_NAME_CHARS = 256
 
 
 class LoraAdapters:
@@ -28,8 +34,28 @@ class LoraAdapters:
             name, _, path = module.partition("=")
             self.load(name, path)
 
-    def get(self, name: str) -> LoRARequest | None:
-        return self.by_name.get(name)
+    @classmethod
+    def served(cls, config: ServerConfig, model: ModelConfig) -> LoraAdapters:
+        """The server's `--lora-modules`, within the model's LoRA settings."""
+        return cls(config.lora_modules, model.enable_lora, model.max_cpu_loras)
+
+    def get(self, name: str, key: APIKey | None = None) -> LoRARequest | None:
+        """The adapter `name`, as the caller with `key` sees it (None: no keys): None where it
+        is not served or the key is bound to other adapters."""
+        return self.by_name.get(name) if may_use_adapter(key, name) else None
+
+    def names(self, key: APIKey | None = None) -> list[str]:
+        """The adapters the caller with `key` sees."""
+        return [name for name in self.by_name if may_use_adapter(key, name)]
+
+    @contextmanager
+    def in_use(self, name: str) -> Iterator[None]:
+        """The adapter counted in use (not to be unloaded) meanwhile."""
+        self.in_flight[name] += 1
+        try:
+            yield
+        finally:
+            self.in_flight[name] -= 1
 
     def load(self, name: str, path: str) -> LoRARequest:
         """APIError (400, 409) for an adapter that cannot be added (vLLM's messages)."""

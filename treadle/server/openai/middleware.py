@@ -57,7 +57,8 @@ class APIKeyMiddleware:
     tokenizing, request timelines, the docs and the schema; /metrics too unless
     `metrics_without_auth` (for scrapers that cannot send a header); `open_paths` besides (the
     dashboard's page files, which hold no data). The key's name goes to the
-    route as `request.state.api_key_name`: the request's tenant."""
+    route as `request.state.api_key_name`: the request's tenant; the key itself as
+    `request.state.api_key` (the adapters it may use)."""
 
     def __init__(self, app: ASGIApp, keys: list[str | APIKey],
                  metrics_without_auth: bool = False, open_paths: frozenset[str] = frozenset()
@@ -69,12 +70,13 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
-            name = self.keys.match(Headers(scope=scope).get("authorization"))
-            if name is None:
+            key = self.keys.find(Headers(scope=scope).get("authorization"))
+            if key is None:
                 error = APIError(401, "Incorrect API key provided.", code="invalid_api_key",
                                  headers={"WWW-Authenticate": "Bearer"})
                 return await error.response()(scope, receive, send)
-            scope.setdefault("state", {})["api_key_name"] = name
+            state = scope.setdefault("state", {})
+            state["api_key_name"], state["api_key"] = key.name, key
         await self.app(scope, receive, send)
 
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
+from treadle.config import APIKey
 from treadle.core.lora_request import LoRARequest
 from treadle.core.sampling_params import SamplingParams, StructuredOutputsParams, check_max_logprobs
 from treadle.core.structured_output import ConstraintChecker
@@ -47,6 +48,7 @@ from treadle.frontend.async_engine import AsyncEngine, RequestUpdate
 from treadle.frontend.output_processor import RequestState, SampleDelta
 from treadle.frontend.supervisor import EngineUnavailable
 from treadle.observability.explain import e2e, timings
+from treadle.server.auth import may_manage_adapters
 from treadle.server.chat_template import apply_chat_template
 from treadle.server.openai.errors import APIError, invalid_request
 from treadle.server.openai.logprobs import TokenTable, prompt_logprobs
@@ -109,6 +111,11 @@ class RequestContext:
     request_id: str  # what the request's records are keyed by (RequestIdMiddleware's)
     received: float  # time.monotonic() when the request came in
     lora_request: LoRARequest | None = None  # the adapter its `model` names; None: the base
+
+
+def api_key(request: Request) -> APIKey | None:
+    """The caller's API key (APIKeyMiddleware's); None when the server has no keys."""
+    return getattr(request.state, "api_key", None)
 
 
 def request_context(admitted: Admitted, request: Request) -> RequestContext:
@@ -250,12 +257,12 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncEngine, chat_tokenizer: Tokenizer,
                  model_names: tuple[str, ...], sse_keepalive_interval: float,
-                 tool_call_parser: str, lora_modules: tuple[str, ...] = ()) -> None:
+                 tool_call_parser: str, loras: LoraAdapters) -> None:
         """The ServerConfig settings of the same names (their defaults are its own):
         `model_names`: those a request's `model` may be, the first in responses (empty: the
         model's own name); `sse_keepalive_interval`: seconds of silence before a streamed
         response gets a keep-alive comment; `tool_call_parser`: how model outputs' tool calls
-        are written (tool_parsers.py); `lora_modules`: adapters served by name (name=path)."""
+        are written (tool_parsers.py); `loras`: the adapters served by name."""
         self.engine = engine
         self.chat_tokenizer = chat_tokenizer
         self.tool_parser = tool_parser(tool_call_parser)
@@ -263,8 +270,7 @@ class OpenAIServing:
         self.keepalive = sse_keepalive_interval
         self.tokens: TokenTable | None = None  # built at startup, off the event loop
         self.created = int(time.time())
-        model = engine.config.engine.model
-        self.loras = LoraAdapters(lora_modules, model.enable_lora, model.max_cpu_loras)
+        self.loras = loras
 
     @property
     def model_name(self) -> str:
@@ -290,7 +296,7 @@ class OpenAIServing:
         """Refuse a request for another model, or one the full queue or its tenant's limits
         cannot take (its prompts counted), or one asking for what Treadle does not support yet,
         before any costly work; its tenant, salt and objectives."""
-        self.check_model(body.model)
+        self.check_model(body.model, request)
         unsupported = body.unsupported()
         if unsupported is not None:
             param, message = unsupported
@@ -311,14 +317,24 @@ class OpenAIServing:
             raise engine_error(e) from e
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options needs stream", param="stream_options")
-        return replace(request_context(admitted, request),
-                       lora_request=None if body.model is None else self.loras.get(body.model))
+        lora = None if body.model is None else self.loras.get(body.model, api_key(request))
+        return replace(request_context(admitted, request), lora_request=lora)
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None, request: Request) -> None:
+        """404 for a model that is neither a served name nor an adapter the caller's key may
+        use; OpenAI's message, the same for both, so that no key learns of adapters not its
+        own."""
         if model is not None and model not in self.model_names and \
-                self.loras.get(model) is None:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model",
-                           code="model_not_found")
+                self.loras.get(model, api_key(request)) is None:
+            raise APIError(404, f"The model `{model}` does not exist or you do not have access "
+                           "to it.", param="model", code="model_not_found")
+
+    def check_may_manage_adapters(self, request: Request) -> None:
+        """403 for a key bound to adapters: loading and unloading are for unbound keys."""
+        if not may_manage_adapters(api_key(request)):
+            raise APIError(403, "this API key is bound to LoRA adapters and may not load or "
+                           "unload them", code="permission_denied",
+                           error_type="permission_error")
 
     def check_context(self, num_prompt: int, max_tokens: int | None, what: str) -> int:
         """`max_tokens` (None: the rest of the context), if the prompt and completion fit."""
@@ -409,13 +425,10 @@ class OpenAIServing:
 
     async def counted(self, updates: Updates, lora_name: str) -> Updates:
         """The updates, the adapter counted in use while they stream."""
-        self.loras.in_flight[lora_name] += 1
-        try:
+        with self.loras.in_use(lora_name):
             async with aclosing(updates):
                 async for item in updates:
                     yield item
-        finally:
-            self.loras.in_flight[lora_name] -= 1
 
     def finish_response(self, request_id: str, num_prompts: int) -> dict[str, float] | None:
         """The response is written, all but its last bytes: mark its samples' timelines; the

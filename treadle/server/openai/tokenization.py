@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from treadle.server.openai.errors import APIError
 from treadle.server.openai.protocol import (
@@ -22,8 +22,8 @@ def tokenize_router(serving: OpenAIServing) -> APIRouter:
     engine = serving.engine
 
     @router.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        serving.check_model(body.model)
+    async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+        serving.check_model(body.model, request)
         if body.messages is not None:
             tokens = await serving.apply_template(body.messages, body.add_generation_prompt)
         else:
@@ -33,8 +33,8 @@ def tokenize_router(serving: OpenAIServing) -> APIRouter:
                                 tokens=tokens)
 
     @router.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        serving.check_model(body.model)
+    async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+        serving.check_model(body.model, request)
         vocab = len(serving.table.texts)
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
