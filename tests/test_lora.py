@@ -477,6 +477,19 @@ def post_json(port: int, path: str, body: dict, key: str | None = "sekrit"
         return response.status, data
 
 
+def offline_texts(settings: dict, adapters: dict, prompt: list[int], max_tokens: int
+                  ) -> dict[str, str]:
+    """The greedy text of `prompt` by the offline LLM: the base's, adapter a's and b's."""
+    from treadle.llm import LLM
+
+    llm = LLM(**settings)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return {name: llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0]
+            .outputs[0].text
+            for name, lora in [("base", None), ("a", LoRARequest("a", 1, str(adapters["a"][0]))),
+                               ("b", LoRARequest("b", 2, str(adapters["b"][0])))]}
+
+
 def test_server_model_picks_the_adapter_and_adapters_load_and_unload(tiny_lora,
                                                                       tiny_lora_llm_folder,
                                                                       caplog):
@@ -489,7 +502,6 @@ def test_server_model_picks_the_adapter_and_adapters_load_and_unload(tiny_lora,
 
     from treadle.config import AsyncEngineConfig, ServerConfig, build_config
     from treadle.frontend.async_engine import AsyncEngine
-    from treadle.llm import LLM
     from treadle.server.auth import parse_api_keys
 
     adapters = tiny_lora[2]
@@ -500,12 +512,7 @@ def test_server_model_picks_the_adapter_and_adapters_load_and_unload(tiny_lora,
                           lora_modules=(f"a={adapters['a'][0]}",))
     frontends, thread = start_frontends(engine, config)
     prompt = [5, 17, 99, 23, 42, 7]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    llm = LLM(**settings)
-    want = {name: llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0]
-            .outputs[0].text
-            for name, lora in [("base", None), ("a", LoRARequest("a", 1, str(adapters["a"][0]))),
-                               ("b", LoRARequest("b", 2, str(adapters["b"][0])))]}
+    want = offline_texts(settings, adapters, prompt, 8)
     assert len(set(want.values())) == 3  # the adapters change the text
     try:
         wait_started(frontends, thread)
@@ -565,19 +572,13 @@ def test_adapters_load_and_unload_under_traffic_with_nothing_dropped(tiny_lora,
 
     from treadle.config import AsyncEngineConfig, ServerConfig, build_config
     from treadle.frontend.async_engine import AsyncEngine
-    from treadle.llm import LLM
     from treadle.server.auth import parse_api_keys
 
     adapters = tiny_lora[2]
     settings = dict(model=str(tiny_lora_llm_folder), dtype="float32", enable_lora=True,
                     max_loras=2, kv_cache_memory_bytes=16 << 20)
     prompt = [5, 17, 99, 23, 42, 7]
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    llm = LLM(**settings)
-    want = {name: llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0]
-            .outputs[0].text
-            for name, lora in [("base", None), ("a", LoRARequest("a", 1, str(adapters["a"][0]))),
-                               ("b", LoRARequest("b", 2, str(adapters["b"][0])))]}
+    want = offline_texts(settings, adapters, prompt, 32)
     engine = AsyncEngine(build_config(AsyncEngineConfig, settings))
     config = ServerConfig(port=0, api_keys=tuple(parse_api_keys(["sekrit"])),
                           lora_modules=(f"a={adapters['a'][0]}",))

@@ -44,6 +44,21 @@ PROFILE = StepProfile({"const": 0.01, "prefill_tokens": 1e-4, "decode_seqs": 5e-
                        "decode_context": 1e-6, "prefill_attention": 1e-6})
 
 
+def record_batches(engine) -> list[list[tuple[str, int, int]]]:
+    """Each batch an EngineCore's scheduler forms from now on, as (request id, computed
+    tokens, new tokens) rows; an empty list for a step that ran nothing."""
+    batches = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        output = schedule()
+        batches.append([(s.request.request_id, s.num_computed_tokens, s.num_new_tokens)
+                        for s in output.scheduled])
+        return output
+
+    engine.scheduler.schedule = recording_schedule
+    return batches
+
 def workload(n: int, rate: float, seed: int = 0, tenants: int = 1) -> list[SimRequest]:
     rng = random.Random(seed)
     hist = sharegpt_lengths()
@@ -93,16 +108,7 @@ def test_sim_forms_the_engines_batches(tiny_model, policy):
     engine = EngineCore(EngineConfig(ModelConfig(model=str(tiny_model), dtype="float32"),
                                      CacheConfig(block_size=4, num_blocks=40),
                                      settings.engine.scheduler, policy=policy))
-    engine_batches = []
-    schedule = engine.scheduler.schedule
-
-    def recording_schedule():
-        output = schedule()
-        engine_batches.append([(s.request.request_id, s.num_computed_tokens, s.num_new_tokens)
-                               for s in output.scheduled])
-        return output
-
-    engine.scheduler.schedule = recording_schedule
+    engine_batches = record_batches(engine)
     for i, r in enumerate(requests):
         engine.add_request(str(i), r.prompt_token_ids,
                            SamplingParams(max_tokens=r.output_len, ignore_eos=True),

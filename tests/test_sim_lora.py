@@ -11,6 +11,7 @@ import math
 import pytest
 from conftest import assert_engine_empty
 from model_utils import build_tiny_model, make_runner, preload_adapters
+from test_sim import record_batches
 
 from treadle.bench.workloads import draw_adapters
 from treadle.cli import main
@@ -104,16 +105,7 @@ def test_sim_forms_the_engines_batches_with_adapters(tiny_model, tmp_path):
     loras = {name: LoRARequest(name, i, str(write_random_adapter(tmp_path / name, spec, 4, i)))
              for i, name in enumerate(["a", "b"], start=1)}
     preload_adapters(engine, loras.values())  # the sim models no loading
-    engine_batches = []
-    schedule = engine.scheduler.schedule
-
-    def recording_schedule():
-        output = schedule()
-        engine_batches.append([(s.request.request_id, s.num_computed_tokens, s.num_new_tokens)
-                               for s in output.scheduled])
-        return output
-
-    engine.scheduler.schedule = recording_schedule
+    engine_batches = record_batches(engine)
     for i, r in enumerate(requests):
         engine.add_request(str(i), r.prompt_token_ids,
                            SamplingParams(max_tokens=r.output_len, ignore_eos=True),
