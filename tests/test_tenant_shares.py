@@ -101,6 +101,26 @@ def test_census_without_prefix_caching_counts_the_tables(tiny_model):
     assert_engine_empty(engine)
 
 
+def test_explain_share_counts_a_tenants_shared_blocks_once(tiny_model):
+    """heavy's two requests share PROMPT's blocks: the share a later request of light's is told
+    heavy held (explain's "tenant X held N%") counts each of heavy's blocks once."""
+    engine = make_engine(tiny_model)
+    add(engine, "h0", "heavy", PROMPT)
+    add(engine, "h1", "heavy", PROMPT)
+    engine.step()
+    expected, num_shared = blocks_by_tables(engine)
+    assert num_shared == 0 and set(expected) == {"heavy"}
+    tables = sum(len(engine.kv_cache_manager.block_ids(r)) for r in ("h0", "h1"))
+    assert expected["heavy"] < tables  # the tables overlap: summing them would overstate
+    add(engine, "l0", "light", [7] * 10)
+    stats = engine.scheduler.requests["l0"].stats
+    assert stats.top_tenant == "heavy"
+    assert stats.top_tenant_kv_share == expected["heavy"] / engine.kv_cache_manager.num_blocks
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_engine_empty(engine)
+
+
 def sample(metrics: ServerMetrics, name: str, tenant: str) -> float | None:
     return metrics.registry.get_sample_value(f"treadle:{name}",
                                              {"model_name": "m", "tenant": tenant})

@@ -180,10 +180,8 @@ class Scheduler:
         stats = request.stats  # who is ahead of it, for `explain`
         stats.waiting_ahead, stats.running_ahead = len(self.waiting), len(self.running)
         _, stats.tokens_ahead = self.waiting.ahead(request)
-        held: Counter[str] = Counter()
-        for running in self.running:
-            if running.tenant != request.tenant:
-                held[running.tenant] += len(kv.block_tables.get(running.request_id, ()))
+        held, _ = self.kv_blocks_by_tenant()  # a block several requests share counted once
+        del held[request.tenant]
         if held:
             stats.top_tenant, blocks = held.most_common(1)[0]
             stats.top_tenant_kv_share = blocks / kv.num_blocks
