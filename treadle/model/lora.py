@@ -105,12 +105,13 @@ def adapter_config(path: str | Path, max_rank: int) -> dict:
 
 
 def served_module(path: str | Path, name: str, in_features: int, out_features: int,
-                  rank: int, spec: ModelSpec) -> tuple[int, str]:
+                  rank: int, shapes: dict[str, tuple[int, ...]]) -> tuple[int, str]:
     """The (layer, module) of a LoRA pair on the base weight `name` (its Hugging Face name,
-    e.g. model.layers.3.self_attn.q_proj), checked against `spec`: a layer's attention or
-    dense feed-forward projection (not a mixture of experts' experts), of its shape."""
+    e.g. model.layers.3.self_attn.q_proj), checked against the model's weights' `shapes`
+    (`ModelSpec.expected_shapes`): a layer's attention or dense feed-forward projection (not a
+    mixture of experts' experts), of its shape."""
     parts = name.split(".")
-    shape = spec.expected_shapes().get(f"{name}.weight")
+    shape = shapes.get(f"{name}.weight")
     if (len(parts) != 5 or parts[:2] != ["model", "layers"] or parts[-1] not in MODULE_LAYERS
             or shape is None):
         raise LoraError(f"adapter {path}: {name!r} is not a module LoRA serves on this model "
@@ -141,6 +142,7 @@ def peft_adapter_tensors(path: str | Path, max_rank: int, spec: ModelSpec
     except (OSError, safetensors.SafetensorError) as e:
         raise LoraError(f"adapter {folder}: unreadable adapter_model.safetensors ({e})") from e
     pairs: PEFTPairs = {}
+    weight_shapes = spec.expected_shapes()
     for a_name, a_shape in shapes.items():
         if ".lora_A." not in a_name:
             if ".lora_B." not in a_name:
@@ -154,7 +156,7 @@ def peft_adapter_tensors(path: str | Path, max_rank: int, spec: ModelSpec
             raise LoraError(f"adapter {folder}: {a_name} and its lora_B are {list(a_shape)} and "
                             f"{list(b_shape)}, not [r={rank}, in] and [out, r={rank}]")
         base_name = a_name.split(".lora_A.")[0].removeprefix("base_model.model.")
-        key = served_module(folder, base_name, a_shape[1], b_shape[0], rank, spec)
+        key = served_module(folder, base_name, a_shape[1], b_shape[0], rank, weight_shapes)
         pairs[key] = (a_name, b_name)
     if not pairs:
         raise LoraError(f"adapter {folder} holds no LoRA matrices")
@@ -222,7 +224,7 @@ def gguf_adapter_tensors(path: str | Path, max_rank: int, spec: ModelSpec
             # adapter, so they are refused like PEFT's modules_to_save.
             raise LoraError(f"adapter {path}: tensor {t.name!r} is not a lora_a or lora_b matrix")
         halves.setdefault(base_name, {})[half] = t
-    family = family_of(spec)
+    family, weight_shapes = family_of(spec), spec.expected_shapes()
     pairs: GGUFPairs = {}
     for base_name, pair in halves.items():
         if len(pair) != 2:
@@ -243,7 +245,8 @@ def gguf_adapter_tensors(path: str | Path, max_rank: int, spec: ModelSpec
         if a_rank != b_rank:
             raise LoraError(f"adapter {path}: {base_name!r} has lora_a of rank {a_rank} and "
                             f"lora_b of rank {b_rank}")
-        key = served_module(path, hf_name.removesuffix(".weight"), a_in, b_out, a_rank, spec)
+        key = served_module(path, hf_name.removesuffix(".weight"), a_in, b_out, a_rank,
+                            weight_shapes)
         if not 0 < a_rank <= max_rank:
             raise LoraError(f"adapter {path}: rank {a_rank} is above max_lora_rank {max_rank}")
         pairs[key] = (hf_name, a, b)
