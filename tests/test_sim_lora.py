@@ -11,7 +11,7 @@ import math
 import pytest
 from conftest import assert_engine_empty
 from model_utils import build_tiny_model, make_runner, preload_adapters
-from test_sim import record_batches
+from test_sim import PROFILE, record_batches
 
 from treadle.bench.workloads import draw_adapters
 from treadle.cli import main
@@ -29,9 +29,6 @@ from treadle.sim.workload import (
     read_trace,
     write_trace,
 )
-
-PROFILE = StepProfile({"const": 0.01, "prefill_tokens": 1e-4, "decode_seqs": 5e-4,
-                       "decode_context": 1e-6, "prefill_attention": 1e-6})
 
 
 def adapter_requests(names: list[str | None], output_len: int = 6) -> list[SimRequest]:

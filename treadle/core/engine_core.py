@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 
 import torch
@@ -45,6 +46,8 @@ from treadle.plugins import load_plugins
 
 logger = logging.getLogger(__name__)
 
+MAX_CHECKED_LORAS = 1024  # adapters remembered as checked (least recently used dropped)
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
@@ -57,6 +60,9 @@ class EngineCore:
         self.pooling = config.model.pooling  # how embedding requests pool: last or mean
         self.enable_lora = config.model.enable_lora
         self.max_lora_rank = config.model.max_lora_rank
+        # Adapters already checked, by (id, path): an id names one adapter for good (the
+        # frontend never reuses one), so its files are read once, not at every request.
+        self.checked_loras: OrderedDict[tuple[int, str], None] = OrderedDict()
         self.executor: Executor = build_executor(config)
         facts = self.executor.facts
         active = (f", {facts.active_parameters / 1e9:.2f} B active per token"
@@ -124,13 +130,7 @@ class EngineCore:
         prefill only, whose finishing output carries the prompt's pooled hidden states (sampling
         parameters unused). `lora_request`: the adapter it runs with (None: the base model)."""
         if lora_request is not None:
-            if not self.enable_lora:
-                raise InvalidField("model", "LoRA adapters are not enabled (--enable-lora)")
-            try:
-                check_adapter(lora_request.lora_path, self.max_lora_rank,
-                              self.executor.facts.spec)
-            except LoraError as e:
-                raise InvalidField("model", str(e)) from e
+            self._check_lora(lora_request)
         check_max_logprobs(sampling_params, self.max_logprobs)
         vocab = self.executor.facts.vocab_size
         ids_by_field = ((PROMPT, "prompt token ids", prompt_token_ids),
@@ -176,6 +176,22 @@ class EngineCore:
         if self.compiling.pop(request_id, None) is not None:
             return True
         return self.scheduler.abort_request(request_id) is not None
+
+    def _check_lora(self, lora: LoRARequest) -> None:
+        """InvalidField on `model` unless LoRA is enabled and the adapter servable here."""
+        if not self.enable_lora:
+            raise InvalidField("model", "LoRA adapters are not enabled (--enable-lora)")
+        key = (lora.lora_int_id, lora.lora_path)
+        if key in self.checked_loras:
+            self.checked_loras.move_to_end(key)
+            return
+        try:
+            check_adapter(lora.lora_path, self.max_lora_rank, self.executor.facts.spec)
+        except LoraError as e:
+            raise InvalidField("model", str(e)) from e
+        self.checked_loras[key] = None
+        if len(self.checked_loras) > MAX_CHECKED_LORAS:
+            self.checked_loras.popitem(last=False)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.compiling)
