@@ -34,6 +34,7 @@ from treadle.core.sampling_params import SamplingParams
 from treadle.errors import InvalidField
 from treadle.model.batch import ModelInput, ScheduledSequence
 from treadle.model.family import ModelSpec
+from treadle.model.kernels import load_kernels
 from treadle.model.loader import load_model
 from treadle.model.lora import LoraError, check_adapter, load_adapter, load_peft_adapter
 from treadle.model.models.llama import GGUF_TENSOR_NAMES
@@ -229,6 +230,38 @@ def test_quantized_base_stays_quantized_and_takes_the_adapter(tiny_lora, mode):
     assert (got - want).abs().max() <= tolerance * want.abs().max()
     without = quantized.execute(ModelInput([sequence(ids, 0, table, None)]))
     assert (without - want).abs().max() > 2 * tolerance * want.abs().max()
+
+
+@pytest.mark.parametrize("rows_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16])
+def test_native_lora_rows_equal_torchs_product(rows_dtype, adapter_dtype):
+    """The native lora_add adds (x·A)·B by each row's slot and leaves slot -1 rows alone: equal
+    to torch's product, in a step where one slot has more rows than a task takes, a slot's
+    adapter has a lower rank than the slots' (zero ranks), and widths are not multiples of the
+    kernel's column block."""
+    kernels = load_kernels()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(3)
+    num_slots, rank, in_features, part_sizes = 3, 5, 37, [40, 13, 13]
+    offsets = [sum(part_sizes[:i]) for i in range(len(part_sizes) + 1)]
+    a = torch.randn(num_slots, in_features, len(part_sizes) * rank, generator=gen)
+    b = torch.zeros(num_slots, len(part_sizes) * rank, offsets[-1])
+    for p in range(len(part_sizes)):
+        ranks = slice(p * rank, (p + 1) * rank)
+        b[:, ranks, offsets[p]:offsets[p + 1]] = torch.randn(
+            num_slots, rank, part_sizes[p], generator=gen)
+        a[1, :, p * rank + 3:(p + 1) * rank] = 0  # slot 1: a rank-3 adapter
+    a, b = a.to(adapter_dtype), b.to(adapter_dtype)
+    slots = torch.tensor([-1, 0, 2, 0, 1, 0, 0, 0, 0, 2, -1, 1, 0])
+    x = torch.randn(len(slots), in_features, generator=gen).to(rows_dtype)
+    y = torch.randn(len(slots), offsets[-1], generator=gen).to(rows_dtype)
+    want = y.float().clone()
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            want[row] += (x[row].float() @ a[slot].float()) @ b[slot].float()
+    kernels.lora_add(y, x, a, b, slots, offsets, rank)
+    tolerance = 1e-4 if rows_dtype == torch.float32 else 2e-2
+    assert (y.float() - want).abs().max().item() <= tolerance * want.abs().max().item()
 
 
 def test_fused_decoder_adds_each_rows_adapter(tiny_lora):

@@ -119,9 +119,10 @@ class ModelConfig:
     enable_lora: bool = setting(False, "serve LoRA adapters (PEFT folders, GGUF LoRA files) "
                                        "per request")
     max_lora_rank: int = setting(16, "largest LoRA rank an adapter may have")
-    lora_dtype: str = setting("auto", "LoRA adapters' weights in memory: auto, the model's "
-                              "dtype; bfloat16 halves what a step with many adapters reads "
-                              "beside a float32 model", choices=DTYPES)
+    lora_dtype: str = setting("auto", "LoRA adapters' weights in memory: auto, bfloat16 "
+                              "beside quantized weights (half what a step with many adapters "
+                              "reads; its rounding far below the blocks'), else the model's "
+                              "dtype", choices=DTYPES)
     max_cpu_loras: int = setting(8, "most LoRA adapters kept loaded in memory (least recently "
                                  "used dropped, reloaded from their folder when asked again)")
 

@@ -25,12 +25,12 @@ Layer = dict[str, torch.Tensor | Linear | QuantizedLinear | Callable[[torch.Tens
 
 class LoraBatch:
     """The step's rows by LoRA adapter slot (model/lora.py), read by every wrapped layer: the
-    segments (slot, row indices; None when the slot owns every row); the native kernel's rows'
-    slots (-1 for the others; None: no such row) and its module; every row's slot (-1: the
-    base), the fused decoder's."""
+    segments (slot, its rows: a slice where they are one run, else their indices); the native
+    kernel's rows' slots (-1 for the others; None: no such row) and its module; every row's
+    slot (-1: the base), the fused decoder's."""
 
     def __init__(self) -> None:
-        self.segments: list[tuple[int, torch.Tensor | None]] = []
+        self.segments: list[tuple[int, slice | torch.Tensor]] = []
         self.native_slots: torch.Tensor | None = None
         self.kernels = load_kernels()
         self.row_slots: torch.Tensor | None = None

@@ -8,12 +8,13 @@ slots; each wrapped layer stacks its parts' (q/k/v, gate/up) A and B per slot, B
 block-diagonal, so one fused layer adds x·A·B per row with two matmuls.
 On CPU an adapter's rows, where it has few in the step (decode rows), take the native
 `lora_add` (x·A·B row by row, by each row's slot), also inside the fused decoder; an adapter's
-many rows (a prefill chunk) are a segment (the SGMV idea): one pair of matmuls over its rows
-only. Base rows pay nothing.
+many rows are a segment (the SGMV idea): matmuls over its rows only, on views of x and y where
+the rows are one run (a prefill chunk), else on gathered rows. Base rows pay nothing.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections import OrderedDict
@@ -310,8 +311,14 @@ class LoraLinear:
                                         self.batch.native_slots, self.offsets, self.max_rank)
         for slot, rows in self.batch.segments:
             a, b = self.a[slot].to(x.dtype), self.b[slot].to(x.dtype)  # --lora-dtype's
-            y = (y + (x @ a) @ b if rows is None
-                 else y.index_add(0, rows, (x[rows] @ a) @ b))
+            if isinstance(rows, slice):  # one run of rows: views, added in place
+                low, out = x[rows] @ a, y[rows]
+                # Part by part: B's off-diagonal blocks are zeros.
+                for p, (start, end) in enumerate(itertools.pairwise(self.offsets)):
+                    ranks = slice(p * self.max_rank, (p + 1) * self.max_rank)
+                    out[:, start:end].addmm_(low[:, ranks], b[ranks, start:end])
+            else:
+                y = y.index_add(0, rows, (x[rows] @ a) @ b)
         return y
 
 
@@ -405,17 +412,34 @@ class LoraSlots:
         for lora_id, path in ids.items():
             slot = slots[lora_id] = self.slot(lora_id, path, set(ids))
             rows = [i for i, a in enumerate(row_adapters) if a is not None and a[0] == lora_id]
-            if native and len(rows) <= NATIVE_MAX_ROWS:
-                for i in rows:
+            rest = []  # rows outside runs longer than NATIVE_MAX_ROWS (prefill chunks)
+            for run in runs(rows):
+                if len(run) > NATIVE_MAX_ROWS:
+                    segments.append((slot, slice(run[0], run[-1] + 1)))
+                else:
+                    rest += run
+            if not rest:
+                continue
+            if native and len(rest) <= NATIVE_MAX_ROWS:
+                for i in rest:
                     native_slots[i] = slot
+            elif rest[-1] - rest[0] + 1 == len(rest):
+                segments.append((slot, slice(rest[0], rest[-1] + 1)))
             else:
-                segments.append((slot, None if len(rows) == len(row_adapters) else
-                                 torch.tensor(rows, dtype=torch.long, device=device)))
+                segments.append((slot, torch.tensor(rest, dtype=torch.long, device=device)))
         self.batch.segments = segments
         self.batch.native_slots = (torch.tensor(native_slots, dtype=torch.long)
                                    if max(native_slots, default=-1) >= 0 else None)
         self.batch.row_slots = None if not ids else torch.tensor(
             [-1 if a is None else slots[a[0]] for a in row_adapters], dtype=torch.long)
+
+
+def runs(rows: list[int]) -> list[list[int]]:
+    """Sorted row indices split where they skip one: each run a slice of the step's rows."""
+    if not rows:
+        return []
+    split = [i for i in range(1, len(rows)) if rows[i] != rows[i - 1] + 1]
+    return [rows[start:end] for start, end in zip([0, *split], [*split, len(rows)], strict=True)]
 
 
 def layer_shapes(spec: ModelSpec) -> dict[str, tuple[list[int], int]]:
