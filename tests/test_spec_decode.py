@@ -505,6 +505,43 @@ def test_llm_stop_strings_and_n_samples_with_speculation(tiny_folder):
     assert_engine_empty(engine.engine)
 
 
+def test_constrained_requests_speculate_with_outputs_unchanged(tiny_folder):
+    """Requests with a grammar speculate: greedy outputs token for token as without
+    speculation (each proposed token taken only where the grammar allows it, each row masked by
+    the grammar's state after the tokens before it, the grammar's end inside a step's proposals
+    ending the request there), proposed tokens accepted, and sampled outputs match their
+    grammar and end with it, leaving no KV blocks held."""
+    import re
+
+    from treadle.core.sampling_params import StructuredOutputsParams
+    from treadle.llm import LLM
+
+    patterns = [r"(ab ){6}", r"(ab, ){3}[a-z ]{1,20}\.", r"(yes|no) (yes|no) (yes|no) (yes|no)"]
+    prompts = ["Say it again and again:", "The list is"] * len(patterns)
+
+    def params(temperature: float) -> list[SamplingParams]:
+        return [SamplingParams(max_tokens=40, temperature=temperature, top_p=0.9,
+                               ignore_eos=True, structured_outputs=StructuredOutputsParams(
+                                   regex=pattern))
+                for pattern in patterns for _ in range(2)]
+
+    plain = LLM(str(tiny_folder), dtype="float32", quantization="none")
+    want = plain.generate(prompts, params(0.0), use_tqdm=False)
+    llm = LLM(str(tiny_folder), dtype="float32", quantization="none", speculative_config=SPEC)
+    got = llm.generate(prompts, params(0.0), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in got] == \
+        [list(o.outputs[0].token_ids) for o in want]
+    drafts, _, accepted = llm.engine.spec_decode_counts
+    assert drafts > 0 and accepted > 0
+    sampled = llm.generate(prompts, params(1.0), use_tqdm=False)
+    for output, pattern in zip(sampled, [p for p in patterns for _ in range(2)], strict=True):
+        [sample] = output.outputs
+        assert re.fullmatch(pattern, sample.text) and sample.finish_reason == "stop", \
+            (pattern, sample.text)
+    assert llm.engine.spec_decode_counts[0] > drafts
+    assert_engine_empty(llm.engine)
+
+
 def test_metrics_count_speculative_tokens_with_vllms_names():
     from treadle.observability.metrics import ServerMetrics
 

@@ -19,7 +19,12 @@ from treadle.core.kv_cache import KVCacheManager
 from treadle.core.lora_request import LoRARequest
 from treadle.core.messages import EngineCoreOutput, TokenLogprobs
 from treadle.core.request import DEFAULT_TENANT, Request, RequestStatus
-from treadle.core.sampler import Sampler, SamplingOptions, gather_logprobs
+from treadle.core.sampler import (
+    Sampler,
+    SamplingOptions,
+    apply_token_bitmask,
+    gather_logprobs,
+)
 from treadle.core.sampling_params import SamplingParams, check_max_logprobs
 from treadle.core.sched.policy import make_policy
 from treadle.core.sched.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
@@ -33,6 +38,7 @@ from treadle.core.step_loop import (
 )
 from treadle.core.structured_output import (
     StructuredOutputManager,
+    grammar_drafts,
     grammar_error,
     grammar_failed,
 )
@@ -223,6 +229,9 @@ class EngineCore:
         failed = self._admit_compiled()
         assert self.speculator is not None
         self.speculator.propose(self.scheduler.running)
+        for request in self.speculator.proposing:
+            if request.grammar is not None:
+                request.spec_token_ids = grammar_drafts(request.grammar, request.spec_token_ids)
         return failed
 
     def step(self) -> list[EngineCoreOutput]:
@@ -317,7 +326,10 @@ class EngineCore:
         accepted, spec_logprobs = (self._verify(speculating, logits, sampled)
                                    if speculating else ({}, {}))
         num_before = {s.request.request_id: s.request.num_output_tokens for _, s in speculating}
-        grammar_complete, grammar_failed = advance_matchers(requests, sampler_output.token_ids)
+        constrained = [(r, [t]) for r, t in zip(requests, sampler_output.token_ids, strict=True)]
+        constrained += [(s.request, [*accepted[s.request.request_id],
+                                     sampled[s.request.request_id]]) for _, s in speculating]
+        grammar_complete, grammar_failed = advance_matchers(constrained)
         failed = {r.request_id for r in grammar_failed}
         for request_id in failed:  # ended before its token is appended: the token breaks it
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_GRAMMAR_ERROR)
@@ -359,14 +371,15 @@ class EngineCore:
             # Those appended: a stop token or max_tokens may end it before all it accepted;
             # none when it was aborted while the step ran.
             num_new = request.num_output_tokens - num_before[request.request_id]
-            if not num_new:
+            if not num_new and request.request_id not in failed:
                 continue
             done = request.is_finished
             if done:
                 request.events.append((now, "finished", 0))
             token_logprobs = spec_logprobs.get(request.request_id)
             outputs.append(EngineCoreOutput(
-                request.request_id, request.output_token_ids[-num_new:], done,
+                request.request_id, request.output_token_ids[num_before[request.request_id]:],
+                done,
                 request.finish_reason, request.num_cached_tokens,
                 logprobs=token_logprobs[:num_new] if token_logprobs else None,
                 timings=latency_breakdown(request, now) if done else None,
@@ -391,7 +404,11 @@ class EngineCore:
             options.extend(sampling_options(s.request, eos, s.request.num_output_tokens + i)
                            for i in range(num_rows))
         spec_logits = logits[rows]
-        emitted = verify_drafts(spec_logits, drafts, options)
+        matchers = [s.request.grammar for _, s in speculating]
+        masked = spec_logits if all(m is None for m in matchers) else apply_token_bitmask(
+            spec_logits, torch.from_numpy(self.structured_output.fill_draft_bitmasks(
+                matchers, drafts)))
+        emitted = verify_drafts(masked, drafts, options)
         accepted, logprobs = {}, {}
         first_row = 0
         for (_, s), tokens, proposed in zip(speculating, emitted, drafts, strict=True):
@@ -438,19 +455,20 @@ class EngineCore:
         return EngineCoreOutput(request.request_id, [], True, "error", request.num_cached_tokens)
 
 
-def advance_matchers(requests: list[Request], token_ids: list[int]
+def advance_matchers(requests: list[tuple[Request, list[int]]]
                      ) -> tuple[list[Request], list[Request]]:
-    """Feed each constrained request its sampled token: the requests whose grammar is now
-    complete, and those whose grammar failed (its matcher refused the token its mask allowed,
-    or gave up computing the mask: a grammar it compiled but cannot follow; logged)."""
+    """Feed each constrained request its step's tokens (sampled; a speculating one's accepted
+    and sampled): the requests whose grammar is now complete, and those whose grammar failed
+    (its matcher refused a token its mask allowed, or gave up computing the mask: a grammar it
+    compiled but cannot follow; logged)."""
     complete, failed = [], []
-    for request, token in zip(requests, token_ids, strict=True):
+    for request, tokens in requests:
         matcher = request.grammar
         if matcher is None:
             continue
-        if not matcher.consume_token(token) or grammar_failed(matcher):
-            logger.warning("request %s: its grammar failed at token %d: %s", request.request_id,
-                           token, grammar_error(matcher))
+        if not matcher.consume_tokens(tokens) or grammar_failed(matcher):
+            logger.warning("request %s: its grammar failed at tokens %s: %s",
+                           request.request_id, tokens, grammar_error(matcher))
             failed.append(request)
         elif matcher.is_stopped():
             complete.append(request)

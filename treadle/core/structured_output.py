@@ -30,6 +30,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,22 @@ class ConstraintChecker:
                              f"fails before any output ({grammar_error(matcher)})")
 
 
+def grammar_drafts(matcher: llguidance.LLMatcher, tokens: Sequence[int]) -> tuple[int, ...]:
+    """The longest prefix of proposed tokens the grammar takes without ending: past a token
+    that ended it a row could sample nothing (EOS alone, which ignore_eos forbids); the matcher
+    is left as it was."""
+    valid = matcher.validate_tokens(list(tokens))
+    taken = 0
+    while taken < valid:
+        matcher.consume_token(tokens[taken])
+        taken += 1
+        if matcher.is_stopped():
+            break
+    ended = taken > 0 and matcher.is_stopped()
+    matcher.rollback(taken)
+    return tuple(tokens[:taken - ended])
+
+
 def grammar_failed(matcher: llguidance.LLMatcher) -> bool:
     """The matcher's grammar failed: an error (after which it still takes EOS), or a stop
     because it gave up."""
@@ -179,6 +196,24 @@ class StructuredOutputManager:
         bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), self.vocab_size)
         rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
         llguidance.numpy.fill_next_token_bitmask_par(self._mask_executor, rows, bitmask)
+        return bitmask
+
+    def fill_draft_bitmasks(self, matchers: list[llguidance.LLMatcher | None],
+                            drafts: list[Sequence[int]]) -> np.ndarray:
+        """The bitmask of speculating requests' rows (each request's len(drafts) + 1 rows, as
+        verification reads them): row i of a constrained one the mask after its first i
+        proposed tokens (which `grammar_drafts` checked), the others' all ones."""
+        bitmask = llguidance.numpy.allocate_token_bitmask(
+            sum(len(d) + 1 for d in drafts), self.vocab_size)
+        row = 0
+        for matcher, tokens in zip(matchers, drafts, strict=True):
+            if matcher is not None:
+                for i, token in enumerate(tokens):
+                    llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, row + i)
+                    matcher.consume_token(token)
+                llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, row + len(tokens))
+                matcher.rollback(len(tokens))
+            row += len(tokens) + 1
         return bitmask
 
     def shutdown(self) -> None:

@@ -6,11 +6,11 @@ The rule (torch-free, so the step loop's other users could run it):
   than ride on the one read of the weights that a step of a few rows is bound by.
 - A request speculates only while decoding, unless it opted out (`speculate: false`: a client
   that measures plain decoding, or one whose output will not repeat), and only where the
-  output distribution stays
-  exactly the target's at no extra machinery: no grammar (its matcher would have to accept
-  each proposed token first), no penalties (they depend on the tokens before each position),
-  no seed (a seeded request repeats its own draws, which verification would consume
-  differently).
+  output distribution stays exactly the target's at no extra machinery: no penalties (they
+  depend on the tokens before each position), no seed (a seeded request repeats its own
+  draws, which verification would consume differently). A request with a grammar speculates:
+  the engine keeps the proposed tokens its grammar takes and masks each row by the grammar's
+  state there (core/structured_output.py).
 - Its draft length adapts to its acceptance: after every proposed token was accepted it grows
   by one (up to num_speculative_tokens); after a rejection it becomes the accepted count plus
   one, so a request whose guesses fail pays for one extra position a step, not k.
@@ -40,9 +40,8 @@ class SpecDecodeCounts:
 
 def speculates(params: SamplingParams) -> bool:
     """Whether a request with these parameters may speculate (the module's rule)."""
-    return (params.speculate and params.structured_outputs is None and params.seed is None
-            and params.presence_penalty == 0 and params.frequency_penalty == 0
-            and params.repetition_penalty == 1)
+    return (params.speculate and params.seed is None and params.presence_penalty == 0
+            and params.frequency_penalty == 0 and params.repetition_penalty == 1)
 
 
 class Speculator:
