@@ -236,13 +236,13 @@ def test_quantized_base_stays_quantized_and_takes_the_adapter(tiny_lora, mode):
 @pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16])
 def test_native_lora_rows_equal_torchs_product(rows_dtype, adapter_dtype):
     """The native lora_add adds (x·A)·B by each row's slot and leaves slot -1 rows alone: equal
-    to torch's product, in a step where one slot has more rows than a task takes, a slot's
-    adapter has a lower rank than the slots' (zero ranks), and widths are not multiples of the
-    kernel's column block."""
+    to torch's product, on one thread (so tasks take up to 4 rows), with slots of 6 rows (a task
+    of 4 and one of 2), 3 and 1, a slot's adapter of a lower rank than the slots' (zero ranks),
+    and widths of whole column blocks and a tail."""
     kernels = load_kernels()
     assert kernels is not None
     gen = torch.Generator().manual_seed(3)
-    num_slots, rank, in_features, part_sizes = 3, 5, 37, [40, 13, 13]
+    num_slots, rank, in_features, part_sizes = 3, 8, 37, [40, 13, 13]
     offsets = [sum(part_sizes[:i]) for i in range(len(part_sizes) + 1)]
     a = torch.randn(num_slots, in_features, len(part_sizes) * rank, generator=gen)
     b = torch.zeros(num_slots, len(part_sizes) * rank, offsets[-1])
@@ -252,14 +252,19 @@ def test_native_lora_rows_equal_torchs_product(rows_dtype, adapter_dtype):
             num_slots, rank, part_sizes[p], generator=gen)
         a[1, :, p * rank + 3:(p + 1) * rank] = 0  # slot 1: a rank-3 adapter
     a, b = a.to(adapter_dtype), b.to(adapter_dtype)
-    slots = torch.tensor([-1, 0, 2, 0, 1, 0, 0, 0, 0, 2, -1, 1, 0])
+    slots = torch.tensor([-1, 0, 1, 0, 1, 0, 0, 0, 2, 1, -1, 0])
     x = torch.randn(len(slots), in_features, generator=gen).to(rows_dtype)
     y = torch.randn(len(slots), offsets[-1], generator=gen).to(rows_dtype)
     want = y.float().clone()
     for row, slot in enumerate(slots.tolist()):
         if slot >= 0:
             want[row] += (x[row].float() @ a[slot].float()) @ b[slot].float()
-    kernels.lora_add(y, x, a, b, slots, offsets, rank)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        kernels.lora_add(y, x, a, b, slots, offsets, rank)
+    finally:
+        torch.set_num_threads(threads)
     tolerance = 1e-4 if rows_dtype == torch.float32 else 2e-2
     assert (y.float() - want).abs().max().item() <= tolerance * want.abs().max().item()
 

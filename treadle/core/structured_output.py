@@ -15,8 +15,12 @@ Who does what:
 - the engine's `StructuredOutputManager` compiles each spec once, in its own thread, into a
   template matcher kept in a bounded LRU by spec; each request gets a cheap copy (about 10 us);
 - each step, `fill_bitmask` writes one int32 bitmask for the batch, only the rows of
-  constrained requests (the others stay all ones); the sampler applies it; the core advances each
-  matcher with the sampled token and ends the request when its grammar is complete, or with
+  constrained requests (the others stay all ones); the sampler applies it. A speculating
+  request's proposed tokens are cut to what its grammar takes (`grammar_drafts`) and each of
+  its verified rows gets the mask after the tokens before it (`fill_draft_bitmasks`, one
+  request at a time, on a copy of its matcher). The core advances each matcher with the
+  request's sampled token (a speculating one's accepted tokens first) and ends the request
+  when its grammar is complete, or with
   finish_reason "grammar_error" when its grammar fails later (after a choice of the model's):
   never as a normal stop with output that breaks it.
 
@@ -115,18 +119,15 @@ class ConstraintChecker:
 
 def grammar_drafts(matcher: llguidance.LLMatcher, tokens: Sequence[int]) -> tuple[int, ...]:
     """The longest prefix of proposed tokens the grammar takes without ending: past a token
-    that ended it a row could sample nothing (EOS alone, which ignore_eos forbids); the matcher
-    is left as it was."""
-    valid = matcher.validate_tokens(list(tokens))
+    that ended it a row could sample nothing (EOS alone, which ignore_eos forbids). Tried on a
+    copy: a guess must never move (or break) the request's own matcher."""
+    trial = matcher.deep_copy()
     taken = 0
-    while taken < valid:
-        matcher.consume_token(tokens[taken])
-        taken += 1
-        if matcher.is_stopped():
+    for token in tokens[:trial.validate_tokens(list(tokens))]:
+        if not trial.consume_token(token) or trial.is_stopped():
             break
-    ended = taken > 0 and matcher.is_stopped()
-    matcher.rollback(taken)
-    return tuple(tokens[:taken - ended])
+        taken += 1
+    return tuple(tokens[:taken])
 
 
 def grammar_failed(matcher: llguidance.LLMatcher) -> bool:
@@ -208,11 +209,11 @@ class StructuredOutputManager:
         row = 0
         for matcher, tokens in zip(matchers, drafts, strict=True):
             if matcher is not None:
+                trial = matcher.deep_copy()  # the request's own matcher takes only the output
                 for i, token in enumerate(tokens):
-                    llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, row + i)
-                    matcher.consume_token(token)
-                llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, row + len(tokens))
-                matcher.rollback(len(tokens))
+                    llguidance.numpy.fill_next_token_bitmask(trial, bitmask, row + i)
+                    trial.consume_token(token)
+                llguidance.numpy.fill_next_token_bitmask(trial, bitmask, row + len(tokens))
             row += len(tokens) + 1
         return bitmask
 

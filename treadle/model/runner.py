@@ -70,7 +70,7 @@ class ModelRunner:
         self.gemv_rows = self.choose_gemv_rows(model_config.quant_gemv_max_rows)
         # After the gemv tuning, which times the bare layers.
         lora_dtype = (getattr(torch, model_config.lora_dtype) if model_config.lora_dtype != "auto"
-                      else self.dtype if self.quantization == "none" else torch.bfloat16)
+                      else torch.bfloat16 if self.quantized_types else self.dtype)
         self.lora = (LoraSlots(spec, self.model.layers, scheduler_config.max_loras,
                                model_config.max_lora_rank, model_config.max_cpu_loras, lora_dtype)
                      if model_config.enable_lora else None)
