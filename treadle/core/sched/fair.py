@@ -219,10 +219,10 @@ class FairPolicy(SchedulingPolicy):
             return None
         return max((r for r in candidates if r.tenant == worst), key=lambda r: r.arrival_time)
 
-    def victim(self, candidates: Sequence[Request]) -> Request:
-        victim = self._most_served(candidates, exclude=None)
-        assert victim is not None
-        return victim
+    def step_order(self, running: Sequence[Request]) -> list[Request]:
+        # The least served tenant first, so the most served tenant's newest request is the one
+        # preempted for blocks.
+        return sorted(running, key=lambda r: (self.counter(r.tenant), r.arrival_time))
 
     def displace(self, head: Request, candidates: Sequence[Request]) -> Request | None:
         # A tenant within its share takes blocks back from the tenant most over its own: that

@@ -211,9 +211,12 @@ class SchedulingPolicy:
         """Why `request` (not queued), arriving now, is refused at once; None: queue it."""
         return None
 
-    def victim(self, candidates: Sequence[Request]) -> Request:
-        """The running request to preempt for blocks: the one that sorts last."""
-        return candidates[-1]
+    def step_order(self, running: Sequence[Request]) -> list[Request]:
+        """The order running requests get their tokens in a step; when blocks run short, the
+        last not yet scheduled is preempted, so the order alone decides who goes on (a victim
+        chosen by another rule than the order let two requests take each other's blocks back
+        and forth). The default: the running list's, by sort_key."""
+        return list(running)
 
     def displace(self, head: Request, candidates: Sequence[Request]) -> Request | None:
         """A running request the waiting `head` may preempt when blocks or batch slots keep it

@@ -269,16 +269,18 @@ class Scheduler:
 
     def _schedule_running(self, output: SchedulerOutput, head: Request | None,
                           deferred: list[Request], yielding: frozenset[str]) -> int:
-        """Running requests first, in policy order: one decode token each, or a prefill chunk;
-        none for the `yielding` tenants. A prefill chunk the policy ranks below the waiting
-        queue's head is deferred (appended to `deferred`) until waiting requests are admitted.
-        When blocks run short, the policy's victim (never one scheduled this step) is
+        """Running requests first, in the policy's step order: one decode token each, or a
+        prefill chunk; none for the `yielding` tenants. A prefill chunk the policy ranks below
+        the waiting queue's head is deferred (appended to `deferred`) until waiting requests are
+        admitted.
+        When blocks run short, the last in that order (never one scheduled this step) is
         preempted. Returns the token budget left."""
         budget = self.config.max_num_batched_tokens
         kv = self.kv_cache_manager
+        order = self.policy.step_order(self.running)
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        while i < len(order) and budget > 0:
+            request = order[i]
             if request.tenant in yielding:
                 i += 1
                 continue
@@ -286,7 +288,7 @@ class Scheduler:
             if num_new > 1:
                 num_new = min(num_new, self._chunk_tokens(request), budget)
             elif request.spec_token_ids:
-                scheduled = self._schedule_proposed(request, budget, len(self.running) - i - 1)
+                scheduled = self._schedule_proposed(request, budget, len(order) - i - 1)
                 if scheduled is not None:
                     output.scheduled.append(scheduled)
                     budget -= scheduled.num_new_tokens
@@ -298,12 +300,12 @@ class Scheduler:
                 continue
             block_ids = kv.allocate_slots(request, num_new)
             while block_ids is None:
-                victim = self.policy.victim(self.running[i:])  # those before i are scheduled
+                victim = order.pop()  # the last in the step's order, never one before i
                 self._preempt(victim, output)
                 if victim is request:
                     break
                 block_ids = kv.allocate_slots(request, num_new)
-            if block_ids is None:  # it preempted itself: running[i] is now the next one
+            if block_ids is None:  # it preempted itself: nothing after it is left
                 continue
             output.scheduled.append(self._scheduled(request, num_new, block_ids))
             budget -= num_new
