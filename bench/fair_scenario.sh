@@ -3,7 +3,7 @@
 # Issue 34's shape: heavy tenant(s) keep 6 streams of 4,058-token prompts x 256 output tokens
 # busy; a light tenant sends one short request a second (64-token prompt, 32 output). NAME
 # labels the JSON reports in /tmp/fair/. HEAVY_TENANTS: "" (light alone), "heavy:1" or
-# "heavy:1,heavy2:1".
+# "heavy:1,heavy2:1". HEAVY_N=4 in the environment: each heavy request asks for n: 4.
 set -u
 
 PORT=$1; NAME=$2; HEAVY=$3; shift 3
@@ -15,7 +15,7 @@ model=$(curl -s localhost:$PORT/v1/models | python -c 'import json,sys; print(js
 common=(--base-url http://127.0.0.1:$PORT --model "$model" --workload random --range-ratio 0 --no-progress)
 if [ -n "$HEAVY" ]; then
   treadle bench serve "${common[@]}" --input-len 4058 --output-len 256 --num-prompts 12 \
-    --max-concurrency 6 --tenants "$HEAVY" --seed 1 --json /tmp/fair/$NAME.heavy.json \
+    --max-concurrency 6 --tenants "$HEAVY" --n "${HEAVY_N:-1}" --seed 1 --json /tmp/fair/$NAME.heavy.json \
     > /tmp/fair/$NAME.heavy.txt 2>&1 &
   heavy=$!
   sleep 20  # the heavy streams fill the cache first

@@ -279,6 +279,15 @@ def test_counts_match_the_live_servers_own_usage(live_server, tmp_path):
         assert len(record["itl"]) <= r.output_len - 1
         assert 0 < record["ttft"] <= record["e2e"]
     assert run["ttft_ms"]["p99"] >= run["ttft_ms"]["median"] > 0
+    # Each request with n: 2 (the fair-share scenario's heavy tenant uses n: 4).
+    code = main(["bench", "serve", "--base-url", live_server, "--model", model,
+                 "--workload", "random", "--num-prompts", "2", "--input-len", "16",
+                 "--output-len", "8", "--range-ratio", "0.5", "--n", "2", "--json", str(out),
+                 "--no-progress"])
+    assert code == 0
+    run = json.loads(out.read_text())["runs"][0]
+    requests = random_workload(tokenizer, 2, 16, 8, seed=0, range_ratio=0.5, with_text=False)
+    assert [r["output_tokens"] for r in run["requests"]] == [2 * r.output_len for r in requests]
 
 
 @pytest.fixture(scope="module")

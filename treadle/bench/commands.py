@@ -69,6 +69,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
                         help="LoRA adapters the server serves: each request's model is one of "
                              "them, drawn at random (seeded)")
+    parser.add_argument("--n", type=int, default=1,
+                        help="choices per request, sampled at temperature 1 (openai backend; "
+                             "output tokens count every choice's, TTFT is the first token of "
+                             "any)")
     parser.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
                         help="send prompts as token ids or as text")
     parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
@@ -131,7 +135,7 @@ def run_serve(args: argparse.Namespace) -> int:
                              backend=args.backend, api_key=args.api_key,
                              progress=args.progress, tenants=tenants,
                              tenant_keys=tenant_keys, objectives=objectives,
-                             lora_modules=args.lora_modules)
+                             lora_modules=args.lora_modules, n=args.n)
     except (ValueError, OSError) as e:
         print(f"treadle: {e}", file=sys.stderr)
         return 2

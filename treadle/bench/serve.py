@@ -166,7 +166,7 @@ class OpenAIBackend:
                  prompt_format: str, ignore_eos: bool, api_key: str | None = None,
                  tenants: list[str] | None = None, tenant_keys: dict[str, str] | None = None,
                  objectives: dict[str, float] | None = None,
-                 request_models: list[str] | None = None) -> None:
+                 request_models: list[str] | None = None, n: int = 1) -> None:
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.prompt_lens = [r.prompt_len for r in requests]
@@ -179,10 +179,13 @@ class OpenAIBackend:
         for r, tenant, request_model in zip(requests, self.tenants, models, strict=True):
             payload = {"model": request_model,
                        "prompt": r.prompt_token_ids if prompt_format == "ids" else r.prompt,
-                       "max_tokens": r.output_len, "temperature": 0.0, "stream": True,
+                       "max_tokens": r.output_len, "temperature": 0.0 if n == 1 else 1.0,
+                       "stream": True,
                        "stream_options": {"include_usage": True}}
             if ignore_eos:
                 payload["ignore_eos"] = True
+            if n > 1:
+                payload["n"] = n
             if tenant and tenant not in tenant_keys:
                 payload["user"] = tenant
             for name, ms in (objectives or {}).items():
@@ -243,13 +246,15 @@ def bench_serve(base_url: str, model: str, requests: list[BenchRequest],
                 progress: bool = True, tenants: dict[str, float] | None = None,
                 tenant_keys: dict[str, str] | None = None,
                 objectives: dict[str, float] | None = None,
-                lora_modules: list[str] | None = None) -> dict:
+                lora_modules: list[str] | None = None, n: int = 1) -> dict:
     """One run per request rate, after one untimed request that checks the server answers.
     `backend` "openai" takes an http(s) base URL; "grpc" a host:port of Treadle's gRPC API.
     `tenants`: name -> share of the requests (not with a workload that names its tenants,
     which are sent as given); `tenant_keys`: name -> API key; `objectives`:
     ttft / tpot in ms, set on every request and counted as goodput SLOs; `lora_modules`: adapter
-    names, one drawn (seeded) per request as its `model` (vLLM's benchmark flag)."""
+    names, one drawn (seeded) per request as its `model` (vLLM's benchmark flag); `n`: choices
+    per request, sampled at temperature 1 (greedy takes only n: 1); output tokens count every
+    choice's, TTFT is the first token of any."""
     if not requests:
         raise ValueError("the workload has no requests")
     if max_concurrency is not None and max_concurrency < 1:
@@ -260,6 +265,10 @@ def bench_serve(base_url: str, model: str, requests: list[BenchRequest],
     names = workload_tenants(requests, tenants, seed)
     if objectives:
         slos = {**(slos or {}), **objectives}
+    if not 1 <= n <= 16:
+        raise ValueError(f"n must be in [1, 16], got {n}")
+    if n > 1 and backend == "grpc":
+        raise ValueError("--n needs --backend openai")
     request_models = None
     if lora_modules:
         if backend == "grpc":
@@ -271,7 +280,7 @@ def bench_serve(base_url: str, model: str, requests: list[BenchRequest],
                              names, tenant_keys, objectives)
     else:
         client = OpenAIBackend(base_url, model, requests, prompt_format, ignore_eos, api_key,
-                               names, tenant_keys, objectives, request_models)
+                               names, tenant_keys, objectives, request_models, n)
     first = asyncio.run(probe(client))
     if not first.success:
         raise RuntimeError(f"the first request to {base_url} failed: {first.error}")
@@ -287,7 +296,7 @@ def bench_serve(base_url: str, model: str, requests: list[BenchRequest],
                      "errors": dict(errors.most_common()),
                      "requests": [r.as_dict() for r in records]})
     return {"base_url": base_url, "backend": backend, "model": model,
-            "lora_modules": lora_modules or [],
+            "lora_modules": lora_modules or [], "n": n,
             "prompt_format": prompt_format, "ignore_eos": ignore_eos, "seed": seed,
             "num_prompts": len(requests), "runs": runs,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
