@@ -17,18 +17,19 @@ from engine_sim import (
 
 from treadle.core.request import Request, RequestStatus
 from treadle.core.sampling_params import SamplingParams
+from treadle.core.sched.fair import FairPolicy
 from treadle.core.sched.fcfs import FCFSPolicy
 from treadle.core.sched.priority import PriorityPolicy
 from treadle.core.sched.scheduler import MAX_SKIPS, Scheduler
 
 
 def req(request_id: str, prompt: list[int] | int, max_tokens: int = 8, *, arrival: float = 0.0,
-        priority: int = 0, **params: object) -> Request:
+        priority: int = 0, tenant: str = "default", **params: object) -> Request:
     """`prompt` as a length: tokens of the request's own, so prompts share no prefix."""
     first = 100 + zlib.crc32(request_id.encode())
     tokens = [first, *range(1, prompt)] if isinstance(prompt, int) else prompt
     return Request(request_id, tokens, SamplingParams(max_tokens=max_tokens, **params),
-                   priority=priority, arrival_time=arrival)
+                   priority=priority, arrival_time=arrival, tenant=tenant)
 
 
 def scheduled_tokens(output) -> dict[str, int]:
@@ -157,13 +158,16 @@ def test_a_request_preempts_itself_when_it_sorts_last():
     check_outputs(run_until_done(s, model))
 
 
-@pytest.mark.parametrize("policy, victim", [(FCFSPolicy(), "z"), (PriorityPolicy(), "x")])
+@pytest.mark.parametrize("policy, victim", [(FCFSPolicy(), "z"), (PriorityPolicy(), "x"),
+                                            (FairPolicy(), "y")])
 def test_victim_by_policy(policy, victim):
-    s = make_scheduler(num_blocks=6, block_size=2, policy=policy)
+    # Fair share (its cache share lifted so all three run): tenant a (x, y) has been served more
+    # than b (z); its newest goes.
+    s = make_scheduler(num_blocks=6, block_size=2, policy=policy, max_kv_blocks_per_tenant=6)
     model = model_for(s)
-    s.add_request(req("x", 3, arrival=0, priority=2, ignore_eos=True))
-    s.add_request(req("y", 3, arrival=1, priority=0, ignore_eos=True))
-    s.add_request(req("z", 3, arrival=2, priority=1, ignore_eos=True))
+    s.add_request(req("x", 3, arrival=0, priority=2, ignore_eos=True, tenant="a"))
+    s.add_request(req("y", 3, arrival=1, priority=0, ignore_eos=True, tenant="a"))
+    s.add_request(req("z", 3, arrival=2, priority=1, ignore_eos=True, tenant="b"))
     step(s, model)
     step(s, model)
     output, _ = step(s, model)

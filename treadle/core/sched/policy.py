@@ -6,15 +6,16 @@ settings section when it has one (a frozen dataclass of `treadle.config.setting`
 variables and config-file keys follow). `make_policy` builds one per scheduler (fair share keeps
 counters, so one policy object serves one scheduler). It answers:
 
-- `sort_key(request)`: a key fixed when the request is queued. It orders the running list (the
-  scheduler hands out tokens front to back) and, within a lane, the waiting queue.
+- `sort_key(request)`: a key fixed when the request is queued. It orders the running list (and
+  so the default step order) and, within a lane, the waiting queue.
 - `new_queue()`: the waiting queue, which may order lanes by keys that change as the engine runs
   (fair share: per-tenant service counters; deadline: slack, from the clock and the measured
   step time).
 - `refuse(request, scheduler)`: admission: why a request arriving now is refused at once (the
   frontend's 429, its reason the policy's name), or None; the engine process and the simulator
   ask it of every request before queueing it (deadline: an objective out of reach).
-- `victim(candidates)`: whom to preempt when a running request is short of blocks.
+- `step_order(running)`: the order running requests get tokens in a step (fair share: least
+  served tenant first); when one is short of blocks, the last not yet scheduled is preempted.
 - `displace(head, candidates)`: whether the waiting queue's head may take a running request's
   blocks and batch slot (priority, fair share), and whose.
 - `defers_prefill(running, head)`: whether a running request's prefill chunk waits, within a
@@ -37,7 +38,8 @@ stale is re-pushed when it surfaces (O(log T) per counter change, T tenants). De
 EDF heaps; slack only decides, at the head, whether a request moves to the late lane, once. The
 scheduler pops what it admits (O(log n) each), and passes over at most MAX_LOOKAHEAD requests
 that do not fit per step. The running list (at most max_num_seqs) is walked in full each step
-anyway, so choosing a victim over it (O(max_num_seqs)) adds nothing in order. Measured by
+anyway, so ordering it for the step (fair share: a sort, O(m log m) at m = max_num_seqs) adds
+little. Measured by
 tests/test_policies.py (printed): schedule() takes about the same time at 10,000 waiting as at
 1,000, under every policy. Admission under deadlines (`ahead`) is O(n), once per new request,
 not per step.
@@ -215,7 +217,8 @@ class SchedulingPolicy:
         """The order running requests get their tokens in a step; when blocks run short, the
         last not yet scheduled is preempted, so the order alone decides who goes on (a victim
         chosen by another rule than the order let two requests take each other's blocks back
-        and forth). The default: the running list's, by sort_key."""
+        and forth). A new list of every running request once; the default: the running list's,
+        by sort_key."""
         return list(running)
 
     def displace(self, head: Request, candidates: Sequence[Request]) -> Request | None:

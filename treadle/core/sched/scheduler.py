@@ -8,8 +8,8 @@ all that one rule.
 A step, each part in the queue policy's order (policy.py): the waiting queue's head may
 displace running requests the policy ranks below it (priority, fair share), and when it is sure
 to be admitted, the tenants the policy says yield to it (fair share) sit the step out; running
-requests get a decode token or a prefill chunk, preempting the policy's victim when blocks run
-short; then
+requests get a decode token or a prefill chunk in the policy's step order, preempting the last
+not yet scheduled when blocks run short; then
 waiting requests are admitted, unless blocks ran short, within the token budget, batch slots and
 max_num_partial_prefills (a prompt that completes in its step takes no prefill slot); last, the
 prefill chunks the policy deferred behind the waiting head get the budget left.
@@ -277,7 +277,7 @@ class Scheduler:
         preempted. Returns the token budget left."""
         budget = self.config.max_num_batched_tokens
         kv = self.kv_cache_manager
-        order = self.policy.step_order(self.running)
+        order = list(self.policy.step_order(self.running))
         i = 0
         while i < len(order) and budget > 0:
             request = order[i]
@@ -408,7 +408,7 @@ class Scheduler:
 
     def _schedule_deferred(self, output: SchedulerOutput, deferred: list[Request],
                            budget: int) -> None:
-        """Deferred prefill chunks, in policy order, from the budget admission left; one short
+        """Deferred prefill chunks, in step order, from the budget admission left; one short
         of blocks waits for the next step (no preemption for a chunk that yielded)."""
         for request in deferred:
             if budget <= 0:
