@@ -617,10 +617,12 @@ def test_prompt_logprobs_prefill_the_prompt_once_for_all_samples(port, engine):
     assert_healthy_and_idle(port, engine)
 
 
-def test_prompt_logprobs_of_n_samples_prefill_a_long_prompt_once(tmp_path):
-    """n=8 with prompt_logprobs on a 1,000-token prompt, prefilled in chunks: the step trace's
-    prefill tokens are the prompt once, plus each later sample's last partial block (each
-    sample computed it whole before; then, beside sample 0, sample 1 its own chunks)."""
+@pytest.mark.parametrize("prompt_logprobs", [2, None])
+def test_n_samples_prefill_a_long_prompt_once(tmp_path, prompt_logprobs):
+    """n=8 on a 1,000-token prompt, prefilled in chunks, with and without prompt_logprobs: the
+    step trace's prefill tokens are the prompt once, plus each later sample's last partial
+    block (each sample computed it whole before; then, beside sample 0, sample 1 its own
+    chunks; without prompt logprobs, each sample past the blocks of sample 0's first chunk)."""
     folder = tmp_path / "tiny-2k"
     source = resolve_model(None).folder
     vocab = json.loads((source / "config.json").read_text())["vocab_size"]
@@ -640,13 +642,15 @@ def test_prompt_logprobs_of_n_samples_prefill_a_long_prompt_once(tmp_path):
         prompt, n = [1000 + i % 3000 for i in range(1000)], 8
         out = client.completions.create(model=engine.model_name, prompt=prompt, n=n,
                                         max_tokens=1, temperature=1.0,
-                                        extra_body={"prompt_logprobs": 2})
+                                        extra_body={"prompt_logprobs": prompt_logprobs})
     finally:
         stop_frontends(frontends, thread)
-    first = out.choices[0].prompt_logprobs
-    assert len(first) == len(prompt) and first[0] is None and len(first[1]) >= 2
     assert sorted(c.index for c in out.choices) == list(range(n))
-    assert all(c.prompt_logprobs == first for c in out.choices)
+    assert out.usage.completion_tokens == n
+    if prompt_logprobs:
+        first = out.choices[0].prompt_logprobs
+        assert len(first) == len(prompt) and first[0] is None and len(first[1]) >= 2
+        assert all(c.prompt_logprobs == first for c in out.choices)
     block_size = engine.config.engine.cache.block_size
     prefill = sum(e["args"]["prefill_tokens"] for e in json.loads(trace.read_text()))
     assert len(prompt) <= prefill <= len(prompt) + (n - 1) * block_size

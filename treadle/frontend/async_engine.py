@@ -118,8 +118,14 @@ class AsyncEngine:
         self.lock = threading.Lock()
         self.streams: dict[str, Stream] = {}
         # A request's samples held back until sample 0 (by its engine id) has prefilled the
-        # prompt: asking for prompt logprobs, only it computes them, and it shares no prefix.
+        # prompt: asking for prompt logprobs, only it computes them, and it shares no prefix; a
+        # prompt longer than one step's chunk, else each sample computes it again (samples in
+        # one step hit only the blocks of sample 0's first chunk).
         self.after_prefill: dict[str, list[AddRequest]] = {}
+        engine = config.engine
+        self.one_chunk = min(engine.scheduler.long_prefill_token_threshold,
+                             engine.scheduler.max_num_batched_tokens) \
+            if engine.cache.enable_prefix_caching else None
         self.request_ids = RequestIds(self.lock, self._holds_id)
         self.metrics = ServerMetrics(self.model_name, config.observability.max_tenant_labels)
         self.admission = Admission(config.admission)
@@ -406,7 +412,8 @@ class AsyncEngine:
                 messages = [AddRequest(engine_id, prompt, engine_params, priority, tenant, salt,
                                        ttft, tpot, pooling, lora_request)
                             for engine_id, engine_params in engine_requests]
-                if params.prompt_logprobs is not None and len(messages) > 1:
+                if len(messages) > 1 and (params.prompt_logprobs is not None or (
+                        self.one_chunk is not None and len(prompt) > self.one_chunk)):
                     # The other samples go once sample 0 has prefilled: they find its whole
                     # prompt in the prefix cache, and its prompt logprobs come first.
                     self.after_prefill[messages[0].request_id] = messages[1:]
