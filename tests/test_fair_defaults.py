@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from treadle.core.request import Request
 from treadle.core.sampling_params import SamplingParams
+from treadle.core.sched.fair import PRESENCE_SECONDS
 from treadle.core.sched.step_time import StepFit
 
 
@@ -68,17 +69,132 @@ def test_an_explicit_cap_overrides_the_derived_share():
     assert s.policy.tenant_kv_cap("a") == 7
 
 
-def test_derived_chunk_prices_a_chunk_at_a_quarter_of_a_bare_step():
+def test_derived_cut_prices_a_step_s_long_prompts_at_half_a_bare_step():
     s = make_scheduler(num_blocks=200, block_size=4, policy="fair")
     long = request("a0", "a", 600, 4)
     s.add_request(long)
     s.add_request(request("b0", "b", 8, 4))
     assert s.policy.chunk_tokens(long, 256) == 16  # nothing measured yet: the least chunk
-    s.step_time.fit = StepFit(0.08, 0.0002)
+    s.step_time.fit = StepFit(0.04, 0.0002)
     assert s.policy.chunk_tokens(long, 256) == 100
     assert s.policy.chunk_tokens(request("x", "a", 100, 4), 256) == 256  # fits one chunk
     s.step_time.fit = StepFit(2.0, 0.0001)
     assert s.policy.chunk_tokens(long, 256) == 256  # never above the engine's threshold
+
+
+def test_long_prompts_share_one_cut_per_step_while_another_tenant_is_present():
+    """Three long heavy prompts beside a light request: each step computes at most one cut's
+    tokens of them, the oldest first; once the light tenant has been gone PRESENCE_SECONDS,
+    the heavy prompts go in whole threshold chunks again."""
+    now = [0.0]
+    s = make_scheduler(num_blocks=800, block_size=4, max_num_batched_tokens=256,
+                       long_prefill_token_threshold=128, policy="fair", fair_chunk_tokens=32,
+                       clock=lambda: now[0])
+    heavy = [request(f"h{i}", "heavy", 600, 4, t=i) for i in range(3)]
+    for r in heavy:
+        s.add_request(r)
+    s.add_request(request("l0", "light", 8, 30, t=3))
+    model = model_for(s)
+    order = []
+    while s.tenants["light"]:
+        output, _ = step(s, model)
+        chunks = [x for x in output.scheduled if x.request.tenant == "heavy"
+                  and x.num_computed_tokens < x.request.num_prompt_tokens]
+        assert sum(x.num_new_tokens for x in chunks) <= 32
+        order += [x.request.request_id for x in chunks]
+    assert order == sorted(order)  # one prompt at a time, in arrival order
+    output, _ = step(s, model)  # the light tenant has just left: still present
+    assert max(x.num_new_tokens for x in output.scheduled) <= 32
+    now[0] = PRESENCE_SECONDS + 1
+    output, _ = step(s, model)
+    assert sorted(x.num_new_tokens for x in output.scheduled) == [128, 128]
+    run_until_done(s, model)
+    assert_scheduler_empty(s)
+
+
+def test_nobody_yields_to_a_head_whose_cut_a_running_prompt_takes():
+    """A heavy prompt mid-prefill takes the step's cut, so the heavy head behind it would get
+    no tokens: the light tenant, served more, must not sit the step out for it (it sat out
+    every step of that prompt's prefill)."""
+    s = make_scheduler(num_blocks=800, block_size=4, max_num_batched_tokens=256,
+                       long_prefill_token_threshold=128, policy="fair", fair_chunk_tokens=32)
+    model = model_for(s)
+    s.add_request(request("h0", "heavy", 600, 4, t=0))
+    s.add_request(request("l0", "light", 8, 30, t=1))
+    step(s, model)
+    s.add_request(request("h1", "heavy", 600, 4, t=2))
+    s.policy.counters["light"] = s.policy.counter("heavy") + 10_000
+    assert s.waiting.peek().request_id == "h1"
+    output, _ = step(s, model)
+    assert {x.request.request_id for x in output.scheduled} == {"h0", "l0"}
+    run_until_done(s, model)
+    assert_scheduler_empty(s)
+
+
+def test_nobody_is_preempted_for_a_head_whose_cut_a_running_prompt_takes():
+    """The heavy head finds no batch slot, but its tenant's running prompt takes the step's
+    cut: it would get no tokens, so no light request is displaced for it."""
+    s = make_scheduler(num_blocks=800, block_size=4, max_num_batched_tokens=256, max_num_seqs=3,
+                       long_prefill_token_threshold=128, policy="fair", fair_chunk_tokens=32)
+    model = model_for(s)
+    s.add_request(request("h0", "heavy", 200, 4, t=0))
+    s.add_request(request("l0", "light", 8, 200, t=1))
+    s.add_request(request("l1", "light", 8, 200, t=2))
+    step(s, model)
+    s.add_request(request("h1", "heavy", 200, 4, t=3))
+    s.policy.counters["light"] = s.policy.counter("heavy") + 10_000
+    for _ in range(3):  # h0 mid-prefill: l0 and l1 decode on
+        output, _ = step(s, model)
+        assert not output.preempted
+        assert {"l0", "l1"} <= {x.request.request_id for x in output.scheduled}
+    run_until_done(s, model)
+    assert_scheduler_empty(s)
+
+
+def test_cuts_stop_ten_seconds_after_the_other_tenant_left_without_an_admission():
+    """Presence is what the steps saw: a light tenant decoding for a long time, then gone,
+    still cuts a heavy prompt that arrives a second later, not one that arrives later than
+    PRESENCE_SECONDS."""
+    now = [0.0]
+    s = make_scheduler(num_blocks=800, block_size=4, max_num_batched_tokens=256,
+                       long_prefill_token_threshold=128, policy="fair", fair_chunk_tokens=32,
+                       clock=lambda: now[0])
+    model = model_for(s)
+    s.add_request(request("h0", "heavy", 8, 60, t=0))
+    s.add_request(request("l0", "light", 8, 30, t=0))
+    while s.tenants["light"]:
+        now[0] += 1.0  # 30 steps of decode: no admission for 30 s
+        step(s, model)
+    now[0] += 1.0
+    late = request("h1", "heavy", 600, 4, t=now[0])
+    s.add_request(late)
+    output, _ = step(s, model)
+    assert {x.request.request_id: x.num_new_tokens for x in output.scheduled}["h1"] == 32
+    now[0] += PRESENCE_SECONDS
+    output, _ = step(s, model)
+    assert {x.request.request_id: x.num_new_tokens for x in output.scheduled}["h1"] == 128
+    run_until_done(s, model)
+    assert_scheduler_empty(s)
+
+
+def test_a_tenant_over_its_share_goes_last_in_the_step_order_whatever_the_counters():
+    """The victim for blocks is the over-share tenant's newest request even when a light
+    tenant's lifted counter is above its own, until that request has been preempted
+    max_policy_preemptions times."""
+    s = make_scheduler(num_blocks=40, block_size=4, policy="fair")
+    model = model_for(s)
+    for i in range(2):
+        s.add_request(request(f"h{i}", "heavy", 60, 40, t=i))
+    step(s, model)
+    s.add_request(request("l0", "light", 8, 40, t=5))
+    step(s, model)
+    assert s.committed_blocks("heavy") > s.policy.tenant_kv_cap("heavy")
+    s.policy.counters["light"] = s.policy.counter("heavy") + 1.0  # lifted, then served a hair
+    ids = [r.request_id for r in s.policy.step_order(s.running)]
+    assert ids == ["l0", "h0", "h1"]
+    s.running[1].num_preemptions = s.config.max_policy_preemptions  # h1: guarded
+    ids = [r.request_id for r in s.policy.step_order(s.running)]
+    assert ids == ["h1", "l0", "h0"]
 
 
 def test_a_light_request_beside_a_saturating_tenant_is_scheduled_within_a_few_steps():

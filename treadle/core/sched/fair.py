@@ -12,10 +12,13 @@ from treadle.config import SchedulerConfig, setting
 from treadle.core.request import Request
 from treadle.core.sched.policy import KeyedQueue, SchedulingPolicy, WaitingQueue, register_policy
 
-# The least derived chunk (the tenants issue measured light tenants protected at 16).
+# The least derived cut (the tenants issue measured light tenants protected at 16).
 MIN_DERIVED_CHUNK = 16
-# A derived chunk costs at most 1 / this of a bare step's fixed cost.
-CHUNK_SHARE_OF_STEP = 4
+# A step's cut prompts together cost at most 1 / this of a bare step's fixed cost.
+CHUNK_SHARE_OF_STEP = 2
+# A tenant counts as present this long after it last had a request: one whose requests come
+# one at a time is still there when the next arrives (seconds).
+PRESENCE_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -28,10 +31,10 @@ class FairSettings:
     fair_output_token_weight: float = setting(2.0, "under --policy fair, the service an output "
                                               "token costs")
     fair_chunk_tokens: int | None = setting(
-        None, "under --policy fair, while more than one tenant is known, the most prompt tokens "
-        "per step of a long prompt, so steps stay short for the others' arrivals",
-        none="the tokens the fitted step time prices at a quarter of a bare step's fixed cost "
-        "(at least 16)")
+        None, "under --policy fair, while more than one tenant is present, the most prompt "
+        "tokens per step of long prompts, so steps stay short for the others' arrivals",
+        none="the tokens the fitted step time prices at half a bare step's fixed cost (at "
+        "least 16)")
 
     def __post_init__(self) -> None:
         if not (self.fair_prompt_token_weight >= 0 and self.fair_output_token_weight >= 0):
@@ -143,15 +146,23 @@ class FairPolicy(SchedulingPolicy):
             and (gap := self.counter(tenant) - base) >= 0
             and (gap > charge or count - held[head.tenant] >= 2 or not held[head.tenant]))
 
+    def shared(self) -> bool:
+        """More than one tenant has requests, or had at a step in the last PRESENCE_SECONDS."""
+        assert self.scheduler is not None
+        return len(self.scheduler.tenants) > 1 or \
+            self.scheduler.clock() - self.scheduler.last_shared < PRESENCE_SECONDS
+
     def chunk_tokens(self, request: Request, threshold: int) -> int:
         # A step in flight cannot be interrupted: a light tenant's request that arrives during
         # a heavy tenant's long chunk waits for it, then for its own step. So while more than
-        # one tenant is known, long prompts go in short chunks, whoever is served more (cutting
-        # only the more-served tenant's left it long chunks whenever the light tenants' lifted
-        # counters passed its own). A prompt that fits one chunk is never cut: in pieces, a
-        # light prompt held the only prefill slot.
-        if request.num_tokens <= threshold or \
-                not any(tenant != request.tenant for tenant in self.counters):
+        # one tenant is present, long prompts go in short chunks, whoever is served more
+        # (cutting only the more-served tenant's left it long chunks whenever the light
+        # tenants' lifted counters passed its own), and the scheduler gives a step's cut
+        # prompts one chunk between them. Only while present: cutting for every tenant ever
+        # seen cost a heavy tenant 40% of its throughput long after a light one had left. A
+        # prompt that fits one chunk is never cut: in pieces, a light prompt held the only
+        # prefill slot.
+        if request.num_tokens <= threshold or self.scheduler is None or not self.shared():
             return threshold
         chunk = self.chunk_tokens_shared
         if chunk is None:
@@ -159,12 +170,13 @@ class FairPolicy(SchedulingPolicy):
         return min(chunk, threshold)
 
     def derived_chunk_tokens(self) -> int:
-        """A chunk that adds to a step at most a quarter of what a bare step costs (the fitted
-        fixed cost, over the per-token cost): a light request's first token waits for the step
-        in flight and its own, so both stay near a bare step (`treadle sim`, issue 34's
-        workload: chunks priced at a whole bare step left light TTFT p99 at 15x its alone, 16
-        tokens at 9x, 64 at 30x); at least MIN_DERIVED_CHUNK; before any step is measured,
-        MIN_DERIVED_CHUNK (short steps until the engine knows better)."""
+        """The tokens a step's cut prompts share: they add to a step at most half of what a
+        bare step costs (the fitted fixed cost, over the per-token cost), since a light
+        request's first token waits for the step in flight and its own (issue 34's scenario
+        through `treadle serve`, default cache: a whole bare step's worth left light TTFT p99
+        at 3.4x its alone, a quarter cost the heavy tenant 19%; docs/decisions.md); at least
+        MIN_DERIVED_CHUNK; before any step is measured, MIN_DERIVED_CHUNK (short steps until
+        the engine knows better)."""
         fit = None if self.scheduler is None else self.scheduler.step_time.fit
         if fit is None or fit.per_token <= 0:
             return MIN_DERIVED_CHUNK
@@ -221,8 +233,21 @@ class FairPolicy(SchedulingPolicy):
 
     def step_order(self, running: Sequence[Request]) -> list[Request]:
         # The least served tenant first, so the most served tenant's newest request is the one
-        # preempted for blocks.
-        return sorted(running, key=lambda r: (self.counter(r.tenant), r.arrival_time))
+        # preempted for blocks; but a tenant over its share of the cache goes after the others,
+        # whatever the counters (a light tenant's counter, lifted to a heavy one's, made it the
+        # victim of the heavy tenant's growth), while its requests have been preempted fewer
+        # than max_policy_preemptions times: past that they keep their place, so the order
+        # cannot swap back and forth for ever.
+        over: set[str] = set()
+        limit = 0
+        if self.scheduler is not None and self.config_cap_unset():
+            limit = self.scheduler.config.max_policy_preemptions
+            for tenant in {r.tenant for r in running}:
+                cap = self.tenant_kv_cap(tenant)
+                if cap is not None and self.scheduler.committed_blocks(tenant) > cap:
+                    over.add(tenant)
+        return sorted(running, key=lambda r: (r.tenant in over and r.num_preemptions < limit,
+                                              self.counter(r.tenant), r.arrival_time))
 
     def displace(self, head: Request, candidates: Sequence[Request]) -> Request | None:
         # A tenant within its share takes blocks back from the tenant most over its own: that

@@ -15,7 +15,8 @@ counters, so one policy object serves one scheduler). It answers:
   frontend's 429, its reason the policy's name), or None; the engine process and the simulator
   ask it of every request before queueing it (deadline: an objective out of reach).
 - `step_order(running)`: the order running requests get tokens in a step (fair share: least
-  served tenant first); when one is short of blocks, the last not yet scheduled is preempted.
+  served tenant first, a tenant over its share of the cache last); when one is short of blocks,
+  the last not yet scheduled is preempted.
 - `displace(head, candidates)`: whether the waiting queue's head may take a running request's
   blocks and batch slot (priority, fair share), and whose.
 - `defers_prefill(running, head)`: whether a running request's prefill chunk waits, within a
@@ -27,7 +28,8 @@ counters, so one policy object serves one scheduler). It answers:
 - `tenant_kv_cap(tenant)`: the KV blocks a tenant may hold when another of its requests is
   admitted (max_kv_blocks_per_tenant; fair share derives one from the tenants present).
 - `chunk_tokens(request, threshold)`: the most prompt tokens a request computes in one step
-  (fair share may cap a tenant served more than others, to keep the steps short).
+  (fair share cuts long prompts while several tenants are present, to keep the steps short);
+  the prompts a policy cuts below the threshold share that many tokens per step.
 - `on_admitted` / `on_tokens_generated`: service accounting (fair share).
 
 How schedule() stays O(log n) per step at n waiting requests: no key that changes is ever
@@ -84,6 +86,8 @@ class SchedulerView(Protocol):
     running: list[Request]
     step_time: StepTimeModel
     tenants: Counter[str]  # unfinished requests (waiting or running) per tenant
+    clock: Callable[[], float]  # seconds, on the clock of requests' arrival times
+    last_shared: float  # the clock at the last step begun with several tenants' requests
 
     @property
     def num_blocks(self) -> int: ...  # the KV cache's blocks

@@ -103,6 +103,9 @@ class Scheduler:
         # those scheduled or ended meanwhile are dropped as they surface.
         self.unscheduled: list[tuple[float, int, Request]] = []
         self.tenants: Counter[str] = Counter()  # unfinished requests per tenant
+        self.cut_tokens_scheduled = 0  # this step's tokens of prompts the policy cuts
+        # The clock at the last step that began with more than one tenant's requests unfinished.
+        self.last_shared = -float("inf")
         policy.bind(self)
 
     @property
@@ -191,7 +194,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
-        self.waiting.refresh(self.clock(), self.step_time.seconds_per_token(
+        self.cut_tokens_scheduled = 0
+        now = self.clock()
+        if len(self.tenants) > 1:
+            self.last_shared = now
+        self.waiting.refresh(now, self.step_time.seconds_per_token(
             self.config.max_num_batched_tokens))
         head = self._admissible_head()
         self._displace_for_waiting_head(head, output)
@@ -224,8 +231,9 @@ class Scheduler:
 
     def _yielding_tenants(self, head: Request | None) -> frozenset[str]:
         """Tenants whose running requests sit out this step, by the policy, for the waiting
-        head's admission: only when the head is sure to be admitted (a slot, blocks, and a
-        prefill slot unless its prompt completes in the step), so a step never stays empty."""
+        head's admission: only when the head is sure to be admitted (a slot, blocks, a prefill
+        slot unless its prompt completes in the step, and the step's cut where the policy cuts
+        its prompt), so a step never stays empty."""
         if head is None:
             return frozenset()
         # The policy first: the checks below hash the head's prompt, work a step of a policy
@@ -239,15 +247,30 @@ class Scheduler:
         num_prefills = sum(1 for r in self.running if uncomputed_tokens(r) > 1)
         if num_left > 1 and num_prefills >= self.config.max_num_partial_prefills:
             return frozenset()
+        if self._cut_taken_before(head, yielding):
+            return frozenset()
         return yielding
+
+    def _cut_taken_before(self, head: Request, yielding: frozenset[str]) -> bool:
+        """The policy cuts the head's prompt, and a running cut prompt outside the `yielding`
+        tenants, not deferred behind the head, takes the step's cut first: the head would get
+        no tokens this step."""
+        return self._cut(head) and any(
+            r.tenant not in yielding and is_prefill(r) and self._cut(r)
+            and not self.policy.defers_prefill(r, head) for r in self.running)
+
+    def _cut(self, request: Request) -> bool:
+        """The policy cuts the request's prompt below the engine's threshold this step."""
+        threshold = self.config.long_prefill_token_threshold
+        return self.policy.chunk_tokens(request, threshold) < threshold
 
     def _displace_for_waiting_head(self, head: Request | None, output: SchedulerOutput) -> None:
         """Under priority and fair share, the waiting queue's head may take the batch slot and
         blocks of running requests the policy ranks below it (recompute). Before anything is
         scheduled this step, so no victim's blocks were handed out for it. The guard: a request
         preempted max_policy_preemptions times is no longer a victim here."""
-        if head is None:
-            return
+        if head is None or self._cut_taken_before(head, frozenset()):
+            return  # it would get no tokens this step: nobody is preempted for it
         while not self._fits(head):
             limit = self.config.max_policy_preemptions
             victim = self.policy.displace(
@@ -270,9 +293,9 @@ class Scheduler:
     def _schedule_running(self, output: SchedulerOutput, head: Request | None,
                           deferred: list[Request], yielding: frozenset[str]) -> int:
         """Running requests first, in the policy's step order: one decode token each, or a
-        prefill chunk; none for the `yielding` tenants. A prefill chunk the policy ranks below
-        the waiting queue's head is deferred (appended to `deferred`) until waiting requests are
-        admitted.
+        prefill chunk; none for the `yielding` tenants, nor for a cut prompt once the step's cut
+        is spent. A prefill chunk the policy ranks below the waiting queue's head is deferred
+        (appended to `deferred`) until waiting requests are admitted.
         When blocks run short, the last in that order (never one scheduled this step) is
         preempted. Returns the token budget left."""
         budget = self.config.max_num_batched_tokens
@@ -287,6 +310,9 @@ class Scheduler:
             num_new = uncomputed_tokens(request)
             if num_new > 1:
                 num_new = min(num_new, self._chunk_tokens(request), budget)
+                if num_new == 0:  # the step's cut tokens went to a prompt before it
+                    i += 1
+                    continue
             elif request.spec_token_ids:
                 scheduled = self._schedule_proposed(request, budget, len(order) - i - 1)
                 if scheduled is not None:
@@ -311,6 +337,14 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget
+
+    def _chunk_tokens(self, request: Request) -> int:
+        """The most prompt tokens the request computes this step: the engine's threshold, or
+        less where the policy cuts the prompt; the prompts it cuts share one cut's tokens per
+        step (four long prompts' chunks made every step four times as long)."""
+        threshold = self.config.long_prefill_token_threshold
+        chunk = self.policy.chunk_tokens(request, threshold)
+        return chunk if chunk >= threshold else max(0, chunk - self.cut_tokens_scheduled)
 
     def _over_lora_cap(self, request: Request) -> bool:
         """Whether admitting the request would put more than max_loras distinct LoRA adapters
@@ -345,7 +379,8 @@ class Scheduler:
                           yielding: frozenset[str]) -> int:
         """Then waiting requests, in policy order, while the token budget and batch slots last,
         up to the first of a `yielding` tenant (the step stays short). One that would stay
-        mid-prefill while max_num_partial_prefills are is passed over; one short of blocks is
+        mid-prefill while max_num_partial_prefills are, or a cut prompt once the step's cut is
+        spent, is passed over; one short of blocks is
         passed over too, so smaller ones behind it may go, until it has been passed over
         MAX_SKIPS times. Returns the token budget left."""
         kv = self.kv_cache_manager
@@ -373,8 +408,14 @@ class Scheduler:
                 request.stats.lora_cap_steps += over_lora_cap
                 passed_over.append(self.waiting.pop())
                 continue
+            chunk = self._chunk_tokens(request)
+            if chunk == 0:  # the step's cut is spent (before hashing the prompt)
+                if len(passed_over) >= MAX_LOOKAHEAD:
+                    break
+                passed_over.append(self.waiting.pop())
+                continue
             hit_blocks, num_hit = self._prefix_hit(request)
-            num_new = min(request.num_tokens - num_hit, self._chunk_tokens(request), budget)
+            num_new = min(request.num_tokens - num_hit, chunk, budget)
             if request.num_tokens - num_hit - num_new > 1 and \
                     num_prefills >= self.config.max_num_partial_prefills:
                 # It would stay mid-prefill and every prefill slot is taken: pass it over, so a
@@ -414,15 +455,11 @@ class Scheduler:
             if budget <= 0:
                 break
             num_new = min(uncomputed_tokens(request), self._chunk_tokens(request), budget)
-            block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new) if num_new else None
             if block_ids is None:
                 continue
             output.scheduled.append(self._scheduled(request, num_new, block_ids))
             budget -= num_new
-
-    def _chunk_tokens(self, request: Request) -> int:
-        """The most prompt tokens the request computes this step, by the engine and policy."""
-        return self.policy.chunk_tokens(request, self.config.long_prefill_token_threshold)
 
     def _prefix_hit(self, request: Request) -> tuple[list, int]:
         # Prompt logprobs need logits at every prompt position, mean pooling hidden states at
@@ -539,7 +576,11 @@ class Scheduler:
         return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
 
     def _scheduled(self, request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
+        """The request's share of the step; a chunk of a prompt the policy cuts counts against
+        the step's cut (_chunk_tokens)."""
         start = request.num_computed_tokens
+        if is_prefill(request) and self._cut(request):
+            self.cut_tokens_scheduled += num_new
         return ScheduledRequest(request, start, num_new, block_ids,
                                 produces_token=start + num_new == request.num_tokens
                                 and not request.pooling)
