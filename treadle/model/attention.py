@@ -207,13 +207,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         keys = read_blocks(k_cache, k_scales, chunk.block_table, q.dtype).flatten(0, 1)[:num_keys]
         values = read_blocks(v_cache, v_scales, chunk.block_table,
                              q.dtype).flatten(0, 1)[:num_keys]
-    # [batch, heads, tokens, dim]: SDPA's fused kernels (CPU and CUDA) take only that; on the
-    # CPU, 3-D inputs ran its unfused path, 3x slower for a chunk over a long context.
+    # [batch, heads, tokens, dim]: SDPA's fused kernels (CPU and CUDA) take only that; 3-D
+    # inputs run its unfused path.
     query, keys, values = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], \
         values.transpose(0, 1)[None]
     if q.is_cpu:  # the CPU's fused kernel takes KV heads shared by query heads as they are
         # In float32: its bfloat16 sums differ between a causal prompt and the same prompt in
-        # masked chunks (0.004 in a unit-scale output), float32's agree to the bit.
+        # masked chunks, float32's agree to the bit.
         out = F.scaled_dot_product_attention(query.float(), keys.float(), values.float(),
                                              attn_mask=chunk.mask, is_causal=chunk.mask is None,
                                              scale=scale, enable_gqa=True).to(q.dtype)

@@ -158,10 +158,9 @@ class FairPolicy(SchedulingPolicy):
         # one tenant is present, long prompts go in short chunks, whoever is served more
         # (cutting only the more-served tenant's left it long chunks whenever the light
         # tenants' lifted counters passed its own), and the scheduler gives a step's cut
-        # prompts one chunk between them. Only while present: cutting for every tenant ever
-        # seen cost a heavy tenant 40% of its throughput long after a light one had left. A
-        # prompt that fits one chunk is never cut: in pieces, a light prompt held the only
-        # prefill slot.
+        # prompts one chunk between them. Only while present, so a heavy tenant gets its speed
+        # back once the others have gone. A prompt that fits one chunk is never cut: in pieces,
+        # a light prompt held the only prefill slot.
         if request.num_tokens <= threshold or self.scheduler is None or not self.shared():
             return threshold
         chunk = self.chunk_tokens_shared
@@ -172,11 +171,9 @@ class FairPolicy(SchedulingPolicy):
     def derived_chunk_tokens(self) -> int:
         """The tokens a step's cut prompts share: they add to a step at most half of what a
         bare step costs (the fitted fixed cost, over the per-token cost), since a light
-        request's first token waits for the step in flight and its own (issue 34's scenario
-        through `treadle serve`, default cache: a whole bare step's worth left light TTFT p99
-        at 3.4x its alone, a quarter cost the heavy tenant 19%; docs/decisions.md); at least
-        MIN_DERIVED_CHUNK; before any step is measured, MIN_DERIVED_CHUNK (short steps until
-        the engine knows better)."""
+        request's first token waits for the step in flight and its own (the measurements
+        behind half: docs/decisions.md, issue 34); at least MIN_DERIVED_CHUNK; before any step
+        is measured, MIN_DERIVED_CHUNK (short steps until the engine knows better)."""
         fit = None if self.scheduler is None else self.scheduler.step_time.fit
         if fit is None or fit.per_token <= 0:
             return MIN_DERIVED_CHUNK

@@ -269,8 +269,8 @@ class Scheduler:
         blocks of running requests the policy ranks below it (recompute). Before anything is
         scheduled this step, so no victim's blocks were handed out for it. The guard: a request
         preempted max_policy_preemptions times is no longer a victim here."""
-        if head is None or self._cut_taken_before(head, frozenset()):
-            return  # it would get no tokens this step: nobody is preempted for it
+        if head is None or self._fits(head) or self._cut_taken_before(head, frozenset()):
+            return  # it fits, or it would get no tokens this step: nobody is preempted for it
         while not self._fits(head):
             limit = self.config.max_policy_preemptions
             victim = self.policy.displace(
@@ -341,7 +341,7 @@ class Scheduler:
     def _chunk_tokens(self, request: Request) -> int:
         """The most prompt tokens the request computes this step: the engine's threshold, or
         less where the policy cuts the prompt; the prompts it cuts share one cut's tokens per
-        step (four long prompts' chunks made every step four times as long)."""
+        step, so several long prompts do not make the step several cuts long."""
         threshold = self.config.long_prefill_token_threshold
         chunk = self.policy.chunk_tokens(request, threshold)
         return chunk if chunk >= threshold else max(0, chunk - self.cut_tokens_scheduled)
