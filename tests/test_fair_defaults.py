@@ -52,16 +52,38 @@ def test_one_tenant_is_never_capped_and_runs_as_fcfs():
     assert runs[0] == runs[1]
 
 
-def test_share_follows_the_tenants_present_and_their_weights():
+def test_a_tenant_may_hold_what_the_others_leave_of_their_weighted_shares():
     s = make_scheduler(num_blocks=90, block_size=4, policy="fair", tenant_weights={"b": 2.0})
+    cap = s.policy.tenant_kv_cap
     s.add_request(request("a0", "a", 8, 4))
-    assert s.policy.tenant_kv_cap("a") is None  # alone
+    assert cap("a") is None  # alone
     s.add_request(request("b0", "b", 8, 4))
-    assert s.policy.tenant_kv_cap("a") == 30 and s.policy.tenant_kv_cap("b") == 60
-    s.add_request(request("c0", "c", 8, 4))
-    assert s.policy.tenant_kv_cap("a") == 22 and s.policy.tenant_kv_cap("b") == 45
+    assert cap("a") == 88 and cap("b") == 88  # each needs 2 blocks: the other may take the rest
+    s.add_request(request("b1", "b", 300, 4))  # b needs 77 blocks, more than its share of 60
+    assert cap("a") == 30 and cap("b") == 88
+    s.add_request(request("a1", "a", 200, 4))  # a needs 52, more than its share of 30
+    assert cap("a") == 30 and cap("b") == 60
+    s.add_request(request("c0", "c", 8, 4))  # shares over weights 1, 2, 1: 22, 45, 22
+    assert (cap("a"), cap("b"), cap("c")) == (90 - 45 - 2, 90 - 22 - 2, 90 - 22 - 45)
     run_until_done(s)
     assert not s.tenants
+
+
+def test_a_heavy_tenant_beside_a_light_one_holding_little_runs_several_requests():
+    """A light tenant decoding in a few blocks leaves the heavy tenant the rest of the cache: a
+    fixed half ran the heavy tenant's long prompts one at a time."""
+    s = make_scheduler(num_blocks=100, block_size=4, max_num_batched_tokens=512,
+                       long_prefill_token_threshold=256, policy="fair")
+    model = model_for(s)
+    s.add_request(request("l0", "light", 8, 60, t=0))
+    step(s, model)
+    for i in range(4):
+        s.add_request(request(f"h{i}", "heavy", 120, 4, t=1 + i))
+    step(s, model)
+    assert s.policy.tenant_kv_cap("heavy") == 100 - 3
+    assert sum(r.tenant == "heavy" for r in s.running) == 3
+    run_until_done(s, model)
+    assert_scheduler_empty(s)
 
 
 def test_an_explicit_cap_overrides_the_derived_share():
@@ -188,6 +210,7 @@ def test_a_tenant_over_its_share_goes_last_in_the_step_order_whatever_the_counte
     step(s, model)
     s.add_request(request("l0", "light", 8, 40, t=5))
     step(s, model)
+    s.add_request(request("l1", "light", 40, 4, t=6))  # the light tenant needs 12 blocks now
     assert s.committed_blocks("heavy") > s.policy.tenant_kv_cap("heavy")
     s.policy.counters["light"] = s.policy.counter("heavy") + 1.0  # lifted, then served a hair
     ids = [r.request_id for r in s.policy.step_order(s.running)]

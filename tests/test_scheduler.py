@@ -211,6 +211,31 @@ def test_no_head_of_line_blocking():
     assert_scheduler_empty(s)
 
 
+def test_a_prompt_is_admitted_only_when_its_whole_prompt_fits_beside_running_prompts():
+    # 20 blocks of 4 tokens, chunks of 16: two 48-token prompts need 12 blocks each. Admitted on
+    # their first chunks, both would grow mid-prefill until one was preempted and computed again.
+    s = make_scheduler(num_blocks=20, block_size=4, long_prefill_token_threshold=16)
+    model = model_for(s)
+    s.add_request(req("a", 48, max_tokens=4, arrival=0, ignore_eos=True))
+    s.add_request(req("b", 48, max_tokens=4, arrival=1, ignore_eos=True))
+    s.add_request(req("c", 4, max_tokens=4, arrival=2, ignore_eos=True))
+    output, _ = step(s, model)
+    # a's 12 blocks are reserved from its first chunk on: b waits; the short c goes around it.
+    assert scheduled_tokens(output) == {"a": 16, "c": 4}
+    assert s.requests["b"].num_skips == 1
+    computed = 20
+    finished = []
+    while s.has_unfinished_requests():
+        output, done = step(s, model)
+        assert not output.preempted
+        computed += output.num_batched_tokens
+        finished += done
+    # Every prompt token once; each request's outputs but the last go back in as decodes.
+    assert computed == 48 + 48 + 4 + 3 * 3
+    check_outputs(finished)
+    assert_scheduler_empty(s)
+
+
 def run_big_among_small_arrivals(steps: int) -> tuple[int | None, int]:
     """Two small requests arrive every step, enough to keep the cache too full for a big one.
     Returns the step at which the big one started (None: not within `steps`) and how many small

@@ -78,6 +78,7 @@ class FairPolicy(SchedulingPolicy):
         self.chunk_tokens_shared = settings.fair_chunk_tokens
         self.counters: dict[str, float] = {}
         self.virtual_time = 0.0  # counter of the last tenant served from the queue
+        self.queue = FairQueue(self)  # the scheduler's waiting queue, once bound (new_queue)
 
     @classmethod
     def from_config(cls, config: SchedulerConfig, settings: FairSettings) -> FairPolicy:
@@ -87,7 +88,8 @@ class FairPolicy(SchedulingPolicy):
         return (request.arrival_time,)
 
     def new_queue(self) -> WaitingQueue:
-        return FairQueue(self)
+        self.queue = FairQueue(self)
+        return self.queue
 
     def counter(self, tenant: str) -> float:
         return self.counters.get(tenant, 0.0)
@@ -181,18 +183,32 @@ class FairPolicy(SchedulingPolicy):
 
     def tenant_kv_cap(self, tenant: str) -> int | None:
         # max_kv_blocks_per_tenant when given; else, while another tenant has requests waiting
-        # or running, the tenant's weighted share of the cache over the tenants present; one
-        # tenant alone is never capped (work conserving: fair is fcfs). Whatever the counters
-        # say: capping only the better served tenant let the cap switch on and off as the
-        # counters crossed (`treadle sim`, issue 34's workload: 273 preemptions, light TTFT p99
-        # 62 s). So shares of blocks, not the counters' token bound, rule while the cache binds.
+        # or running, what the others leave: each keeps up to its weighted share of the cache
+        # of what it needs (its running requests' blocks and its waiting requests'), the rest is
+        # this tenant's (max-min fairness); one tenant alone is never capped (work conserving:
+        # fair is fcfs). A fixed half for a heavy tenant beside a light one holding a few blocks
+        # ran the heavy tenant one request at a time (docs/decisions.md, issue 34). Whatever the
+        # counters say: capping only the better served tenant let the cap switch on and off as
+        # the counters crossed. So shares of blocks, not the counters, rule while the cache binds.
         cap = super().tenant_kv_cap(tenant)
         if cap is not None or self.scheduler is None:
             return cap
         present = self.scheduler.tenants
         if not any(t != tenant for t in present):
             return None
-        return self._share(tenant, present)
+        num_blocks, block_size = self.scheduler.num_blocks, self.scheduler.block_size
+        total_weight = sum(self.weights.get(t, 1.0) for t in present)
+        demand: Counter[str] = Counter()
+        for request in self.scheduler.running:
+            demand[request.tenant] += -(-request.num_tokens // block_size)
+        kept = 0
+        for other in present:
+            if other != tenant:
+                lane = self.queue.lanes.get(other)
+                waiting = 0 if lane is None else -(-lane.tokens // block_size)
+                share = num_blocks * self.weights.get(other, 1.0) / total_weight
+                kept += min(int(share), demand[other] + waiting)
+        return max(1, num_blocks - kept)
 
     def config_cap_unset(self) -> bool:
         return self.scheduler is not None and \
@@ -205,12 +221,6 @@ class FairPolicy(SchedulingPolicy):
         block_size = self.scheduler.block_size
         return cap is not None and \
             self.scheduler.committed_blocks(head.tenant) + -(-head.num_tokens // block_size) > cap
-
-    def _share(self, tenant: str, present: Mapping[str, int]) -> int:
-        weight = self.weights.get(tenant, 1.0)
-        total = weight + sum(self.weights.get(t, 1.0) for t in present if t != tenant)
-        assert self.scheduler is not None
-        return max(1, int(self.scheduler.num_blocks * weight / total))
 
     def _over_share(self, candidates: Sequence[Request], exclude: str) -> Request | None:
         """The newest candidate of the tenant whose running requests' blocks exceed its share

@@ -11,7 +11,8 @@ to be admitted, the tenants the policy says yield to it (fair share) sit the ste
 requests get a decode token or a prefill chunk in the policy's step order, preempting the last
 not yet scheduled when blocks run short; then
 waiting requests are admitted, unless blocks ran short, within the token budget, batch slots and
-max_num_partial_prefills (a prompt that completes in its step takes no prefill slot); last, the
+max_num_partial_prefills (a prompt that completes in its step takes no prefill slot), each only
+when the blocks for its whole prompt are free beside those running prompts still need; last, the
 prefill chunks the policy deferred behind the waiting head get the budget left.
 """
 
@@ -280,15 +281,30 @@ class Scheduler:
             self._preempt(victim, output)
 
     def _fits(self, request: Request) -> bool:
-        """A batch slot and the blocks for a first chunk of a full step's budget are free."""
+        """A batch slot is free, and blocks for its whole prompt beside what running prompts
+        still need (_prompt_fits)."""
         if len(self.running) >= self.config.max_num_seqs:
             return False
         hit_blocks, num_hit = self._prefix_hit(request)
-        num_new = min(request.num_tokens - num_hit, self._chunk_tokens(request),
-                      self.config.max_num_batched_tokens)
+        return self._prompt_fits(request, hit_blocks, num_hit, self._prompt_reserve())
+
+    def _prompt_reserve(self) -> int:
+        """The blocks running prompts still need to finish (a recompute's outputs included)."""
+        block_size = self.kv_cache_manager.block_size
+        tables = self.kv_cache_manager.block_tables
+        return sum(cdiv(r.num_tokens, block_size) - len(tables.get(r.request_id, ()))
+                   for r in self.running if is_prefill(r))
+
+    def _prompt_fits(self, request: Request, hit_blocks: list, num_hit: int,
+                     reserve: int) -> bool:
+        """Admission: the free blocks, less the `reserve` running prompts still need, hold the
+        request's whole prompt past its prefix hit. A prompt admitted on its first chunk alone
+        ran into the others mid-prefill and was preempted, its chunks computed again. With
+        nothing running it fits: add_request checked it fits the whole cache."""
         kv = self.kv_cache_manager
-        return kv.num_free_blocks_needed(request, num_new, hit_blocks, num_hit) <= \
-            kv.num_free_blocks
+        need = kv.num_free_blocks_needed(request, request.num_tokens - num_hit, hit_blocks,
+                                         num_hit)
+        return need <= kv.num_free_blocks - reserve
 
     def _schedule_running(self, output: SchedulerOutput, head: Request | None,
                           deferred: list[Request], yielding: frozenset[str]) -> int:
@@ -380,14 +396,15 @@ class Scheduler:
         """Then waiting requests, in policy order, while the token budget and batch slots last,
         up to the first of a `yielding` tenant (the step stays short). One that would stay
         mid-prefill while max_num_partial_prefills are, or a cut prompt once the step's cut is
-        spent, is passed over; one short of blocks is
-        passed over too, so smaller ones behind it may go, until it has been passed over
-        MAX_SKIPS times. Returns the token budget left."""
+        spent, is passed over; one short of blocks for its whole prompt (beside what running
+        prompts still need) is passed over too, so smaller ones behind it may go, until it has
+        been passed over MAX_SKIPS times. Returns the token budget left."""
         kv = self.kv_cache_manager
         # Requests still mid-prefill after this step's chunks.
         chunks = {x.request.request_id: x.num_new_tokens for x in output.scheduled}
         num_prefills = sum(1 for r in self.running
                            if uncomputed_tokens(r) - chunks.get(r.request_id, 0) > 1)
+        reserve = self._prompt_reserve()
         passed_over: list[Request] = []
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
@@ -424,7 +441,9 @@ class Scheduler:
                     break
                 passed_over.append(self.waiting.pop())
                 continue
-            block_ids = kv.allocate_slots(request, num_new, hit_blocks, num_hit)
+            block_ids = None
+            if self._prompt_fits(request, hit_blocks, num_hit, reserve):
+                block_ids = kv.allocate_slots(request, num_new, hit_blocks, num_hit)
             if block_ids is None:
                 request.num_skips += 1
                 if request.num_skips >= MAX_SKIPS:
@@ -443,6 +462,7 @@ class Scheduler:
             output.scheduled.append(self._scheduled(request, num_new, block_ids))
             budget -= num_new
             num_prefills += uncomputed_tokens(request) - num_new > 1
+            reserve += cdiv(request.num_tokens, kv.block_size) - len(block_ids)
         for request in passed_over:
             self.waiting.restore(request)
         return budget
