@@ -62,6 +62,10 @@ class AttentionMetadata:
     # kernel splits contexts by it, so an eager step and a graph's replay, whose tables differ
     # in width, split alike and give the same bits.
     max_context_len: int = 0
+    # Keys and values buffers, [blocks of max_model_len, block_size, kv_heads, head_dim] each in
+    # the cache's dtype (None: gather into new tensors): a prefill chunk over a cached context
+    # gathers its blocks here, memory every layer and step reuses while it is warm.
+    gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class KVCache:
@@ -110,11 +114,14 @@ def dequantize_kv(quantized: torch.Tensor, scales: torch.Tensor,
 
 
 def read_blocks(cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor,
-                dtype: torch.dtype) -> torch.Tensor:
+                dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """The cache's `blocks` (any index shape) in `dtype`: [*blocks.shape, block_size, kv_heads,
-    head_dim], dequantized where the cache is int8."""
+    head_dim], dequantized where the cache is int8; gathered into the front of `out` where
+    given (1-D `blocks`, a cache in `dtype`)."""
     if scales is None:
-        return cache[blocks]
+        if out is None:
+            return cache[blocks]
+        return torch.index_select(cache, 0, blocks, out=out[:len(blocks)])
     return dequantize_kv(cache[blocks], scales[blocks], dtype)
 
 
@@ -157,7 +164,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for chunk in meta.prefills:
         out[chunk.start:chunk.end] = prefill_attention(
             q[chunk.start:chunk.end], k[chunk.start:chunk.end], v[chunk.start:chunk.end],
-            k_cache, v_cache, chunk, scale, k_scales, v_scales)
+            k_cache, v_cache, chunk, scale, k_scales, v_scales, meta.gather_buffers)
     return out
 
 
@@ -197,16 +204,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, chunk: PrefillChunk, scale: float,
                       k_scales: torch.Tensor | None = None,
-                      v_scales: torch.Tensor | None = None) -> torch.Tensor:
+                      v_scales: torch.Tensor | None = None,
+                      gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> torch.Tensor:
     """One sequence's chunk: causal inside it, over the context before it (the part its mask
-    and block table cover)."""
+    and block table cover); its blocks gathered into `gather_buffers` where given."""
     if chunk.mask is None and k_scales is None:  # the context is this chunk, as stored
         keys, values = k, v
     else:
         num_keys = chunk.context_len - chunk.key_start
-        keys = read_blocks(k_cache, k_scales, chunk.block_table, q.dtype).flatten(0, 1)[:num_keys]
-        values = read_blocks(v_cache, v_scales, chunk.block_table,
-                             q.dtype).flatten(0, 1)[:num_keys]
+        key_buffer, value_buffer = gather_buffers or (None, None)
+        keys = read_blocks(k_cache, k_scales, chunk.block_table, q.dtype,
+                           key_buffer).flatten(0, 1)[:num_keys]
+        values = read_blocks(v_cache, v_scales, chunk.block_table, q.dtype,
+                             value_buffer).flatten(0, 1)[:num_keys]
     # [batch, heads, tokens, dim]: SDPA's fused kernels (CPU and CUDA) take only that; 3-D
     # inputs run its unfused path.
     query, keys, values = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], \

@@ -97,6 +97,13 @@ class ModelRunner:
         self.kv_cache = KVCache(spec.num_layers, self.kv_size.num_blocks, self.block_size,
                                 spec.num_kv_heads, spec.head_dim, self.kv_storage_dtype(),
                                 self.device)
+        # On the CPU, a chunk's gather into new memory at every layer cost more than its
+        # attention (16 tokens over 3,000: docs/decisions.md); CUDA's allocator caches.
+        self.gather_buffers = None
+        if self.device.type == "cpu" and self.kv_cache.dtype != torch.int8:
+            shape = (-(-self.max_model_len // self.block_size), *self.kv_cache.keys[0].shape[1:])
+            self.gather_buffers = (torch.empty(shape, dtype=self.dtype),
+                                   torch.empty(shape, dtype=self.dtype))
         # Only over the Triton kernel (`capture`): the torch path would gather every row's
         # blocks to the static tables' full width, max_model_len, at every step.
         self.decode_graphs = (capture_decode_graphs(self, scheduler_config.max_num_seqs)
@@ -233,7 +240,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=self.index_tensor(slots),
             decode_indices=None, decode_block_tables=None, decode_context_lens=None,
-            prefills=prefills, max_context_len=self.max_model_len)
+            prefills=prefills, max_context_len=self.max_model_len,
+            gather_buffers=self.gather_buffers)
         if decode_rows:
             max_blocks = max(len(t) for t in decode_tables)
             meta.decode_block_tables = self.index_tensor(
