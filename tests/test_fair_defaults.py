@@ -63,10 +63,27 @@ def test_a_tenant_may_hold_what_the_others_leave_of_their_weighted_shares():
     assert cap("a") == 30 and cap("b") == 88
     s.add_request(request("a1", "a", 200, 4))  # a needs 52, more than its share of 30
     assert cap("a") == 30 and cap("b") == 60
-    s.add_request(request("c0", "c", 8, 4))  # shares over weights 1, 2, 1: 22, 45, 22
-    assert (cap("a"), cap("b"), cap("c")) == (90 - 45 - 2, 90 - 22 - 2, 90 - 22 - 45)
+    s.add_request(request("c0", "c", 8, 4))  # c needs 2 of its 22; a and b share 88 by weight
+    assert (cap("a"), cap("b"), cap("c")) == (88 // 3, 88 * 2 // 3, 90 // 4)
     run_until_done(s)
     assert not s.tenants
+
+
+def test_a_request_passed_over_in_a_step_still_counts_in_its_tenant_s_demand():
+    """Passing a waiting request over takes it out of its lane for the rest of the step: its
+    tenant's demand, and so the other tenant's cap, must not change with that."""
+    s = make_scheduler(num_blocks=100, block_size=4, policy="fair")
+    s.add_request(request("h0", "heavy", 200, 4))
+    s.add_request(request("l0", "light", 120, 4))
+    s.waiting.refresh(0.0, None)  # a step starts
+    assert s.policy.tenant_kv_cap("heavy") == 100 - 30
+    passed_over = []
+    while s.waiting.peek() is not None:
+        passed_over.append(s.waiting.pop())
+    s.policy.caps.clear()
+    assert s.policy.tenant_kv_cap("heavy") == 100 - 30
+    for r in passed_over:
+        s.waiting.restore(r)
 
 
 def test_a_heavy_tenant_beside_a_light_one_holding_little_runs_several_requests():
@@ -130,6 +147,22 @@ def test_long_prompts_share_one_cut_per_step_while_another_tenant_is_present():
     now[0] = PRESENCE_SECONDS + 1
     output, _ = step(s, model)
     assert sorted(x.num_new_tokens for x in output.scheduled) == [128, 128]
+    run_until_done(s, model)
+    assert_scheduler_empty(s)
+
+
+def test_tenants_of_long_prompts_alone_do_not_cut_each_other_s():
+    s = make_scheduler(num_blocks=800, block_size=4, max_num_batched_tokens=256,
+                       long_prefill_token_threshold=128, policy="fair", fair_chunk_tokens=32)
+    model = model_for(s)
+    s.add_request(request("a0", "a", 600, 4, t=0))
+    s.add_request(request("b0", "b", 600, 4, t=1))
+    output, _ = step(s, model)
+    assert sorted(x.num_new_tokens for x in output.scheduled) == [128, 128]
+    s.add_request(request("l0", "light", 8, 4, t=2))  # a short request: the cut protects it
+    output, _ = step(s, model)
+    assert sum(x.num_new_tokens for x in output.scheduled
+               if x.request.tenant != "light") <= 32
     run_until_done(s, model)
     assert_scheduler_empty(s)
 

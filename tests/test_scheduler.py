@@ -236,6 +236,20 @@ def test_a_prompt_is_admitted_only_when_its_whole_prompt_fits_beside_running_pro
     assert_scheduler_empty(s)
 
 
+def test_nobody_is_displaced_for_a_head_that_would_not_fit_even_so():
+    s = make_scheduler(num_blocks=20, block_size=4, policy=PriorityPolicy())
+    model = model_for(s)
+    s.add_request(req("low", 8, max_tokens=30, priority=1, ignore_eos=True))
+    s.add_request(req("high0", 40, max_tokens=30, priority=0, ignore_eos=True))
+    step(s, model)
+    s.add_request(req("high1", 60, max_tokens=2, priority=0, arrival=1, ignore_eos=True))
+    # 7 blocks free; preempting "low" would free 3, and high1's prompt needs 15.
+    output, _ = step(s, model)
+    assert not output.preempted and s.requests["low"].num_preemptions == 0
+    check_outputs(run_until_done(s, model))
+    assert_scheduler_empty(s)
+
+
 def run_big_among_small_arrivals(steps: int) -> tuple[int | None, int]:
     """Two small requests arrive every step, enough to keep the cache too full for a big one.
     Returns the step at which the big one started (None: not within `steps`) and how many small

@@ -79,6 +79,9 @@ class FairPolicy(SchedulingPolicy):
         self.counters: dict[str, float] = {}
         self.virtual_time = 0.0  # counter of the last tenant served from the queue
         self.queue = FairQueue(self)  # the scheduler's waiting queue, once bound (new_queue)
+        # Derived KV caps, by tenant, until the demands change (a step starts, a request is
+        # queued or removed): admitting a request moves its demand from waiting to running.
+        self.caps: dict[str, int] = {}
 
     @classmethod
     def from_config(cls, config: SchedulerConfig, settings: FairSettings) -> FairPolicy:
@@ -149,9 +152,12 @@ class FairPolicy(SchedulingPolicy):
             and (gap > charge or count - held[head.tenant] >= 2 or not held[head.tenant]))
 
     def shared(self) -> bool:
-        """More than one tenant has requests, or had at a step in the last PRESENCE_SECONDS."""
+        """More than one tenant has requests, a short one among them (a prompt of one chunk),
+        or had at a step in the last PRESENCE_SECONDS. Tenants of long prompts alone do not
+        cut each other's: each waits for its own prefill anyway, and two heavy tenants cut
+        theirs for the whole run (issue 34's scenario: 1.8x the heavy tenants' time)."""
         assert self.scheduler is not None
-        return len(self.scheduler.tenants) > 1 or \
+        return self.scheduler.shared_with_short() or \
             self.scheduler.clock() - self.scheduler.last_shared < PRESENCE_SECONDS
 
     def chunk_tokens(self, request: Request, threshold: int) -> int:
@@ -183,9 +189,9 @@ class FairPolicy(SchedulingPolicy):
 
     def tenant_kv_cap(self, tenant: str) -> int | None:
         # max_kv_blocks_per_tenant when given; else, while another tenant has requests waiting
-        # or running, what the others leave: each keeps up to its weighted share of the cache
-        # of what it needs (its running requests' blocks and its waiting requests'), the rest is
-        # this tenant's (max-min fairness); one tenant alone is never capped (work conserving:
+        # or running, its max-min share: the cache filled by weight, each other tenant up to
+        # what it needs (its running requests' blocks and its waiting requests'), the rest
+        # shared; one tenant alone is never capped (work conserving:
         # fair is fcfs). A fixed half for a heavy tenant beside a light one holding a few blocks
         # ran the heavy tenant one request at a time (docs/decisions.md, issue 34). Whatever the
         # counters say: capping only the better served tenant let the cap switch on and off as
@@ -196,19 +202,31 @@ class FairPolicy(SchedulingPolicy):
         present = self.scheduler.tenants
         if not any(t != tenant for t in present):
             return None
-        num_blocks, block_size = self.scheduler.num_blocks, self.scheduler.block_size
-        total_weight = sum(self.weights.get(t, 1.0) for t in present)
+        if tenant not in self.caps:
+            self.caps[tenant] = self._max_min_share(tenant, present)
+        return self.caps[tenant]
+
+    def _max_min_share(self, tenant: str, present: Mapping[str, int]) -> int:
+        """`tenant`'s blocks when the cache is filled level by level by weight, each other
+        present tenant up to its demand (its running requests' blocks, whole, and its waiting
+        requests' as of the step's start), `tenant` without bound."""
+        assert self.scheduler is not None
+        block_size = self.scheduler.block_size
         demand: Counter[str] = Counter()
         for request in self.scheduler.running:
             demand[request.tenant] += -(-request.num_tokens // block_size)
-        kept = 0
-        for other in present:
-            if other != tenant:
-                lane = self.queue.lanes.get(other)
-                waiting = 0 if lane is None else -(-lane.tokens // block_size)
-                share = num_blocks * self.weights.get(other, 1.0) / total_weight
-                kept += min(int(share), demand[other] + waiting)
-        return max(1, num_blocks - kept)
+        for other, tokens in self.queue.demand_tokens.items():
+            demand[other] += -(-tokens // block_size)
+        weight = self.weights.get
+        others = sorted((demand[t] / weight(t, 1.0), t) for t in present if t != tenant)
+        remaining = float(self.scheduler.num_blocks)
+        weight_left = sum(weight(t, 1.0) for t in present)
+        for per_weight, other in others:  # ascending: the first above the level ends the fill
+            if per_weight > remaining / weight_left:
+                break
+            remaining -= demand[other]
+            weight_left -= weight(other, 1.0)
+        return max(1, int(remaining * weight(tenant, 1.0) / weight_left))
 
     def config_cap_unset(self) -> bool:
         return self.scheduler is not None and \
@@ -291,6 +309,9 @@ class FairQueue:
         self.tenants: list[tuple[float, str]] = []  # (counter when pushed, tenant)
         self.in_heap: set[str] = set()
         self.size = 0
+        # Each tenant's waiting tokens as of the step's start, plus those queued since: the
+        # requests a step passes over leave the lanes for a while, not the demand.
+        self.demand_tokens: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return self.size
@@ -320,6 +341,8 @@ class FairQueue:
             floor = self.policy.counter(top) if top is not None else self.policy.virtual_time
             self.policy.counters[tenant] = max(self.policy.counter(tenant), floor)
         self.restore(request)
+        self.demand_tokens[tenant] += request.num_tokens - request.num_computed_tokens
+        self.policy.caps.clear()
 
     def restore(self, request: Request) -> None:
         tenant = request.tenant
@@ -332,6 +355,8 @@ class FairQueue:
     def remove(self, request: Request) -> None:
         self.lanes[request.tenant].remove(request)
         self.size -= 1
+        self.demand_tokens[request.tenant] -= request.num_tokens - request.num_computed_tokens
+        self.policy.caps.clear()
 
     def peek(self) -> Request | None:
         tenant = self._top()
@@ -345,7 +370,9 @@ class FairQueue:
         return self.lanes[tenant].pop()
 
     def refresh(self, now: float, seconds_per_token: float | None) -> None:
-        pass
+        self.demand_tokens = Counter({t: lane.tokens for t, lane in self.lanes.items()
+                                      if lane.tokens})
+        self.policy.caps.clear()
 
     def ahead(self, probe: Request) -> tuple[int, int]:
         # The order ahead changes as counters do: count everything waiting (an upper bound).

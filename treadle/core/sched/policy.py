@@ -87,13 +87,14 @@ class SchedulerView(Protocol):
     step_time: StepTimeModel
     tenants: Counter[str]  # unfinished requests (waiting or running) per tenant
     clock: Callable[[], float]  # seconds, on the clock of requests' arrival times
-    last_shared: float  # the clock at the last step begun with several tenants' requests
+    last_shared: float  # the clock at the last step begun with several tenants', a short one
 
     @property
     def num_blocks(self) -> int: ...  # the KV cache's blocks
     @property
     def block_size(self) -> int: ...
     def committed_blocks(self, tenant: str) -> int: ...  # its running requests' blocks, whole
+    def shared_with_short(self) -> bool: ...  # several tenants' requests, a one-chunk prompt
 
 
 def uncomputed_tokens(request: Request) -> int:

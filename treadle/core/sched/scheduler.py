@@ -105,7 +105,10 @@ class Scheduler:
         self.unscheduled: list[tuple[float, int, Request]] = []
         self.tenants: Counter[str] = Counter()  # unfinished requests per tenant
         self.cut_tokens_scheduled = 0  # this step's tokens of prompts the policy cuts
-        # The clock at the last step that began with more than one tenant's requests unfinished.
+        # Unfinished requests whose prompt fits one chunk: those long prompts' chunks hold up.
+        self.num_short = 0
+        # The clock at the last step that began with more than one tenant's requests unfinished,
+        # a short one among them.
         self.last_shared = -float("inf")
         policy.bind(self)
 
@@ -148,6 +151,10 @@ class Scheduler:
                 num_shared += 1
         return held, num_shared
 
+    def shared_with_short(self) -> bool:
+        """More than one tenant has requests unfinished, a short one among them."""
+        return len(self.tenants) > 1 and self.num_short > 0
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
@@ -181,6 +188,7 @@ class Scheduler:
                                f"the whole cache has {kv.num_blocks}")
         self.requests[request.request_id] = request
         self.tenants[request.tenant] += 1
+        self.num_short += self._short(request)
         stats = request.stats  # who is ahead of it, for `explain`
         stats.waiting_ahead, stats.running_ahead = len(self.waiting), len(self.running)
         _, stats.tokens_ahead = self.waiting.ahead(request)
@@ -197,7 +205,7 @@ class Scheduler:
         output = SchedulerOutput()
         self.cut_tokens_scheduled = 0
         now = self.clock()
-        if len(self.tenants) > 1:
+        if self.shared_with_short():
             self.last_shared = now
         self.waiting.refresh(now, self.step_time.seconds_per_token(
             self.config.max_num_batched_tokens))
@@ -272,28 +280,47 @@ class Scheduler:
         preempted max_policy_preemptions times is no longer a victim here."""
         if head is None or self._fits(head) or self._cut_taken_before(head, frozenset()):
             return  # it fits, or it would get no tokens this step: nobody is preempted for it
-        while not self._fits(head):
-            limit = self.config.max_policy_preemptions
-            victim = self.policy.displace(
-                head, [r for r in self.running if r.num_preemptions < limit])
+        limit = self.config.max_policy_preemptions
+        candidates = [r for r in self.running if r.num_preemptions < limit]
+        victims: list[Request] = []
+        while not self._fits(head, victims):
+            victim = self.policy.displace(head, candidates)
             if victim is None:
-                return
+                return  # it would not fit even so: nobody is preempted for nothing
+            victims.append(victim)
+            candidates.remove(victim)
+        for victim in victims:
             self._preempt(victim, output)
 
-    def _fits(self, request: Request) -> bool:
+    def _fits(self, request: Request, victims: Sequence[Request] = ()) -> bool:
         """A batch slot is free, and blocks for its whole prompt beside what running prompts
-        still need (_prompt_fits)."""
-        if len(self.running) >= self.config.max_num_seqs:
+        still need (_prompt_fits); were `victims` preempted first, where given."""
+        if len(self.running) - len(victims) >= self.config.max_num_seqs:
             return False
         hit_blocks, num_hit = self._prefix_hit(request)
-        return self._prompt_fits(request, hit_blocks, num_hit, self._prompt_reserve())
+        if not victims:
+            return self._prompt_fits(request, hit_blocks, num_hit, self._prompt_reserve())
+        kv = self.kv_cache_manager
+        held = Counter(block.block_id for victim in victims
+                       for block in kv.block_tables.get(victim.request_id, ()))
+        # A block only victims hold goes back to the free list, once; a prefix hit on one then
+        # takes it out again.
+        freed = sum(1 for block_id, count in held.items()
+                    if kv.block_pool.blocks[block_id].ref_cnt == count)
+        rehit = sum(1 for block in hit_blocks if held.get(block.block_id) == block.ref_cnt)
+        reserve = self._prompt_reserve() - sum(self._blocks_to_finish(v) for v in victims
+                                               if is_prefill(v))
+        need = kv.num_free_blocks_needed(request, request.num_tokens - num_hit, hit_blocks,
+                                         num_hit) + rehit
+        return need <= kv.num_free_blocks + freed - reserve
 
     def _prompt_reserve(self) -> int:
         """The blocks running prompts still need to finish (a recompute's outputs included)."""
-        block_size = self.kv_cache_manager.block_size
-        tables = self.kv_cache_manager.block_tables
-        return sum(cdiv(r.num_tokens, block_size) - len(tables.get(r.request_id, ()))
-                   for r in self.running if is_prefill(r))
+        return sum(self._blocks_to_finish(r) for r in self.running if is_prefill(r))
+
+    def _blocks_to_finish(self, request: Request) -> int:
+        held = len(self.kv_cache_manager.block_tables.get(request.request_id, ()))
+        return max(0, cdiv(request.num_tokens, self.kv_cache_manager.block_size) - held)
 
     def _prompt_fits(self, request: Request, hit_blocks: list, num_hit: int,
                      reserve: int) -> bool:
@@ -462,7 +489,7 @@ class Scheduler:
             output.scheduled.append(self._scheduled(request, num_new, block_ids))
             budget -= num_new
             num_prefills += uncomputed_tokens(request) - num_new > 1
-            reserve += cdiv(request.num_tokens, kv.block_size) - len(block_ids)
+            reserve += self._blocks_to_finish(request)
         for request in passed_over:
             self.waiting.restore(request)
         return budget
@@ -626,8 +653,12 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def _short(self, request: Request) -> bool:
+        return request.num_prompt_tokens <= self.config.long_prefill_token_threshold
+
     def _end(self, request: Request, status: RequestStatus) -> None:
         del self.requests[request.request_id]
+        self.num_short -= self._short(request)
         self.tenants[request.tenant] -= 1
         if not self.tenants[request.tenant]:
             del self.tenants[request.tenant]
