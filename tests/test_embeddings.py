@@ -121,8 +121,8 @@ def test_engine_embeddings_equal_transformers_in_batches_with_generation(tmp_pat
 
 
 def test_embeddings_survive_preemption(tmp_path):
-    """A cache too small for everyone: requests are preempted and recomputed, an embedding
-    among them; its mean still counts every position once."""
+    """A cache too small for everyone: an embedding is preempted mid-prefill and recomputed;
+    its mean still counts every position once."""
     pooling = "mean"
     hf = build_tiny_model("llama", tmp_path)
     core = EngineCore(EngineConfig(ModelConfig(model=str(tmp_path), dtype="float32",
@@ -132,8 +132,10 @@ def test_embeddings_survive_preemption(tmp_path):
                                    SchedulerConfig(max_num_batched_tokens=12,
                                                    long_prefill_token_threshold=6)))
     greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    generated = random_prompts((8,), seed=4)
-    prompts = random_prompts((30, 26), seed=5)
+    generated = random_prompts((4,), seed=4)
+    # e0 is admitted beside g0 (its whole prompt fits), and g0's decode grows into its blocks
+    # before e0's last chunk: e0, the newest, is preempted.
+    prompts = random_prompts((40, 26), seed=5)
     requests = []
     for i, prompt in enumerate(generated):
         core.add_request(f"g{i}", prompt, greedy)

@@ -338,14 +338,16 @@ def test_logprobs_come_per_accepted_token(tiny_model):
 
 
 def test_sampled_outputs_run_and_leave_no_blocks(tiny_model):
-    """Temperature 0.8 with top-p over a batch: outputs of the right length, drafts both
-    accepted and rejected, the cache empty after."""
+    """Sampled with top-p over a batch: outputs of the right length, drafts both accepted and
+    rejected, the cache empty after. At a low temperature: the tiny random model's logits are
+    flat, and at 0.8 about one guess in a hundred was accepted, so whether any was depended on
+    how the steps fell (the chi-square test checks the distribution at 0.8)."""
     torch.manual_seed(0)
     prompts = repetitive_prompts(6)
     plain = run(make_engine(tiny_model, None), prompts, GREEDY)  # likely guesses
     engine = with_oracle(make_engine(tiny_model, SPEC, num_blocks=48,
                                      max_num_batched_tokens=32), prompts, plain)
-    params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, ignore_eos=True)
+    params = SamplingParams(max_tokens=20, temperature=0.05, top_p=0.9, ignore_eos=True)
     outputs = run(engine, prompts, params)
     assert all(len(tokens) == 20 for tokens in outputs)
     drafts, draft_tokens, accepted = engine.spec_decode_counts
