@@ -216,7 +216,8 @@ def test_treadle_env_reports_the_forced_path():
     assert kernel["variant"] == "avx2"
     assert "-march=x86-64-v3" in kernel["cflags"] and "-mavx512vnni" not in kernel["cflags"]
     assert report["onednn_linear"] == {"float32": True, "bfloat16": False}
-    assert report["environment"] == AVX2_ENV
+    # the forced settings, beside any the machine itself sets (OPENBLAS_CORETYPE on some)
+    assert report["environment"].items() >= AVX2_ENV.items()
     text = run_forced(["-m", "treadle.cli", "env"], AVX2_ENV, timeout=120).stdout
     assert "dtype auto -> float32" in text and "native kernels: avx2 variant" in text
     if not torch.cuda.is_available():

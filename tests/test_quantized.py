@@ -166,6 +166,9 @@ def assert_dequantizes_as_the_gguf_package(weight: QuantizedWeight, kernels) -> 
                                 ).view(weight.shape)
     assert torch.equal(kernels.dequantize(weight.data, weight.qtype, weight.in_features),
                        expected)
+    # bfloat16 (the float path's GEMM input): rounded as torch rounds, compared as bits
+    as_bf16 = kernels.dequantize_bf16(weight.data, weight.qtype, weight.in_features)
+    assert torch.equal(as_bf16.view(torch.int16), expected.to(torch.bfloat16).view(torch.int16))
     assert torch.equal(dequantize_torch(weight), expected)
     q, scale, offset = integer_form(weight)  # what the kernel's reference reads
     assert torch.equal((q * scale + offset[..., None]).float().view(weight.shape), expected)

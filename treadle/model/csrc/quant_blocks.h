@@ -1,10 +1,12 @@
 // GGUF's block layouts and what the quantized-linear sources share: quant_linear.cpp (the
-// 32-wide types, the entry points) and quant_kblocks.cpp (the 256-wide K-quants).
+// 32-wide types, the entry points), quant_kblocks.cpp (the 256-wide K-quants) and
+// dequantize.cpp (blocks to float weights).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -44,6 +46,27 @@ inline float half_to_float(uint16_t bits) {
 #endif
 }
 
+#if defined(__AVX2__)
+// A 32-wide block's 16 bytes of 4-bit weights as 32 bytes in GGUF's order: the low nibbles are
+// weights 0-15, the high nibbles 16-31.
+inline __m256i unpack_nibbles(const uint8_t* qs) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+// 32 bytes, byte j 0xFF where bit j of the 4 bytes at x is set (llama.cpp's bytes_from_bits_32).
+inline __m256i bytes_from_bits(const uint8_t* x) {
+  uint32_t bits;
+  std::memcpy(&bits, x, sizeof(bits));
+  const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                            0x0101010101010101, 0x0000000000000000);
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuffle);
+  const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL);  // all but bit j of byte j
+  return _mm256_cmpeq_epi8(_mm256_or_si256(bytes, others), _mm256_set1_epi64x(-1));
+}
+#endif
+
 inline bool is_k_quant(int64_t qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K; }
 
 inline int64_t block_bytes(int64_t qtype) {
@@ -60,6 +83,16 @@ inline int64_t block_bytes(int64_t qtype) {
 }
 
 inline int64_t block_weights(int64_t qtype) { return is_k_quant(qtype) ? QK_K : QK; }
+
+// A quantized weight as the kernels take it: contiguous uint8 rows of k / block_weights blocks.
+inline void check_weight(const at::Tensor& weight, int64_t qtype, int64_t k) {
+  TORCH_CHECK(weight.dtype() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
+              "weight must be contiguous uint8 [out_features, row_bytes]");
+  const int64_t width = block_weights(qtype), row_bytes = k / width * block_bytes(qtype);
+  TORCH_CHECK(k % width == 0, "in_features must be a multiple of ", width);
+  TORCH_CHECK(weight.size(1) == row_bytes, "weight rows hold ", weight.size(1), " bytes, not ",
+              row_bytes);
+}
 
 // Activation rows for the K-quants, llama.cpp's Q8_K: int8 values under one scale per 256
 // (amax / 127) and each 16 values' integer sum, which the weights' offsets (Q4_K/Q5_K mins,

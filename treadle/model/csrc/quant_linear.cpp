@@ -24,28 +24,6 @@ namespace {
 
 using namespace quant;
 
-// Q4_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4).
-inline void q4_k_scale_min(const uint8_t* s, int j, int* scale, int* min) {
-  if (j < 4) {
-    *scale = s[j] & 63;
-    *min = s[j + 4] & 63;
-  } else {
-    *scale = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-    *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
-// Q6_K's 6-bit q (0..63) of the 32 weights of sub-block j: sub-block j = 4 h + s of half h
-// takes the low (s < 2) or high nibbles of ql[64 h + 32 (s % 2) + l] and bits 2 s of qh[32 h + l].
-inline void q6_k_values(const BlockQ6_K* blk, int j, uint8_t* q) {
-  const int h = j / 4, s = j % 4;
-  const uint8_t* ql = blk->ql + 64 * h + 32 * (s % 2);
-  const uint8_t* qh = blk->qh + 32 * h;
-  for (int l = 0; l < QK; ++l) {
-    q[l] = ((s < 2 ? ql[l] & 0x0F : ql[l] >> 4) | (((qh[l] >> (2 * s)) & 3) << 4));
-  }
-}
-
 // Activation rows quantized per block: int8 values, each block's scale and its exact sum.
 struct QuantizedRows {
   int64_t k, nb;              // row length, blocks a row
@@ -91,23 +69,6 @@ inline __m256i dot_pairs_u8_s8(__m256i w, __m256i a) {  // 8 int32 partial sums
 #else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
 #endif
-}
-
-inline __m256i unpack_nibbles(const uint8_t* qs) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
-
-// 32 bytes, byte j 0xFF where bit j of the 4 bytes at x is set (llama.cpp's bytes_from_bits_32).
-inline __m256i bytes_from_bits(const uint8_t* x) {
-  uint32_t bits;
-  std::memcpy(&bits, x, sizeof(bits));
-  const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
-                                            0x0101010101010101, 0x0000000000000000);
-  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuffle);
-  const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL);  // all but bit j of byte j
-  return _mm256_cmpeq_epi8(_mm256_or_si256(bytes, others), _mm256_set1_epi64x(-1));
 }
 
 // Signed int8 weights times signed activations: maddubs wants unsigned x signed, so |w| times a
@@ -331,92 +292,6 @@ void gemv_rows(const uint8_t* w, int64_t n, int64_t k, const QuantizedRows& xq, 
   });
 }
 
-void check_weight(const at::Tensor& weight, int64_t qtype, int64_t k) {
-  TORCH_CHECK(weight.dtype() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
-              "weight must be contiguous uint8 [out_features, row_bytes]");
-  const int64_t width = block_weights(qtype), row_bytes = k / width * block_bytes(qtype);
-  TORCH_CHECK(k % width == 0, "in_features must be a multiple of ", width);
-  TORCH_CHECK(weight.size(1) == row_bytes, "weight rows hold ", weight.size(1), " bytes, not ",
-              row_bytes);
-}
-
-// One block's (or super-block's) float weights, in ggml's arithmetic and order, so that they
-// equal the gguf package's dequantization bit for bit.
-void dequantize_block(const uint8_t* blk, int64_t qtype, float* dst) {
-  switch (qtype) {
-    case Q8_0: {
-      const auto* q = reinterpret_cast<const BlockQ8_0*>(blk);
-      const float d = half_to_float(q->d);
-      for (int j = 0; j < QK; ++j) dst[j] = d * q->qs[j];
-      return;
-    }
-    case Q4_1: {  // q d + m
-      const auto* q = reinterpret_cast<const BlockQ4_1*>(blk);
-      const float d = half_to_float(q->d), m = half_to_float(q->m);
-      for (int j = 0; j < QK / 2; ++j) {
-        dst[j] = (q->qs[j] & 0x0F) * d + m;
-        dst[j + QK / 2] = (q->qs[j] >> 4) * d + m;
-      }
-      return;
-    }
-    case Q4_0: {  // (q - 8) d
-      const auto* q = reinterpret_cast<const BlockQ4_0*>(blk);
-      const float d = half_to_float(q->d);
-      for (int j = 0; j < QK / 2; ++j) {
-        dst[j] = ((q->qs[j] & 0x0F) - 8) * d;
-        dst[j + QK / 2] = ((q->qs[j] >> 4) - 8) * d;
-      }
-      return;
-    }
-    case Q5_0: {  // (q - 16) d
-      const auto* q = reinterpret_cast<const BlockQ5_0*>(blk);
-      const float d = half_to_float(q->d);
-      uint32_t qh;
-      std::memcpy(&qh, q->qh, sizeof(qh));
-      for (int j = 0; j < QK / 2; ++j) {
-        const int lo = (q->qs[j] & 0x0F) | (((qh >> j) & 1) << 4);
-        const int hi = (q->qs[j] >> 4) | (((qh >> (j + QK / 2)) & 1) << 4);
-        dst[j] = (lo - 16) * d;
-        dst[j + QK / 2] = (hi - 16) * d;
-      }
-      return;
-    }
-    case Q4_K:
-    case Q5_K: {  // (d scale) q - (dmin min), per sub-block; Q5_K's fifth bits from qh
-      const auto* q = reinterpret_cast<const BlockQ4_K*>(blk);  // Q5_K shares the head
-      const uint8_t* qs = qtype == Q4_K ? q->qs : reinterpret_cast<const BlockQ5_K*>(blk)->qs;
-      const uint8_t* qh = qtype == Q5_K ? reinterpret_cast<const BlockQ5_K*>(blk)->qh : nullptr;
-      const float d = half_to_float(q->d), dmin = half_to_float(q->dmin);
-      for (int j = 0; j < QK_K / QK; ++j) {
-        int scale, min;
-        q4_k_scale_min(q->scales, j, &scale, &min);
-        const float dl = d * static_cast<float>(scale), ml = dmin * static_cast<float>(min);
-        const uint8_t* sub = qs + 32 * (j / 2);
-        for (int l = 0; l < QK; ++l) {
-          int value = j % 2 ? sub[l] >> 4 : sub[l] & 0x0F;
-          if (qh != nullptr) value |= ((qh[l] >> j) & 1) << 4;
-          dst[QK * j + l] = dl * static_cast<float>(value) - ml;
-        }
-      }
-      return;
-    }
-    case Q6_K: {  // (d scale) (q - 32), a scale per 16
-      const auto* q = reinterpret_cast<const BlockQ6_K*>(blk);
-      const float d = half_to_float(q->d);
-      for (int j = 0; j < QK_K / QK; ++j) {
-        uint8_t values[QK];
-        q6_k_values(q, j, values);
-        for (int l = 0; l < QK; ++l) {
-          const float dl = d * static_cast<float>(q->scales[(QK * j + l) / 16]);
-          dst[QK * j + l] = dl * static_cast<float>(int(values[l]) - 32);
-        }
-      }
-      return;
-    }
-  }
-  TORCH_CHECK(false, "unsupported quantized type ", qtype);
-}
-
 }  // namespace
 
 // y = x [W_0; W_1; ...]^T (+ bias) for x [rows, k] float32 or bfloat16; each W_i in GGUF
@@ -466,36 +341,4 @@ at::Tensor quant_linear_parts(at::Tensor x, const std::vector<at::Tensor>& weigh
 at::Tensor quant_linear(at::Tensor x, at::Tensor weight, int64_t qtype,
                            c10::optional<at::Tensor> bias) {
   return quant_linear_parts(x, {weight}, {qtype}, bias);
-}
-
-// The float weights [n, k] the blocks stand for (the large-batch path: dequantize, then GEMM).
-at::Tensor dequantize(at::Tensor weight, int64_t qtype, int64_t k) {
-  check_weight(weight, qtype, k);
-  const int64_t n = weight.size(0), width = block_weights(qtype), bb = block_bytes(qtype);
-  auto out = at::empty({n, k}, at::kFloat);
-  const uint8_t* w = weight.data_ptr<uint8_t>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, n * (k / width), 256 * QK / width, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) dequantize_block(w + i * bb, qtype, o + i * width);
-  });
-  return out;
-}
-
-// The same weights as bfloat16 (rounded to nearest even, as .to(torch.bfloat16)): the float
-// path of a large step dequantizes a slice of rows at a time and multiplies it with oneDNN.
-at::Tensor dequantize_bf16(at::Tensor weight, int64_t qtype, int64_t k) {
-  weight = weight.contiguous();
-  check_weight(weight, qtype, k);
-  const int64_t n = weight.size(0), width = block_weights(qtype), bb = block_bytes(qtype);
-  auto out = at::empty({n, k}, at::kBFloat16);
-  const uint8_t* w = weight.data_ptr<uint8_t>();
-  at::BFloat16* o = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, n * (k / width), 256 * QK / width, [&](int64_t begin, int64_t end) {
-    float values[QK_K];
-    for (int64_t i = begin; i < end; ++i) {
-      dequantize_block(w + i * bb, qtype, values);
-      for (int64_t j = 0; j < width; ++j) o[i * width + j] = at::BFloat16(values[j]);
-    }
-  });
-  return out;
 }
