@@ -186,6 +186,29 @@ def test_nobody_yields_to_a_head_whose_cut_a_running_prompt_takes():
     assert_scheduler_empty(s)
 
 
+def test_a_long_prompt_s_tenant_sits_out_a_short_head_s_step_beside_its_tenant_s_decodes():
+    """A light tenant with requests decoding, lifted to the heavy tenant's counter as its next
+    request arrives: the heavy tenant, running a long prompt's request, sits out that request's
+    admission step, so its first token waits for a step of light work only. The step after,
+    everyone runs."""
+    s = make_scheduler(num_blocks=800, block_size=4, max_num_batched_tokens=256,
+                       long_prefill_token_threshold=128, policy="fair")
+    model = model_for(s)
+    s.add_request(request("h0", "heavy", 300, 200, t=0))
+    for i in range(3):
+        s.add_request(request(f"l{i}", "light", 8, 200, t=1 + i))
+    while any(r.num_output_tokens == 0 for r in s.running) or s.num_waiting:
+        step(s, model)
+    s.add_request(request("l3", "light", 8, 20, t=5))
+    s.policy.counters["light"] = s.policy.counter("heavy")  # the lift at its arrival
+    output, _ = step(s, model)
+    assert {x.request.request_id for x in output.scheduled} == {"l0", "l1", "l2", "l3"}
+    output, _ = step(s, model)
+    assert "h0" in {x.request.request_id for x in output.scheduled}
+    run_until_done(s, model)
+    assert_scheduler_empty(s)
+
+
 def test_nobody_is_preempted_for_a_head_whose_cut_a_running_prompt_takes():
     """The heavy head finds no batch slot, but its tenant's running prompt takes the step's
     cut: it would get no tokens, so no light request is displaced for it."""

@@ -142,14 +142,29 @@ class FairPolicy(SchedulingPolicy):
         # from any tenant served at least as much, even one holding a single request: else one
         # long prompt of a heavy tenant capped to one request's worth of KV
         # (max_kv_blocks_per_tenant) put its chunk in every light admission step.
+        # A tenant running a long prompt's request also sits out a short head's step, whatever
+        # the head's tenant holds: a light tenant with requests decoding is lifted to the heavy
+        # one's counter at each arrival, so the rules above left its first token behind every
+        # heavy decode at long context and the step's cut (docs/decisions.md, issue 34). A
+        # short head's prompt completes in that step, so this cannot cycle.
         if head.num_preemptions:  # nobody yields to a readmission (yield cycles livelocked)
             return frozenset()
         held = Counter(r.tenant for r in running)
         base, charge = self.counter(head.tenant), self.admission_charge(head)
+        long_tenants = self._long_prompt_tenants(running) if self._short(head) else set()
         return frozenset(
             tenant for tenant, count in held.items() if tenant != head.tenant
             and (gap := self.counter(tenant) - base) >= 0
-            and (gap > charge or count - held[head.tenant] >= 2 or not held[head.tenant]))
+            and (gap > charge or count - held[head.tenant] >= 2 or not held[head.tenant]
+                 or tenant in long_tenants))
+
+    def _short(self, request: Request) -> bool:
+        """A prompt of one chunk (at most the engine's long-prefill threshold)."""
+        return self.scheduler is not None and \
+            request.num_prompt_tokens <= self.scheduler.config.long_prefill_token_threshold
+
+    def _long_prompt_tenants(self, running: Sequence[Request]) -> set[str]:
+        return {r.tenant for r in running if not self._short(r)}
 
     def shared(self) -> bool:
         """More than one tenant has requests, a short one among them (a prompt of one chunk),
@@ -277,9 +292,13 @@ class FairPolicy(SchedulingPolicy):
     def displace(self, head: Request, candidates: Sequence[Request]) -> Request | None:
         # A tenant within its share takes blocks back from the tenant most over its own: that
         # tenant's newest running request (none is scheduled yet in the step). Never for a
-        # readmission after preemption (a preempted request displacing in turn could cycle).
-        if head.num_preemptions == 0 and self.scheduler is not None and \
-                self.config_cap_unset() and not self._over_own_share(head):
+        # readmission after preemption: a preempted request displacing in turn could cycle (a
+        # light request admitted while the heavy tenant sat its step out was displaced back by
+        # the heavy request it had displaced); it waits for room, as in vLLM.
+        if head.num_preemptions:
+            return None
+        if self.scheduler is not None and self.config_cap_unset() and \
+                not self._over_own_share(head):
             victim = self._over_share(candidates, exclude=head.tenant)
             if victim is not None:
                 return victim
@@ -297,7 +316,11 @@ class FairPolicy(SchedulingPolicy):
 
 
 class FairQueue:
-    """Per-tenant queues in arrival order, and a heap of backlogged tenants by counter.
+    """Per-tenant queues in arrival order, and a heap of backlogged tenants by counter; at
+    equal counters, a tenant lifted to the least counter as it became backlogged goes first
+    (served less than the others, it is the light one: after the tenant it was lifted to, by
+    name, its requests waited behind a heavy tenant's queued prompts, in steps carrying all of
+    that tenant's decodes and chunks), the others in the order they became backlogged.
 
     Counters only grow, so a heap entry is never too large: one found stale at the top is
     re-pushed with the tenant's counter, one whose tenant has nothing waiting is dropped.
@@ -306,8 +329,12 @@ class FairQueue:
     def __init__(self, policy: FairPolicy) -> None:
         self.policy = policy
         self.lanes: dict[str, KeyedQueue] = {}
-        self.tenants: list[tuple[float, str]] = []  # (counter when pushed, tenant)
+        self.tenants: list[tuple[float, int, str]] = []  # (counter when pushed, rank, tenant)
         self.in_heap: set[str] = set()
+        # A tenant's rank among equal counters, set as it becomes backlogged: the count of
+        # backloggings so far, negated where it was lifted (the latest lifted first).
+        self.rank: dict[str, int] = {}
+        self.backloggings = 0
         self.size = 0
         # Each tenant's waiting tokens as of the step's start, plus those queued since: the
         # requests a step passes over leave the lanes for a while, not the demand.
@@ -317,19 +344,20 @@ class FairQueue:
         return self.size
 
     def __iter__(self) -> Iterator[Request]:
-        for tenant in sorted(self.lanes, key=lambda t: (self.policy.counter(t), t)):
+        for tenant in sorted(self.lanes, key=lambda t: (self.policy.counter(t),
+                                                        self.rank.get(t, 0), t)):
             yield from self.lanes[tenant]
 
     def _top(self) -> str | None:
         counters = self.policy.counters
         while self.tenants:
-            counter, tenant = self.tenants[0]
+            counter, rank, tenant = self.tenants[0]
             if not self.lanes.get(tenant):
                 heapq.heappop(self.tenants)
                 self.in_heap.discard(tenant)
                 self.lanes.pop(tenant, None)
             elif counter != counters.get(tenant, 0.0):
-                heapq.heapreplace(self.tenants, (counters.get(tenant, 0.0), tenant))
+                heapq.heapreplace(self.tenants, (counters.get(tenant, 0.0), rank, tenant))
             else:
                 return tenant
         return None
@@ -339,7 +367,14 @@ class FairQueue:
         if not self.lanes.get(tenant):  # newly backlogged: no credit for the time away
             top = self._top()
             floor = self.policy.counter(top) if top is not None else self.policy.virtual_time
+            lifted = self.policy.counter(tenant) < floor
             self.policy.counters[tenant] = max(self.policy.counter(tenant), floor)
+            if tenant in self.in_heap:  # a stale entry (nothing waiting): the rank changes
+                self.tenants = [entry for entry in self.tenants if entry[2] != tenant]
+                heapq.heapify(self.tenants)
+                self.in_heap.discard(tenant)
+            self.backloggings += 1
+            self.rank[tenant] = -self.backloggings if lifted else self.backloggings
         self.restore(request)
         self.demand_tokens[tenant] += request.num_tokens - request.num_computed_tokens
         self.policy.caps.clear()
@@ -350,7 +385,8 @@ class FairQueue:
         self.size += 1
         if tenant not in self.in_heap:
             self.in_heap.add(tenant)
-            heapq.heappush(self.tenants, (self.policy.counter(tenant), tenant))
+            heapq.heappush(self.tenants, (self.policy.counter(tenant), self.rank.get(tenant, 0),
+                                          tenant))
 
     def remove(self, request: Request) -> None:
         self.lanes[request.tenant].remove(request)
