@@ -10,6 +10,7 @@ from engine_sim import make_scheduler, model_for, run_until_done, step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from treadle.core.lora_request import LoRARequest
 from treadle.core.request import Request
 from treadle.core.sampling_params import SamplingParams
 from treadle.core.sched.fair import PRESENCE_SECONDS
@@ -186,25 +187,53 @@ def test_nobody_yields_to_a_head_whose_cut_a_running_prompt_takes():
     assert_scheduler_empty(s)
 
 
-def test_a_long_prompt_s_tenant_sits_out_a_short_head_s_step_beside_its_tenant_s_decodes():
+def test_a_tenant_prefilling_a_long_prompt_sits_out_a_short_head_s_step():
     """A light tenant with requests decoding, lifted to the heavy tenant's counter as its next
-    request arrives: the heavy tenant, running a long prompt's request, sits out that request's
-    admission step, so its first token waits for a step of light work only. The step after,
-    everyone runs."""
+    request arrives: the heavy tenant, prefilling a long prompt, sits out that request's
+    admission step, so its first token waits for a step of light work only; the step after,
+    everyone runs. Once the long prompt decodes, nobody sits out for a light arrival (tenants
+    of long chat prompts would sit out each other's every admission)."""
     s = make_scheduler(num_blocks=800, block_size=4, max_num_batched_tokens=256,
                        long_prefill_token_threshold=128, policy="fair")
     model = model_for(s)
-    s.add_request(request("h0", "heavy", 300, 200, t=0))
     for i in range(3):
-        s.add_request(request(f"l{i}", "light", 8, 200, t=1 + i))
+        s.add_request(request(f"l{i}", "light", 8, 400, t=i))
     while any(r.num_output_tokens == 0 for r in s.running) or s.num_waiting:
         step(s, model)
-    s.add_request(request("l3", "light", 8, 20, t=5))
-    s.policy.counters["light"] = s.policy.counter("heavy")  # the lift at its arrival
+    s.add_request(request("h0", "heavy", 600, 100, t=3))
+    step(s, model)  # its first cut chunk
+    for i in (3, 4):
+        if i == 4:  # h0 decodes now
+            while any(r.num_output_tokens == 0 for r in s.running):
+                step(s, model)
+        s.add_request(request(f"l{i}", "light", 8, 20, t=2 + i))
+        s.policy.counters["light"] = s.policy.counter("heavy")  # the lift at its arrival
+        output, _ = step(s, model)
+        scheduled = {x.request.request_id for x in output.scheduled}
+        assert f"l{i}" in scheduled and ("h0" in scheduled) == (i == 4)
+        output, _ = step(s, model)
+        assert "h0" in {x.request.request_id for x in output.scheduled}
+    run_until_done(s, model)
+    assert_scheduler_empty(s)
+
+
+def test_nobody_sits_out_for_a_short_head_waiting_for_its_adapter():
+    """With one adapter at a time, a light head needing another adapter than the heavy
+    tenant's long prompt cannot be admitted: the heavy tenant must not sit the step out (the
+    step would be empty, the adapter never released, every step the same)."""
+    s = make_scheduler(num_blocks=800, block_size=4, max_num_batched_tokens=256,
+                       long_prefill_token_threshold=128, policy="fair", max_loras=1)
+    model = model_for(s)
+    heavy = request("h0", "heavy", 600, 4, t=0)
+    heavy.lora_request = LoRARequest("a", 1, "/adapters/a")
+    s.add_request(heavy)
+    step(s, model)
+    light = request("l0", "light", 8, 4, t=1)
+    light.lora_request = LoRARequest("b", 2, "/adapters/b")
+    s.add_request(light)
+    s.policy.counters["light"] = s.policy.counter("heavy")
     output, _ = step(s, model)
-    assert {x.request.request_id for x in output.scheduled} == {"l0", "l1", "l2", "l3"}
-    output, _ = step(s, model)
-    assert "h0" in {x.request.request_id for x in output.scheduled}
+    assert [x.request.request_id for x in output.scheduled] == ["h0"]
     run_until_done(s, model)
     assert_scheduler_empty(s)
 

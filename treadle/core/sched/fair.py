@@ -10,7 +10,13 @@ from dataclasses import dataclass
 
 from treadle.config import SchedulerConfig, setting
 from treadle.core.request import Request
-from treadle.core.sched.policy import KeyedQueue, SchedulingPolicy, WaitingQueue, register_policy
+from treadle.core.sched.policy import (
+    KeyedQueue,
+    SchedulingPolicy,
+    WaitingQueue,
+    is_prefill,
+    register_policy,
+)
 
 # The least derived cut (the tenants issue measured light tenants protected at 16).
 MIN_DERIVED_CHUNK = 16
@@ -142,11 +148,12 @@ class FairPolicy(SchedulingPolicy):
         # from any tenant served at least as much, even one holding a single request: else one
         # long prompt of a heavy tenant capped to one request's worth of KV
         # (max_kv_blocks_per_tenant) put its chunk in every light admission step.
-        # A tenant running a long prompt's request also sits out a short head's step, whatever
-        # the head's tenant holds: a light tenant with requests decoding is lifted to the heavy
+        # A tenant prefilling a long prompt also sits out a short head's step, whatever the
+        # head's tenant holds: a light tenant with requests decoding is lifted to the heavy
         # one's counter at each arrival, so the rules above left its first token behind every
-        # heavy decode at long context and the step's cut (docs/decisions.md, issue 34). A
-        # short head's prompt completes in that step, so this cannot cycle.
+        # heavy decode at long context and the step's cut (docs/decisions.md, issue 34). Only
+        # while prefilling: tenants whose long prompts all decode (chat with history) would
+        # otherwise sit out each other's every admission.
         if head.num_preemptions:  # nobody yields to a readmission (yield cycles livelocked)
             return frozenset()
         held = Counter(r.tenant for r in running)
@@ -164,7 +171,8 @@ class FairPolicy(SchedulingPolicy):
             request.num_prompt_tokens <= self.scheduler.config.long_prefill_token_threshold
 
     def _long_prompt_tenants(self, running: Sequence[Request]) -> set[str]:
-        return {r.tenant for r in running if not self._short(r)}
+        """Tenants with a long prompt mid-prefill."""
+        return {r.tenant for r in running if is_prefill(r) and not self._short(r)}
 
     def shared(self) -> bool:
         """More than one tenant has requests, a short one among them (a prompt of one chunk),

@@ -240,15 +240,20 @@ class Scheduler:
 
     def _yielding_tenants(self, head: Request | None) -> frozenset[str]:
         """Tenants whose running requests sit out this step, by the policy, for the waiting
-        head's admission: only when the head is sure to be admitted (a slot, blocks, a prefill
-        slot unless its prompt completes in the step, and the step's cut where the policy cuts
-        its prompt), so a step never stays empty."""
+        head's admission: only when the head is sure to be admitted (a slot, blocks, its
+        adapter, a prefill slot unless its prompt completes in the step, and the step's cut
+        where the policy cuts its prompt), so a step never stays empty."""
         if head is None:
             return frozenset()
         # The policy first: the checks below hash the head's prompt, work a step of a policy
         # that never yields (fcfs, priority, deadline) must not do.
         yielding = self.policy.yielding_tenants(head, self.running)
         if not yielding or not self._fits(head):
+            return frozenset()
+        # A head waiting for its adapter would leave the step empty, and the adapter in use
+        # among the yielding requests would never be released.
+        if self._over_lora_cap(head) or (head.lora_request is not None
+                                         and not self.adapter_ready(head.lora_request)):
             return frozenset()
         _, num_hit = self._prefix_hit(head)
         num_left = head.num_tokens - num_hit - min(self._chunk_tokens(head),

@@ -1,8 +1,10 @@
 // GGUF blocks to float32 or bfloat16 weights: the float path of a step with more rows than the
 // integer kernel wins at dequantizes a slice of a layer at a time and multiplies it with a GEMM,
 // so this runs at every such step and has to keep up with the GEMM. Each value is computed in
-// ggml's arithmetic and order (a multiply, then an add: never fused), so that it equals the gguf
-// package's dequantization bit for bit; bfloat16 rounds to nearest even, as at::BFloat16 does.
+// ggml's arithmetic and order (a multiply, then an add), so that it equals the gguf package's
+// dequantization bit for bit: where an add follows, the product is exact in float32 (an fp16
+// scale times at most 11 bits), so a compiler's fused multiply-add gives the same bits.
+// bfloat16 rounds to nearest even, as at::BFloat16 does.
 // AVX2 builds compute 8 weights a vector; the portable build a weight at a time.
 #include "kernels.h"
 #include "quant_blocks.h"
