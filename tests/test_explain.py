@@ -79,6 +79,21 @@ def test_a_wait_for_another_tenant_names_it():
     assert explain(t)["main_cause"] == "waited 2.1 s: tenant heavy held 92% of the KV cache"
 
 
+def test_a_wait_for_the_step_in_flight_is_named_as_such():
+    """The engine reads new requests between steps: most of a light request's "frontend" part
+    beside long steps is the step in flight, not the frontend's own work."""
+    t = timeline([(0.25, "queued"), (0.251, "scheduled"), (0.3, "first_token"),
+                  (0.31, "finished")], response_end_s=0.32, frontend_s=0.004,
+                 decode={"steps": 0, "avg_batch": 0.0, "steps_with_prefill": 0,
+                         "with_prefill_s": 0.0, "decode_only_s": 0.0})
+    assert explain(t)["main_cause"] == ("reached the engine's queue after 254 ms, 250 ms of it "
+                                        "waiting for the step in flight: frontend")
+    t = timeline([(0.001, "queued"), (0.002, "scheduled"), (0.05, "first_token"),
+                  (0.06, "finished")], response_end_s=0.07, frontend_s=0.4)
+    assert explain(t)["main_cause"] == ("spent 401 ms before reaching the engine (tokenize, "
+                                        "admission): frontend")
+
+
 def test_a_wait_for_a_lora_slot_names_the_adapter():
     """The scheduler's count of steps that passed the request over for --max-loras beats the
     guess from the cache at arrival; a base-model request's explain has no adapter."""

@@ -186,6 +186,10 @@ def main_cause(timeline: dict, seconds: dict[str, float]) -> str:
         return (f"prefill of {timeline['prompt_tokens']} tokens took {took} in {len(chunks)} "
                 f"chunks: prefill")
     if name == "frontend":
+        in_flight = marks(timeline)["queued"]
+        if in_flight > timeline.get("frontend_s", 0.0):  # the engine reads between steps
+            return (f"reached the engine's queue after {took}, {span(in_flight)} of it waiting "
+                    f"for the step in flight: frontend")
         return f"spent {took} before reaching the engine (tokenize, admission): frontend"
     return f"spent {took} detokenizing and writing the response: stream"
 
