@@ -149,30 +149,27 @@ class FairPolicy(SchedulingPolicy):
         # long prompt of a heavy tenant capped to one request's worth of KV
         # (max_kv_blocks_per_tenant) put its chunk in every light admission step.
         # A tenant prefilling a long prompt also sits out a short head's step, whatever the
-        # head's tenant holds: a light tenant with requests decoding is lifted to the heavy
-        # one's counter at each arrival, so the rules above left its first token behind every
-        # heavy decode at long context and the step's cut (docs/decisions.md, issue 34). Only
-        # while prefilling: tenants whose long prompts all decode (chat with history) would
-        # otherwise sit out each other's every admission.
+        # head's tenant holds: a light tenant still decoding is lifted to the heavy one's
+        # counter at each arrival, so no rule above holds for it (docs/decisions.md, issue 34).
+        # Only while prefilling: tenants of long prompts all decoding (chat with history) would
+        # sit out each other's every admission.
         if head.num_preemptions:  # nobody yields to a readmission (yield cycles livelocked)
             return frozenset()
         held = Counter(r.tenant for r in running)
         base, charge = self.counter(head.tenant), self.admission_charge(head)
-        long_tenants = self._long_prompt_tenants(running) if self._short(head) else set()
+        long_tenants = self._long_prompt_tenants(running) if self._is_short(head) else set()
         return frozenset(
             tenant for tenant, count in held.items() if tenant != head.tenant
             and (gap := self.counter(tenant) - base) >= 0
             and (gap > charge or count - held[head.tenant] >= 2 or not held[head.tenant]
                  or tenant in long_tenants))
 
-    def _short(self, request: Request) -> bool:
-        """A prompt of one chunk (at most the engine's long-prefill threshold)."""
-        return self.scheduler is not None and \
-            request.num_prompt_tokens <= self.scheduler.config.long_prefill_token_threshold
+    def _is_short(self, request: Request) -> bool:
+        return self.scheduler is not None and self.scheduler.is_short(request)
 
     def _long_prompt_tenants(self, running: Sequence[Request]) -> set[str]:
         """Tenants with a long prompt mid-prefill."""
-        return {r.tenant for r in running if is_prefill(r) and not self._short(r)}
+        return {r.tenant for r in running if is_prefill(r) and not self._is_short(r)}
 
     def shared(self) -> bool:
         """More than one tenant has requests, a short one among them (a prompt of one chunk),
@@ -300,9 +297,9 @@ class FairPolicy(SchedulingPolicy):
     def displace(self, head: Request, candidates: Sequence[Request]) -> Request | None:
         # A tenant within its share takes blocks back from the tenant most over its own: that
         # tenant's newest running request (none is scheduled yet in the step). Never for a
-        # readmission after preemption: a preempted request displacing in turn could cycle (a
-        # light request admitted while the heavy tenant sat its step out was displaced back by
-        # the heavy request it had displaced); it waits for room, as in vLLM.
+        # readmission after preemption: a preempted request displacing in turn could cycle (it
+        # would take back the place of the request that displaced it); it waits for room, as in
+        # vLLM.
         if head.num_preemptions:
             return None
         if self.scheduler is not None and self.config_cap_unset() and \
@@ -326,9 +323,7 @@ class FairPolicy(SchedulingPolicy):
 class FairQueue:
     """Per-tenant queues in arrival order, and a heap of backlogged tenants by counter; at
     equal counters, a tenant lifted to the least counter as it became backlogged goes first
-    (served less than the others, it is the light one: after the tenant it was lifted to, by
-    name, its requests waited behind a heavy tenant's queued prompts, in steps carrying all of
-    that tenant's decodes and chunks), the others in the order they became backlogged.
+    (it was served less), the others in the order they became backlogged.
 
     Counters only grow, so a heap entry is never too large: one found stale at the top is
     re-pushed with the tenant's counter, one whose tenant has nothing waiting is dropped.

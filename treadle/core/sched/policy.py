@@ -95,6 +95,7 @@ class SchedulerView(Protocol):
     def block_size(self) -> int: ...
     def committed_blocks(self, tenant: str) -> int: ...  # its running requests' blocks, whole
     def shared_with_short(self) -> bool: ...  # several tenants' requests, a one-chunk prompt
+    def is_short(self, request: Request) -> bool: ...  # a prompt of one chunk
 
 
 def uncomputed_tokens(request: Request) -> int:

@@ -188,7 +188,7 @@ class Scheduler:
                                f"the whole cache has {kv.num_blocks}")
         self.requests[request.request_id] = request
         self.tenants[request.tenant] += 1
-        self.num_short += self._short(request)
+        self.num_short += self.is_short(request)
         stats = request.stats  # who is ahead of it, for `explain`
         stats.waiting_ahead, stats.running_ahead = len(self.waiting), len(self.running)
         _, stats.tokens_ahead = self.waiting.ahead(request)
@@ -252,8 +252,7 @@ class Scheduler:
             return frozenset()
         # A head waiting for its adapter would leave the step empty, and the adapter in use
         # among the yielding requests would never be released.
-        if self._over_lora_cap(head) or (head.lora_request is not None
-                                         and not self.adapter_ready(head.lora_request)):
+        if self._over_lora_cap(head) or self._adapter_loading(head):
             return frozenset()
         _, num_hit = self._prefix_hit(head)
         num_left = head.num_tokens - num_hit - min(self._chunk_tokens(head),
@@ -394,6 +393,9 @@ class Scheduler:
         chunk = self.policy.chunk_tokens(request, threshold)
         return chunk if chunk >= threshold else max(0, chunk - self.cut_tokens_scheduled)
 
+    def _adapter_loading(self, request: Request) -> bool:
+        return request.lora_request is not None and not self.adapter_ready(request.lora_request)
+
     def _over_lora_cap(self, request: Request) -> bool:
         """Whether admitting the request would put more than max_loras distinct LoRA adapters
         among the running requests (so in a step: only running requests are scheduled)."""
@@ -450,8 +452,7 @@ class Scheduler:
             if request.tenant in yielding:
                 break
             over_lora_cap = self._over_lora_cap(request)  # waits for an adapter's requests to end
-            if over_lora_cap or (request.lora_request is not None
-                                 and not self.adapter_ready(request.lora_request)):  # or a load
+            if over_lora_cap or self._adapter_loading(request):
                 if len(passed_over) >= MAX_LOOKAHEAD:
                     break
                 request.stats.lora_cap_steps += over_lora_cap
@@ -658,12 +659,13 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _short(self, request: Request) -> bool:
+    def is_short(self, request: Request) -> bool:
+        """A prompt of one chunk (at most the long-prefill threshold)."""
         return request.num_prompt_tokens <= self.config.long_prefill_token_threshold
 
     def _end(self, request: Request, status: RequestStatus) -> None:
         del self.requests[request.request_id]
-        self.num_short -= self._short(request)
+        self.num_short -= self.is_short(request)
         self.tenants[request.tenant] -= 1
         if not self.tenants[request.tenant]:
             del self.tenants[request.tenant]
