@@ -226,6 +226,41 @@ def test_rows_do_not_depend_on_the_batch(qtype, kernels):
         assert torch.equal(alone[0], batch[r]), r
 
 
+@pytest.mark.parametrize("qtype", QTYPES + GGUF_ONLY_QTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_integer_gemm_matches_its_reference(qtype, dtype, kernels):
+    """The GEMM of many rows (panels of 8 or 16 weight rows repacked per call, tiles of 3 or 6
+    activation rows) computes the row kernel's scheme: 37 outputs leave a partial panel, 1-14
+    rows every partial tile, 288 and 768 weights odd counts of blocks. A type the build serves
+    only row by row (Q8_0 without VNNI: q + 128 overflows maddubs' 16-bit pairs) is refused."""
+    in_features = 768 if qtype in K_QUANTS else 288
+    weight = random_blocks(qtype, out_features=37, in_features=in_features, seed=in_features)
+    x = torch.randn(14, in_features, generator=torch.Generator().manual_seed(9)).to(dtype)
+    if int(qtype) not in kernels.quant_gemm_types():
+        assert qtype == Q.Q8_0 and kernels.quant_gemm_types()  # only on the AVX2 build
+        with pytest.raises(RuntimeError, match="no integer GEMM"):
+            kernels.quant_gemm_parts(x, [weight.data], [int(qtype)], None)
+        return
+    bias = torch.randn(37)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # the output's own rounding
+    for rows in (1, 2, 3, 5, 6, 7, 13, 14):
+        out = kernels.quant_gemm_parts(x[:rows], [weight.data], [int(qtype)], bias)
+        assert out.dtype == dtype and out.shape == (rows, 37)
+        expected = reference_quant_linear(x[:rows], weight) + bias.double()
+        scale = expected.abs().max().item()
+        assert (out.double() - expected).abs().max().item() <= tolerance * scale, rows
+
+
+def test_a_layer_s_batch_path_is_the_integer_gemm_unless_a_dense_copy_is_kept(kernels):
+    parts = [random_blocks(Q.Q4_K, 40, seed=1), random_blocks(Q.Q6_K, 24, seed=2)]
+    x = torch.randn(20, 512, generator=torch.Generator().manual_seed(3))
+    layer = make_linear(parts)
+    assert layer.integer_gemm and x.shape[0] > layer.max_gemv_rows
+    assert torch.equal(layer(x), kernels.quant_gemm_parts(x, layer.data, layer.qtypes, None))
+    dense = make_linear(parts, dense_for_batches=True)
+    assert not dense.integer_gemm and torch.equal(dense(x), dense.dense(x))
+
+
 def test_parts_of_different_types_stack_along_the_output_axis(kernels):
     """q/k/v stored in different types (a Q4_K_M file's Q6_K v_proj beside Q4_K q and k) stay
     apart, each read as stored, and the outputs come back side by side."""

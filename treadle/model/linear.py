@@ -10,6 +10,7 @@ disabled, the layer runs `F.linear`.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 
@@ -20,9 +21,9 @@ from treadle.model.capabilities import use_onednn_linear
 from treadle.model.kernels import quant_linear_kernels
 from treadle.model.quantization import QuantizedWeight, dequantize
 
-# Above this many rows a quantized layer runs a float GEMM (over its dense copy, or over slices
-# of its weights dequantized for the call) instead of the kernel's integer GEMM: the default
-# until `tune_gemv_rows` measures each shape's crossover on this machine.
+# Above this many rows a quantized layer runs its batch path (the kernel's integer GEMM over
+# panels, a dense copy, or slices dequantized for the call) instead of the row kernel: the
+# default until `tune_gemv_rows` measures each shape's crossover on this machine.
 QUANT_GEMV_MAX_ROWS = 4
 TUNE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 # Weights a float step without a dense copy dequantizes at a time: a slice that stays in cache
@@ -50,10 +51,12 @@ class Linear:
 class QuantizedLinear:
     """y = x W^T + b with W in GGUF blocks, as parts stacked along the output axis (q/k/v,
     gate/up: each part keeps its own type and its own bytes, never concatenated): up to
-    `max_gemv_rows` rows the native kernel's integer dot products (activations quantized to
-    int8 per block), beyond them a float GEMM over `dense` (the same weights dequantized once,
-    prepacked: memory for batch speed) or, without it, over slices of the weights dequantized
-    for the call. Without the kernel, always the float path."""
+    `max_gemv_rows` rows the native kernel's integer dot products row by row (activations
+    quantized to int8 per block); beyond them the batch path: a float GEMM over `dense` (the
+    same weights dequantized once, prepacked: memory for batch speed, opt-in), else the
+    kernel's integer GEMM where the build serves every part's type so, else a float GEMM over
+    slices of the weights dequantized for the call. Without the kernel, always the float
+    path."""
 
     def __init__(self, weight: QuantizedWeight | list[QuantizedWeight],
                  bias: torch.Tensor | None = None, dense: Linear | None = None) -> None:
@@ -81,10 +84,21 @@ class QuantizedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and x.shape[0] <= self.max_gemv_rows:
             return self.integer_path(x)
-        return self.float_path(x)
+        return self.batch_path(x)
 
     def integer_path(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.quant_linear_parts(x, self.data, self.qtypes, self.bias)
+
+    @property
+    def integer_gemm(self) -> bool:
+        """Whether the batch path is the kernel's integer GEMM."""
+        return (self.dense is None and self.kernels is not None
+                and set(self.qtypes) <= gemm_types(self.kernels))
+
+    def batch_path(self, x: torch.Tensor) -> torch.Tensor:
+        if self.integer_gemm:
+            return self.kernels.quant_gemm_parts(x, self.data, self.qtypes, self.bias)
+        return self.float_path(x)
 
     def float_path(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None:
@@ -114,12 +128,18 @@ class QuantizedLinear:
         return (*self.shape, self.type_name, self.dense is not None)
 
 
+@functools.cache
+def gemm_types(kernels) -> frozenset[int]:
+    """The quantized types `kernels`' build serves with its integer GEMM."""
+    return frozenset(kernels.quant_gemm_types())
+
+
 def tune_gemv_rows(layers: list[QuantizedLinear], dtype: torch.dtype) -> dict[str, int]:
     """For each distinct shape among `layers`, the most rows (of TUNE_ROWS, at least 1) for
-    which the integer kernel measured at least as fast as the float path (over the dense copy,
-    or dequantizing slices), set on every layer of that shape. The kernel's cost grows faster
-    with rows than the float path's: where it wins at the most rows it wins below them too, and
-    past its first loss it keeps losing. Returns "out x in type" -> rows."""
+    which the row kernel measured at least as fast as the batch path, set on every layer of that
+    shape. The row kernel's cost grows faster with rows than the batch path's: where it wins at
+    the most rows it wins below them too, and past its first loss it keeps losing. Returns
+    "out x in type" -> rows."""
     by_shape: dict[tuple, list[QuantizedLinear]] = {}
     for layer in layers:
         if layer.kernels is not None:
@@ -134,7 +154,7 @@ def tune_gemv_rows(layers: list[QuantizedLinear], dtype: torch.dtype) -> dict[st
 
 
 def crossover_rows(layer: QuantizedLinear, dtype: torch.dtype, repeats: int = 5) -> int:
-    """One row always goes to the kernel: it reads 4-8x fewer bytes than the float path and
+    """One row always goes to the row kernel: it reads 4-8x fewer bytes than the float path and
     measured faster at one row on every shape of the default model (Xeon, one thread: 0.28 vs
     0.52 ms for gate_up 3072x576 Q4_1, 6.2 vs 13.3 ms for the head 49152x576 Q8_0; it still wins
     at 4 rows, 0.50 vs 0.52 and 9.0 vs 14.4). Each larger count is timed with more repeats, and
@@ -157,14 +177,14 @@ def crossover_rows(layer: QuantizedLinear, dtype: torch.dtype, repeats: int = 5)
 
 
 def kernel_wins(layer: QuantizedLinear, x: torch.Tensor, repeats: int) -> bool:
-    layer.integer_path(x), layer.float_path(x)  # warm up caches
+    layer.integer_path(x), layer.batch_path(x)  # warm up caches
     # Alternate the two, keeping each one's best: a busy machine slows both alike, and a best of
     # many is what the load spared.
     integer = floating = float("inf")
     for _ in range(2):
         for _ in range(repeats):
             integer = min(integer, seconds(layer.integer_path, x))
-            floating = min(floating, seconds(layer.float_path, x))
+            floating = min(floating, seconds(layer.batch_path, x))
         if integer <= floating:
             return True
     return False

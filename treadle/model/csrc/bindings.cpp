@@ -11,6 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("quant_linear", &quant_linear);
   m.def("quant_linear_parts", &quant_linear_parts);
+  m.def("quant_gemm_parts", &quant_gemm_parts);
+  m.def("quant_gemm_types", &quant_gemm_types);
   m.def("dequantize", &dequantize);
   m.def("dequantize_bf16", &dequantize_bf16);
   m.def("sample_rows", &sample_rows);

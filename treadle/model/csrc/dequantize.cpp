@@ -65,22 +65,6 @@ inline void emit32(__m256i q, int bias, float scale_low, float scale_high, float
   }
 }
 
-// 32 bytes of 4-bit values: the low (HIGH false) or high nibbles of `at`.
-inline __m256i nibbles32(const uint8_t* at, bool high) {
-  __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
-  if (high) bytes = _mm256_srli_epi16(bytes, 4);
-  return _mm256_and_si256(bytes, _mm256_set1_epi8(0x0F));
-}
-
-// 32 bytes of `bits` wide values from bit `shift` of each of the 32 bytes at `at`, moved up to
-// bit `to`.
-inline __m256i bit_field32(const uint8_t* at, int shift, int bits, int to) {
-  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
-  const __m256i field = _mm256_and_si256(_mm256_srl_epi16(bytes, _mm_cvtsi32_si128(shift)),
-                                         _mm256_set1_epi8(static_cast<char>((1 << bits) - 1)));
-  return _mm256_sll_epi16(field, _mm_cvtsi32_si128(to));  // stays within each byte
-}
-
 template <typename Out>
 void dequantize_block(const uint8_t* blk, int64_t qtype, Out* dst) {
   switch (qtype) {

@@ -31,6 +31,11 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor weight, int64_t qtype,
 at::Tensor quant_linear_parts(at::Tensor x, const std::vector<at::Tensor>& weights,
                                  const std::vector<int64_t>& qtypes,
                                  c10::optional<at::Tensor> bias);
+// quant_gemm.cpp's panels for steps of many rows; the types this build serves so.
+at::Tensor quant_gemm_parts(at::Tensor x, const std::vector<at::Tensor>& weights,
+                               const std::vector<int64_t>& qtypes,
+                               c10::optional<at::Tensor> bias);
+std::vector<int64_t> quant_gemm_types();
 at::Tensor dequantize(at::Tensor weight, int64_t qtype, int64_t k);
 at::Tensor dequantize_bf16(at::Tensor weight, int64_t qtype, int64_t k);
 

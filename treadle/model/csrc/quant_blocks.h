@@ -65,6 +65,22 @@ inline __m256i bytes_from_bits(const uint8_t* x) {
   const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL);  // all but bit j of byte j
   return _mm256_cmpeq_epi8(_mm256_or_si256(bytes, others), _mm256_set1_epi64x(-1));
 }
+
+// 32 bytes of 4-bit values: the low (HIGH false) or high nibbles of `at`.
+inline __m256i nibbles32(const uint8_t* at, bool high) {
+  __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+  if (high) bytes = _mm256_srli_epi16(bytes, 4);
+  return _mm256_and_si256(bytes, _mm256_set1_epi8(0x0F));
+}
+
+// 32 bytes of `bits` wide values from bit `shift` of each of the 32 bytes at `at`, moved up to
+// bit `to`.
+inline __m256i bit_field32(const uint8_t* at, int shift, int bits, int to) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+  const __m256i field = _mm256_and_si256(_mm256_srl_epi16(bytes, _mm_cvtsi32_si128(shift)),
+                                         _mm256_set1_epi8(static_cast<char>((1 << bits) - 1)));
+  return _mm256_sll_epi16(field, _mm_cvtsi32_si128(to));  // stays within each byte
+}
 #endif
 
 inline bool is_k_quant(int64_t qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K; }
@@ -94,6 +110,31 @@ inline void check_weight(const at::Tensor& weight, int64_t qtype, int64_t k) {
               row_bytes);
 }
 
+// Activation rows quantized per block: int8 values, each block's scale and its exact sum.
+struct QuantizedRows {
+  int64_t k, nb;              // row length, blocks a row
+  std::vector<int8_t> q;      // [rows, k]
+  std::vector<float> d;       // [rows, nb]
+  std::vector<float> sum;     // [rows, nb]
+  const int8_t* q_row(int64_t r) const { return q.data() + r * k; }
+  const float* d_row(int64_t r) const { return d.data() + r * nb; }
+  const float* sum_row(int64_t r) const { return sum.data() + r * nb; }
+};
+
+// Q4_K / Q5_K: the 8 six-bit scales and 8 mins of a super-block as bytes (llama.cpp's
+// unpacking of get_scale_min_k4's layout): scales in sm[0..7], mins in sm[8..15].
+inline void k4_scales_mins(const uint8_t* packed, uint8_t* sm) {
+  uint32_t u[4];
+  std::memcpy(u, packed, 12);
+  constexpr uint32_t m1 = 0x3f3f3f3f, m2 = 0x0f0f0f0f, m3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & m2) | (((u[1] >> 6) & m3) << 4);
+  const uint32_t mins_low = u[1] & m1;
+  u[1] = (u[2] & m2) | (((u[0] >> 6) & m3) << 4);
+  u[2] = mins_low;
+  u[0] &= m1;
+  std::memcpy(sm, u, 16);
+}
+
 // Activation rows for the K-quants, llama.cpp's Q8_K: int8 values under one scale per 256
 // (amax / 127) and each 16 values' integer sum, which the weights' offsets (Q4_K/Q5_K mins,
 // Q6_K's -32) multiply, so that a super-block's dot product stays in integers.
@@ -111,5 +152,13 @@ Q8KRows quantize_rows_q8k(const at::Tensor& x);
 // the rows of `xq`; threads split the weight rows.
 void k_quant_rows(int64_t qtype, const uint8_t* w, int64_t n, const Q8KRows& xq, int64_t rows,
                   float* out, int64_t ldo);
+
+// quant_gemm.cpp: the GEMM of many rows over panels of 8 weight rows repacked per call, for the
+// types this build serves that way (panel_gemm_types).
+std::vector<int64_t> panel_gemm_types();
+void panel_gemm(int64_t qtype, const uint8_t* w, int64_t n, const QuantizedRows& xq,
+                int64_t rows, float* out, int64_t ldo);
+void panel_gemm(int64_t qtype, const uint8_t* w, int64_t n, const Q8KRows& xq, int64_t rows,
+                float* out, int64_t ldo);
 
 }  // namespace quant

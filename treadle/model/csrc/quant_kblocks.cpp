@@ -20,20 +20,6 @@
 namespace quant {
 namespace {
 
-// Q4_K / Q5_K: the 8 six-bit scales and 8 mins of a super-block as bytes (llama.cpp's
-// unpacking of get_scale_min_k4's layout): scales in sm[0..7], mins in sm[8..15].
-inline void k4_scales_mins(const uint8_t* packed, uint8_t* sm) {
-  uint32_t u[4];
-  std::memcpy(u, packed, 12);
-  constexpr uint32_t m1 = 0x3f3f3f3f, m2 = 0x0f0f0f0f, m3 = 0x03030303;
-  u[3] = ((u[2] >> 4) & m2) | (((u[1] >> 6) & m3) << 4);
-  const uint32_t mins_low = u[1] & m1;
-  u[1] = (u[2] & m2) | (((u[0] >> 6) & m3) << 4);
-  u[2] = mins_low;
-  u[0] &= m1;
-  std::memcpy(sm, u, 16);
-}
-
 template <typename T>
 inline float to_float(T v) { return static_cast<float>(v); }
 

@@ -24,17 +24,6 @@ namespace {
 
 using namespace quant;
 
-// Activation rows quantized per block: int8 values, each block's scale and its exact sum.
-struct QuantizedRows {
-  int64_t k, nb;              // row length, blocks a row
-  std::vector<int8_t> q;      // [rows, k]
-  std::vector<float> d;       // [rows, nb]
-  std::vector<float> sum;     // [rows, nb]
-  const int8_t* q_row(int64_t r) const { return q.data() + r * k; }
-  const float* d_row(int64_t r) const { return d.data() + r * nb; }
-  const float* sum_row(int64_t r) const { return sum.data() + r * nb; }
-};
-
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
   const int64_t nb = k / QK;
@@ -292,15 +281,13 @@ void gemv_rows(const uint8_t* w, int64_t n, int64_t k, const QuantizedRows& xq, 
   });
 }
 
-}  // namespace
-
 // y = x [W_0; W_1; ...]^T (+ bias) for x [rows, k] float32 or bfloat16; each W_i in GGUF
 // blocks [n_i, row_bytes_i] of its own type (q/k/v or gate/up kept apart: a file may store them
 // in different types, and they stay the file's bytes). Each activation row is quantized once
-// for every part of its scheme.
-at::Tensor quant_linear_parts(at::Tensor x, const std::vector<at::Tensor>& weights,
-                                 const std::vector<int64_t>& qtypes,
-                                 c10::optional<at::Tensor> bias) {
+// for every part of its scheme. `gemm`: the panel GEMM for many rows, else the row tiles.
+at::Tensor linear_parts(at::Tensor x, const std::vector<at::Tensor>& weights,
+                        const std::vector<int64_t>& qtypes, c10::optional<at::Tensor> bias,
+                        bool gemm) {
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features]");
   TORCH_CHECK(!weights.empty() && weights.size() == qtypes.size(), "one type per weight");
   x = x.contiguous();
@@ -325,18 +312,42 @@ at::Tensor quant_linear_parts(at::Tensor x, const std::vector<at::Tensor>& weigh
   for (size_t i = 0; i < weights.size(); ++i) {
     const uint8_t* w = weights[i].data_ptr<uint8_t>();
     const int64_t n = weights[i].size(0);
-    switch (qtypes[i]) {
-      case Q4_0: gemv_rows<Q4_0>(w, n, k, xq, rows, o, total); break;
-      case Q4_1: gemv_rows<Q4_1>(w, n, k, xq, rows, o, total); break;
-      case Q5_0: gemv_rows<Q5_0>(w, n, k, xq, rows, o, total); break;
-      case Q8_0: gemv_rows<Q8_0>(w, n, k, xq, rows, o, total); break;
-      default: k_quant_rows(qtypes[i], w, n, xk, rows, o, total);
+    if (gemm) {
+      if (is_k_quant(qtypes[i])) {
+        panel_gemm(qtypes[i], w, n, xk, rows, o, total);
+      } else {
+        panel_gemm(qtypes[i], w, n, xq, rows, o, total);
+      }
+    } else {
+      switch (qtypes[i]) {
+        case Q4_0: gemv_rows<Q4_0>(w, n, k, xq, rows, o, total); break;
+        case Q4_1: gemv_rows<Q4_1>(w, n, k, xq, rows, o, total); break;
+        case Q5_0: gemv_rows<Q5_0>(w, n, k, xq, rows, o, total); break;
+        case Q8_0: gemv_rows<Q8_0>(w, n, k, xq, rows, o, total); break;
+        default: k_quant_rows(qtypes[i], w, n, xk, rows, o, total);
+      }
     }
     o += n;
   }
   if (bias.has_value()) out.add_(bias->to(at::kFloat));
   return out.to(x.scalar_type());
 }
+
+}  // namespace
+
+at::Tensor quant_linear_parts(at::Tensor x, const std::vector<at::Tensor>& weights,
+                                 const std::vector<int64_t>& qtypes,
+                                 c10::optional<at::Tensor> bias) {
+  return linear_parts(x, weights, qtypes, bias, false);
+}
+
+at::Tensor quant_gemm_parts(at::Tensor x, const std::vector<at::Tensor>& weights,
+                               const std::vector<int64_t>& qtypes,
+                               c10::optional<at::Tensor> bias) {
+  return linear_parts(x, weights, qtypes, bias, true);
+}
+
+std::vector<int64_t> quant_gemm_types() { return panel_gemm_types(); }
 
 at::Tensor quant_linear(at::Tensor x, at::Tensor weight, int64_t qtype,
                            c10::optional<at::Tensor> bias) {

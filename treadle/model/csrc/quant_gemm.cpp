@@ -1,0 +1,376 @@
+// The integer GEMM of steps with many rows (prefill chunks, large decode batches) over GGUF
+// blocks as stored, without a dense copy. Each thread takes 8 weight rows at a time (a panel)
+// and repacks them for the call into L1-sized form: per 32 weights, 8 vectors of [8 rows x 4
+// weights] as unsigned bytes, then each row's float scale and offset (w = scale q + offset; a
+// scale per 16 for Q6_K). Every activation row then meets the panel with one dot-product
+// instruction per 4 weights of 8 rows (VNNI's dpbusd; AVX2's maddubs and madd) into a vector of
+// the 8 rows' sums, so that a block's float work (convert, scale, offset) is shared by 8
+// outputs instead of repeated per output as in the row-by-row kernels. Activations are the
+// row kernels' (quant_linear.cpp's per-32 blocks, quant_kblocks.cpp's Q8_K per 256); a step's
+// outputs differ from the row kernels' only in float rounding.
+#include "quant_blocks.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace quant {
+
+#if defined(__AVX2__)
+namespace {
+
+// A panel is as many weight rows as a vector has int32 lanes: 16 with AVX-512 (whose 512-bit
+// dot products measured twice the 256-bit ones' rate on a Zen 4 class EPYC), else 8. A tile
+// takes TILE_ROWS activation rows: 3 accumulators a row stay in the 32 or 16 vector registers.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr int PANEL = 16;
+constexpr int TILE_ROWS = 6;
+using VecI = __m512i;
+using VecF = __m512;
+inline VecI zero_i() { return _mm512_setzero_si512(); }
+inline VecF zero_f() { return _mm512_setzero_ps(); }
+inline VecI load_i(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline VecF load_f(const float* p) { return _mm512_loadu_ps(p); }
+inline VecI splat_i(int32_t v) { return _mm512_set1_epi32(v); }
+inline VecF splat_f(float v) { return _mm512_set1_ps(v); }
+inline VecF to_float(VecI v) { return _mm512_cvtepi32_ps(v); }
+inline VecF fma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline void store_f(float* p, VecF v) { _mm512_storeu_ps(p, v); }
+// acc + the sums of 4 products u8 x s8 per int32 lane.
+inline VecI dot4(VecI acc, VecI u8, VecI s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
+#else
+constexpr int PANEL = 8;
+constexpr int TILE_ROWS = 3;
+using VecI = __m256i;
+using VecF = __m256;
+inline VecI zero_i() { return _mm256_setzero_si256(); }
+inline VecF zero_f() { return _mm256_setzero_ps(); }
+inline VecI load_i(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline VecF load_f(const float* p) { return _mm256_loadu_ps(p); }
+inline VecI splat_i(int32_t v) { return _mm256_set1_epi32(v); }
+inline VecF splat_f(float v) { return _mm256_set1_ps(v); }
+inline VecF to_float(VecI v) { return _mm256_cvtepi32_ps(v); }
+inline VecF fma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline void store_f(float* p, VecF v) { _mm256_storeu_ps(p, v); }
+inline VecI dot4(VecI acc, VecI u8, VecI s8) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8),
+                                                 _mm256_set1_epi16(1)));
+}
+#endif
+constexpr int VEC_BYTES = PANEL * 4;
+
+// What packing needs of a block type: its UNITS units of 32 weights (one block, or a K-quant's
+// 8 sub-blocks), each unit's weights as unsigned bytes q, and the scale and offset of each of a
+// unit's SLOTS scale slots (w = scale q + offset), all of a block's at once.
+template <int64_t QTYPE> struct Unit;
+
+template <> struct Unit<Q4_0> {  // w = d (q - 8)
+  static constexpr int UNITS = 1, SLOTS = 1;
+  static void scales(const uint8_t* blk, float* s, float* o) {
+    s[0] = half_to_float(reinterpret_cast<const BlockQ4_0*>(blk)->d);
+    o[0] = -8.f * s[0];
+  }
+  static __m256i values(const uint8_t* blk, int) {
+    return unpack_nibbles(reinterpret_cast<const BlockQ4_0*>(blk)->qs);
+  }
+};
+
+template <> struct Unit<Q4_1> {  // w = d q + m
+  static constexpr int UNITS = 1, SLOTS = 1;
+  static void scales(const uint8_t* blk, float* s, float* o) {
+    const auto* b = reinterpret_cast<const BlockQ4_1*>(blk);
+    s[0] = half_to_float(b->d);
+    o[0] = half_to_float(b->m);
+  }
+  static __m256i values(const uint8_t* blk, int) {
+    return unpack_nibbles(reinterpret_cast<const BlockQ4_1*>(blk)->qs);
+  }
+};
+
+template <> struct Unit<Q5_0> {  // w = d (q - 16)
+  static constexpr int UNITS = 1, SLOTS = 1;
+  static void scales(const uint8_t* blk, float* s, float* o) {
+    s[0] = half_to_float(reinterpret_cast<const BlockQ5_0*>(blk)->d);
+    o[0] = -16.f * s[0];
+  }
+  static __m256i values(const uint8_t* blk, int) {
+    const auto* b = reinterpret_cast<const BlockQ5_0*>(blk);
+    const __m256i high = _mm256_and_si256(bytes_from_bits(b->qh), _mm256_set1_epi8(0x10));
+    return _mm256_or_si256(unpack_nibbles(b->qs), high);
+  }
+};
+
+template <> struct Unit<Q8_0> {  // w = d (q' - 128), q' = q + 128 as unsigned bytes
+  static constexpr int UNITS = 1, SLOTS = 1;
+  static void scales(const uint8_t* blk, float* s, float* o) {
+    s[0] = half_to_float(reinterpret_cast<const BlockQ8_0*>(blk)->d);
+    o[0] = -128.f * s[0];
+  }
+  static __m256i values(const uint8_t* blk, int) {
+    const __m256i q = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(reinterpret_cast<const BlockQ8_0*>(blk)->qs));
+    return _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
+  }
+};
+
+// Q4_K / Q5_K sub-block j: w = d scale_j q - dmin min_j.
+template <int64_t QTYPE> struct UnitK45 {
+  static constexpr int UNITS = 8, SLOTS = 1;
+  using Block = std::conditional_t<QTYPE == Q4_K, BlockQ4_K, BlockQ5_K>;
+  static void scales(const uint8_t* blk, float* s, float* o) {
+    const auto* b = reinterpret_cast<const Block*>(blk);
+    uint8_t sm[16];
+    k4_scales_mins(b->scales, sm);
+    const float d = half_to_float(b->d), dmin = half_to_float(b->dmin);
+    for (int j = 0; j < 8; ++j) {
+      s[j] = d * static_cast<float>(sm[j]);
+      o[j] = -dmin * static_cast<float>(sm[8 + j]);
+    }
+  }
+  static __m256i values(const uint8_t* blk, int j) {
+    const auto* b = reinterpret_cast<const Block*>(blk);
+    __m256i q = nibbles32(b->qs + 32 * (j / 2), j % 2);
+    if constexpr (QTYPE == Q5_K) q = _mm256_or_si256(q, bit_field32(b->qh, j, 1, 4));
+    return q;
+  }
+};
+template <> struct Unit<Q4_K> : UnitK45<Q4_K> {};
+template <> struct Unit<Q5_K> : UnitK45<Q5_K> {};
+
+template <> struct Unit<Q6_K> {  // w = d scale (q - 32), a scale per 16
+  static constexpr int UNITS = 8, SLOTS = 2;
+  static void scales(const uint8_t* blk, float* s, float* o) {
+    const auto* b = reinterpret_cast<const BlockQ6_K*>(blk);
+    const float d = half_to_float(b->d);
+    for (int i = 0; i < 16; ++i) {
+      s[i] = d * static_cast<float>(b->scales[i]);
+      o[i] = -32.f * s[i];
+    }
+  }
+  static __m256i values(const uint8_t* blk, int j) {
+    const auto* b = reinterpret_cast<const BlockQ6_K*>(blk);
+    const int h = j / 4, sub = j % 4;
+    return _mm256_or_si256(nibbles32(b->ql + 64 * h + 32 * (sub % 2), sub >= 2),
+                           bit_field32(b->qh + 32 * h, 2 * sub, 2, 4));
+  }
+};
+
+template <int SLOTS>
+constexpr int64_t unit_bytes() { return 8 * VEC_BYTES + SLOTS * 2 * PANEL * sizeof(float); }
+
+// An 8 x 8 transpose of 32-bit words: out[g] = word g of each of the 8 rows.
+inline void transpose8(const __m256i* r, __m256i* out) {
+  __m256i t[8], v[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    v[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    v[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    v[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    v[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int g = 0; g < 4; ++g) {
+    out[g] = _mm256_permute2x128_si256(v[g], v[g + 4], 0x20);
+    out[g + 4] = _mm256_permute2x128_si256(v[g], v[g + 4], 0x31);
+  }
+}
+
+// The `count` (<= PANEL; the others zero) weight rows at w packed: per unit, the 8 vectors of
+// 4 weights of the panel's rows (vector g holds weights 4g..4g+3 of each row), then per slot
+// the rows' scales and offsets.
+template <int64_t QTYPE>
+void pack_panel(const uint8_t* w, int64_t row_bytes, int count, int64_t units, uint8_t* panel) {
+  using U = Unit<QTYPE>;
+  constexpr int64_t bytes = unit_bytes<U::SLOTS>();
+  constexpr int PER_BLOCK = U::UNITS * U::SLOTS;
+  const int64_t bb = block_bytes(QTYPE);
+  for (int64_t blk = 0; blk < units / U::UNITS; ++blk) {
+    float s[PANEL][PER_BLOCK] = {}, o[PANEL][PER_BLOCK] = {};
+    for (int i = 0; i < count; ++i) U::scales(w + i * row_bytes + blk * bb, s[i], o[i]);
+    for (int j = 0; j < U::UNITS; ++j) {
+      uint8_t* dst = panel + (blk * U::UNITS + j) * bytes;
+      float* scales = reinterpret_cast<float*>(dst + 8 * VEC_BYTES);
+      __m256i r[PANEL];
+      for (int i = 0; i < PANEL; ++i) {
+        r[i] = i < count ? U::values(w + i * row_bytes + blk * bb, j) : _mm256_setzero_si256();
+        for (int slot = 0; slot < U::SLOTS; ++slot) {
+          scales[slot * 2 * PANEL + i] = s[i][j * U::SLOTS + slot];
+          scales[slot * 2 * PANEL + PANEL + i] = o[i][j * U::SLOTS + slot];
+        }
+      }
+      for (int half = 0; half < PANEL / 8; ++half) {  // rows 8 half .. 8 half + 7
+        __m256i words[8];
+        transpose8(r + 8 * half, words);
+        for (int g = 0; g < 8; ++g) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + g * VEC_BYTES + 32 * half),
+                              words[g]);
+        }
+      }
+    }
+  }
+}
+
+// Activation rows as the panel tile reads them: int8 values, a scale per `group` values, and
+// each slot's sum of values in units of that scale (the offsets multiply it).
+struct PanelRows {
+  const int8_t* q;
+  int64_t k;
+  const float* d;
+  int64_t groups;             // scales a row
+  std::vector<float> sums;    // [rows, slots]
+  int64_t slots;              // slots a row
+};
+
+// out[r * ldo + i] for R activation rows from r0 and the panel's 8 rows; UNITS_PER_GROUP units
+// (32 values each) share an activation scale.
+template <int SLOTS, int UNITS_PER_GROUP, int R>
+void panel_tile(const uint8_t* panel, int64_t units, const PanelRows& a, int64_t r0, float* out,
+                int64_t ldo, int count) {
+  constexpr int64_t bytes = unit_bytes<SLOTS>();
+  constexpr int WORDS = 8 / SLOTS;  // 4-weight vectors a slot
+  VecF acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = zero_f();
+  for (int64_t u0 = 0; u0 < units; u0 += UNITS_PER_GROUP) {
+    VecF part[R];
+    for (int r = 0; r < R; ++r) part[r] = zero_f();
+    for (int64_t u = u0; u < u0 + UNITS_PER_GROUP; ++u) {
+      const uint8_t* unit = panel + u * bytes;
+      const float* scales = reinterpret_cast<const float*>(unit + 8 * VEC_BYTES);
+#pragma GCC unroll 2
+      for (int slot = 0; slot < SLOTS; ++slot) {
+        VecI dot[R];
+        for (int r = 0; r < R; ++r) dot[r] = zero_i();
+#pragma GCC unroll 8
+        for (int g = slot * WORDS; g < (slot + 1) * WORDS; ++g) {
+          const VecI wv = load_i(unit + g * VEC_BYTES);
+          for (int r = 0; r < R; ++r) {
+            int32_t four;
+            std::memcpy(&four, a.q + (r0 + r) * a.k + 32 * u + 4 * g, sizeof(four));
+            dot[r] = dot4(dot[r], wv, splat_i(four));
+          }
+        }
+        const VecF scale = load_f(scales + slot * 2 * PANEL);
+        const VecF offset = load_f(scales + slot * 2 * PANEL + PANEL);
+        for (int r = 0; r < R; ++r) {
+          const float sum = a.sums[(r0 + r) * a.slots + u * SLOTS + slot];
+          part[r] = fma(to_float(dot[r]), scale, part[r]);
+          part[r] = fma(offset, splat_f(sum), part[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float d = a.d[(r0 + r) * a.groups + u0 / UNITS_PER_GROUP];
+      acc[r] = fma(part[r], splat_f(d), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (count == PANEL) {
+      store_f(out + r * ldo, acc[r]);
+    } else {
+      float lanes[PANEL];
+      store_f(lanes, acc[r]);
+      std::memcpy(out + r * ldo, lanes, count * sizeof(float));
+    }
+  }
+}
+
+template <int SLOTS, int UNITS_PER_GROUP, int R = TILE_ROWS>
+void panel_rows(const uint8_t* panel, int64_t units, const PanelRows& a, int64_t r0,
+                int64_t rows, float* out, int64_t ldo, int count) {
+  if constexpr (R > 1) {
+    if (rows < R) {
+      return panel_rows<SLOTS, UNITS_PER_GROUP, R - 1>(panel, units, a, r0, rows, out, ldo,
+                                                       count);
+    }
+  }
+  panel_tile<SLOTS, UNITS_PER_GROUP, R>(panel, units, a, r0, out, ldo, count);
+}
+
+template <int64_t QTYPE, int UNITS_PER_GROUP>
+void gemm(const uint8_t* w, int64_t n, const PanelRows& a, int64_t rows, float* out,
+          int64_t ldo) {
+  constexpr int SLOTS = Unit<QTYPE>::SLOTS;
+  const int64_t units = a.k / QK, row_bytes = a.k / block_weights(QTYPE) * block_bytes(QTYPE);
+  at::parallel_for(0, (n + PANEL - 1) / PANEL, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint8_t> panel;
+    panel.resize(units * unit_bytes<SLOTS>());
+    for (int64_t p = begin; p < end; ++p) {
+      const int count = static_cast<int>(std::min<int64_t>(PANEL, n - p * PANEL));
+      pack_panel<QTYPE>(w + p * PANEL * row_bytes, row_bytes, count, units, panel.data());
+      for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {
+        panel_rows<SLOTS, UNITS_PER_GROUP>(panel.data(), units, a, r0,
+                                           std::min<int64_t>(TILE_ROWS, rows - r0),
+                                           out + r0 * ldo + p * PANEL, ldo, count);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+std::vector<int64_t> panel_gemm_types() {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return {Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K};
+#else
+  return {Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K};  // Q8_0 + 128 overflows maddubs' 16-bit pairs
+#endif
+}
+
+void panel_gemm(int64_t qtype, const uint8_t* w, int64_t n, const QuantizedRows& xq,
+                int64_t rows, float* out, int64_t ldo) {
+  PanelRows a{xq.q.data(), xq.k, xq.d.data(), xq.nb, std::vector<float>(rows * xq.nb), xq.nb};
+  for (size_t i = 0; i < a.sums.size(); ++i) {
+    if (qtype == Q8_0) {  // its offset only undoes the + 128: the sum of the int8 values
+      int sum = 0;
+      for (int j = 0; j < QK; ++j) sum += xq.q[i * QK + j];
+      a.sums[i] = static_cast<float>(sum);
+    } else {  // an offset of the weights' own: the activations' exact sum, in scale units
+      a.sums[i] = xq.d[i] > 0.f ? xq.sum[i] / xq.d[i] : 0.f;
+    }
+  }
+  switch (qtype) {
+    case Q4_0: return gemm<Q4_0, 1>(w, n, a, rows, out, ldo);
+    case Q4_1: return gemm<Q4_1, 1>(w, n, a, rows, out, ldo);
+    case Q5_0: return gemm<Q5_0, 1>(w, n, a, rows, out, ldo);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    case Q8_0: return gemm<Q8_0, 1>(w, n, a, rows, out, ldo);
+#endif
+  }
+  TORCH_CHECK(false, "no integer GEMM for quantized type ", qtype);
+}
+
+void panel_gemm(int64_t qtype, const uint8_t* w, int64_t n, const Q8KRows& xq, int64_t rows,
+                float* out, int64_t ldo) {
+  const int64_t per_block = qtype == Q6_K ? 16 : 8;  // slots a super-block: per 16 or per 32
+  PanelRows a{xq.q.data(), xq.k, xq.d.data(), xq.nsb,
+              std::vector<float>(rows * xq.nsb * per_block), xq.nsb * per_block};
+  for (size_t i = 0; i < a.sums.size(); ++i) {
+    a.sums[i] = per_block == 16 ? xq.bsums[i] : xq.bsums[2 * i] + xq.bsums[2 * i + 1];
+  }
+  switch (qtype) {
+    case Q4_K: return gemm<Q4_K, 8>(w, n, a, rows, out, ldo);
+    case Q5_K: return gemm<Q5_K, 8>(w, n, a, rows, out, ldo);
+    case Q6_K: return gemm<Q6_K, 8>(w, n, a, rows, out, ldo);
+  }
+  TORCH_CHECK(false, "no integer GEMM for quantized type ", qtype);
+}
+#else
+std::vector<int64_t> panel_gemm_types() { return {}; }
+
+void panel_gemm(int64_t qtype, const uint8_t*, int64_t, const QuantizedRows&, int64_t, float*,
+                int64_t) {
+  TORCH_CHECK(false, "no integer GEMM for quantized type ", qtype, " in this build");
+}
+
+void panel_gemm(int64_t qtype, const uint8_t*, int64_t, const Q8KRows&, int64_t, float*,
+                int64_t) {
+  TORCH_CHECK(false, "no integer GEMM for quantized type ", qtype, " in this build");
+}
+#endif
+
+}  // namespace quant
