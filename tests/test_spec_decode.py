@@ -476,6 +476,19 @@ def test_default_model_greedy_with_speculation_equals_without_on_the_quantized_p
 
 
 
+@pytest.mark.default_model
+def test_a_measured_crossover_keeps_a_verifying_step_on_the_row_kernels():
+    """Without --quant-gemv-max-rows the crossover to the integer GEMM is measured, and on an
+    AVX-512 machine the GEMM wins from 2 rows; a step verifying one sequence's proposals (its
+    last token and num_speculative_tokens more) stays on the row kernels, which give each row
+    the bits it gets alone."""
+    engine = make_engine(None, LOOKUP, block_size=16)
+    chosen = engine.executor.runner.gemv_rows
+    assert chosen and min(chosen.values()) >= 1 + LOOKUP["num_speculative_tokens"]
+    assert all(layer.max_gemv_rows >= 1 + LOOKUP["num_speculative_tokens"]
+               for layer in engine.executor.runner.model.quantized_layers())
+
+
 def test_llm_stop_strings_and_n_samples_with_speculation(tiny_folder):
     """Through LLM (the frontend's output processing): a stop string completed inside a step's
     accepted tokens ends the text and the token ids where it would without speculation; n=2

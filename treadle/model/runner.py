@@ -40,9 +40,12 @@ from treadle.model.registry import build_model
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, model_config: ModelConfig,
                  cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig | None = None) -> None:
+                 scheduler_config: SchedulerConfig | None = None,
+                 verify_rows: int = 1) -> None:
         """`scheduler_config` (None: the defaults): the step sizes the KV cache's default size
-        and the activation estimate follow (treadle/model/memory.py)."""
+        and the activation estimate follow (treadle/model/memory.py). `verify_rows`: the rows
+        of a step verifying one sequence's proposed tokens (speculative decoding), which a
+        measured crossover keeps on the row kernels."""
         scheduler_config = scheduler_config or SchedulerConfig()
         spec = loaded.spec
         self.spec = spec
@@ -67,7 +70,7 @@ class ModelRunner:
         # Sliding-window layers' windows: each gets its own attention metadata per step.
         self.windows = sorted({w for w in spec.layer_windows() if w is not None})
         self.quantization, self.quantized_types = loaded.quantization, loaded.quantized_types()
-        self.gemv_rows = self.choose_gemv_rows(model_config.quant_gemv_max_rows)
+        self.gemv_rows = self.choose_gemv_rows(model_config.quant_gemv_max_rows, verify_rows)
         # After the gemv tuning, which times the bare layers.
         lora_dtype = (getattr(torch, model_config.lora_dtype) if model_config.lora_dtype != "auto"
                       else torch.bfloat16 if self.quantized_types else self.dtype)
@@ -121,14 +124,20 @@ class ModelRunner:
                             load_format=model_config.load_format)
         return cls(loaded, model_config, cache_config)
 
-    def choose_gemv_rows(self, fixed: int | None) -> dict[str, int]:
-        """Up to how many rows each quantized layer shape takes the integer kernel."""
+    def choose_gemv_rows(self, fixed: int | None, verify_rows: int) -> dict[str, int]:
+        """Up to how many rows each quantized layer shape takes the row kernels: `fixed`, else
+        measured but at least `verify_rows`. The row kernels give a row the same bits in a step
+        of several rows as alone, the integer GEMM does not: greedy decoding with speculation
+        gives the tokens it gives without only while a verifying step stays on them."""
         layers = self.model.quantized_layers()
         if fixed is not None:
             for layer in layers:
                 layer.max_gemv_rows = fixed
             return {"all": fixed} if layers else {}
-        return tune_gemv_rows(layers, self.dtype)
+        chosen = tune_gemv_rows(layers, self.dtype)
+        for layer in layers:
+            layer.max_gemv_rows = max(layer.max_gemv_rows, verify_rows)
+        return {shape: max(rows, verify_rows) for shape, rows in chosen.items()}
 
     def platform_info(self) -> dict:
         """The dtype served and why, and which fast paths run: for logs, /v1/models, benches."""

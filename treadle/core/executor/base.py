@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+from treadle.config import EngineConfig
 from treadle.model.batch import ModelInput, ModelOutput
 from treadle.model.family import ModelSpec
 from treadle.model.memory import KVCacheSize
@@ -54,3 +55,10 @@ class Executor(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop the processes the executor started; safe to call twice."""
+
+
+def verify_rows(config: EngineConfig) -> int:
+    """The rows of a step verifying one sequence's proposed tokens: its last token and the
+    proposals (1 without speculative decoding)."""
+    spec = config.speculative_config
+    return 1 if spec is None else 1 + spec.num_speculative_tokens

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from treadle.config import EngineConfig
-from treadle.core.executor.base import Executor, ModelFacts
+from treadle.core.executor.base import Executor, ModelFacts, verify_rows
 from treadle.model.batch import ModelInput, ModelOutput
 from treadle.model.capabilities import resolve_device, torch_dtype
 from treadle.model.loader import load_model
@@ -26,7 +26,8 @@ class InProcessExecutor(Executor):
         device = resolve_device(model.device)
         loaded = load_model(model.model, torch_dtype(model.dtype, device), model.quantization,
                             device=device, load_format=model.load_format)
-        self.runner = ModelRunner(loaded, model, config.cache, config.scheduler)
+        self.runner = ModelRunner(loaded, model, config.cache, config.scheduler,
+                                  verify_rows(config))
         self.facts = ModelFacts(loaded.spec, self.runner.max_model_len, self.runner.num_blocks,
                                 loaded.spec.vocab_size, frozenset(loaded.spec.eos_token_ids),
                                 self.runner.kv_size, self.runner.model.resident_bytes(),

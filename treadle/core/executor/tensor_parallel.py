@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from treadle.config import EngineConfig
-from treadle.core.executor.base import Executor, ModelFacts
+from treadle.core.executor.base import Executor, ModelFacts, verify_rows
 from treadle.model.attention import KVCache
 from treadle.model.batch import ModelInput, ModelOutput
 from treadle.model.capabilities import torch_dtype
@@ -168,7 +168,7 @@ def load_shard(config: EngineConfig, shard: TensorShard, spec: ModelSpec) -> Mod
                         select=lambda name, w: shard_weight(name, w, shard, spec.head_dim),
                         load_format=model.load_format)
     loaded = replace(loaded, spec=shard.local_spec(loaded.spec))
-    return ModelRunner(loaded, model, config.cache, config.scheduler)
+    return ModelRunner(loaded, model, config.cache, config.scheduler, verify_rows(config))
 
 
 def agree_on_kv_blocks(runner: ModelRunner) -> None:
