@@ -125,7 +125,7 @@ def test_quantized_greedy_agrees_with_the_float_path(quantized_runner, prompts,
 
 def run_in_chunks(runner, ids: list[int], chunk: int) -> torch.Tensor:
     """Logits at every position, `chunk` tokens a step (at most KERNEL_ROWS: each layer runs
-    the kernel's integer path, as decode steps do)."""
+    the row kernels, as decode steps do; more: the integer GEMM, as prefill chunks do)."""
     table = list(range((len(ids) + runner.block_size - 1) // runner.block_size))
     return torch.cat([runner.execute(ModelInput([ScheduledSequence(
         ids[s:s + chunk], s, table, all_logits=True)])) for s in range(0, len(ids), chunk)])

@@ -86,8 +86,8 @@ def test_experts_quantized_at_load_run_the_integer_and_float_paths(tmp_path):
     ids = torch.randint(3, 256, (24,), generator=torch.Generator().manual_seed(3)).tolist()
     table = list(range(8))
     expected = dense.execute(ModelInput([ScheduledSequence(ids, 0, table, all_logits=True)]))
-    # The whole prompt gives each expert more rows than 3 (the float path); chunks of 2 give
-    # it at most 2 (the kernel's integer path).
+    # The whole prompt gives each expert more rows than 3 (the batch path: the integer GEMM,
+    # or dequantized slices); chunks of 2 give it at most 2 (the row kernels).
     whole = quantized.execute(ModelInput([ScheduledSequence(ids, 0, table, all_logits=True)]))
     chunks = torch.cat([quantized.execute(ModelInput([ScheduledSequence(
         ids[s:s + 2], s, table, all_logits=True)])) for s in range(0, len(ids), 2)])

@@ -154,7 +154,7 @@ def tune_gemv_rows(layers: list[QuantizedLinear], dtype: torch.dtype) -> dict[st
 
 
 def crossover_rows(layer: QuantizedLinear, dtype: torch.dtype, repeats: int = 5) -> int:
-    """One row always goes to the row kernel: it reads 4-8x fewer bytes than the float path and
+    """One row always goes to the row kernel: it reads 4-8x fewer bytes than a float path and
     measured faster at one row on every shape of the default model (Xeon, one thread: 0.28 vs
     0.52 ms for gate_up 3072x576 Q4_1, 6.2 vs 13.3 ms for the head 49152x576 Q8_0; it still wins
     at 4 rows, 0.50 vs 0.52 and 9.0 vs 14.4). Each larger count is timed with more repeats, and

@@ -153,8 +153,8 @@ Q8KRows quantize_rows_q8k(const at::Tensor& x);
 void k_quant_rows(int64_t qtype, const uint8_t* w, int64_t n, const Q8KRows& xq, int64_t rows,
                   float* out, int64_t ldo);
 
-// quant_gemm.cpp: the GEMM of many rows over panels of 8 weight rows repacked per call, for the
-// types this build serves that way (panel_gemm_types).
+// quant_gemm.cpp: the GEMM of many rows over panels of 16 (AVX2: 8) weight rows repacked per
+// call, for the types this build serves that way (panel_gemm_types).
 std::vector<int64_t> panel_gemm_types();
 void panel_gemm(int64_t qtype, const uint8_t* w, int64_t n, const QuantizedRows& xq,
                 int64_t rows, float* out, int64_t ldo);

@@ -1,11 +1,12 @@
 // The integer GEMM of steps with many rows (prefill chunks, large decode batches) over GGUF
-// blocks as stored, without a dense copy. Each thread takes 8 weight rows at a time (a panel)
-// and repacks them for the call into L1-sized form: per 32 weights, 8 vectors of [8 rows x 4
-// weights] as unsigned bytes, then each row's float scale and offset (w = scale q + offset; a
-// scale per 16 for Q6_K). Every activation row then meets the panel with one dot-product
-// instruction per 4 weights of 8 rows (VNNI's dpbusd; AVX2's maddubs and madd) into a vector of
-// the 8 rows' sums, so that a block's float work (convert, scale, offset) is shared by 8
-// outputs instead of repeated per output as in the row-by-row kernels. Activations are the
+// blocks as stored, without a dense copy. Each thread takes PANEL weight rows at a time (16 on
+// AVX-512, 8 on AVX2) and repacks them for the call into a buffer that stays in cache: per 32
+// weights, 8 vectors of [PANEL rows x 4 weights] as unsigned bytes, then each row's float scale
+// and offset (w = scale q + offset; a scale per 16 for Q6_K). Every activation row then meets
+// the panel with one dot-product instruction per 4 weights of PANEL rows (VNNI's dpbusd; AVX2's
+// maddubs and madd) into a vector of the rows' sums, so that a block's float work (convert,
+// scale, offset) is shared by PANEL outputs instead of repeated per output as in the row-by-row
+// kernels. Activations are the
 // row kernels' (quant_linear.cpp's per-32 blocks, quant_kblocks.cpp's Q8_K per 256); a step's
 // outputs differ from the row kernels' only in float rounding.
 #include "quant_blocks.h"
