@@ -382,10 +382,10 @@ def test_quantized_decode_steps_over_int8_kv_bypass_the_fused_decoder(tiny_llama
     reference = logits_of(fused, prompts, 64, decode)
     got = logits_of(quantized, prompts, 64, decode)
     assert fused.model.native_decoder is not None  # the float cache's steps took it
-    # Measured: mean |diff| ~2.2% of the spread, the largest 22-47%: the integer kernel's int8
-    # activations amplify the cache's noise (the fused and layers' paths give the same bits
-    # over one cache; prefill rows, on the float GEMM, differ by at most 5%).
+    # Measured: mean |diff| 4.9-5.6% of the spread, the largest 27-33% (~2.2% and 22-47% while
+    # prefill rows took a float GEMM, not the integer GEMM): int8 activations amplify the
+    # cache's noise (the fused and layers' paths give the same bits over one cache).
     spread = torch.cat(reference).std().item()
     for ref, q in zip(reference, got, strict=True):
-        assert (q - ref).abs().mean().item() < 0.035 * spread
+        assert (q - ref).abs().mean().item() < 0.08 * spread
         assert (q - ref).abs().max().item() < 0.6 * spread
