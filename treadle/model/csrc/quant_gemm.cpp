@@ -6,9 +6,9 @@
 // the panel with one dot-product instruction per 4 weights of PANEL rows (VNNI's dpbusd; AVX2's
 // maddubs and madd) into a vector of the rows' sums, so that a block's float work (convert,
 // scale, offset) is shared by PANEL outputs instead of repeated per output as in the row-by-row
-// kernels. Activations are the
-// row kernels' (quant_linear.cpp's per-32 blocks, quant_kblocks.cpp's Q8_K per 256); a step's
-// outputs differ from the row kernels' only in float rounding.
+// kernels. Activations are the row kernels' (quant_linear.cpp's per-32 blocks,
+// quant_kblocks.cpp's Q8_K per 256); a step's outputs differ from the row kernels' only in
+// float rounding.
 #include "quant_blocks.h"
 
 #include <ATen/Parallel.h>
@@ -65,14 +65,26 @@ constexpr int VEC_BYTES = PANEL * 4;
 
 // What packing needs of a block type: its UNITS units of 32 weights (one block, or a K-quant's
 // 8 sub-blocks), each unit's weights as unsigned bytes q, and the scale and offset of each of a
-// unit's SLOTS scale slots (w = scale q + offset), all of a block's at once.
+// unit's SLOTS scale slots (w = scale q + offset): a 32-wide type's for 8 rows at once
+// (scale_rows), a K-quant's a block at a time as vectors of 8, entry j SLOTS + slot
+// (scale_vectors).
 template <int64_t QTYPE> struct Unit;
 
+// The fp16 numbers in the low (HIGH false) or high 16 bits of each 32-bit lane, as floats.
+inline __m256 halves(__m256i words, bool high) {
+  const __m256i bits = high ? _mm256_srli_epi32(words, 16)
+                            : _mm256_and_si256(words, _mm256_set1_epi32(0xFFFF));
+  return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(bits),
+                                          _mm256_extracti128_si256(bits, 1)));
+}
+
+// A 32-wide type's scales and offsets for 8 rows (scale_rows) from the first 4 bytes of each
+// row's block: d, and m for Q4_1.
 template <> struct Unit<Q4_0> {  // w = d (q - 8)
   static constexpr int UNITS = 1, SLOTS = 1;
-  static void scales(const uint8_t* blk, float* s, float* o) {
-    s[0] = half_to_float(reinterpret_cast<const BlockQ4_0*>(blk)->d);
-    o[0] = -8.f * s[0];
+  static void scale_rows(__m256i head, __m256* s, __m256* o) {
+    *s = halves(head, false);
+    *o = _mm256_mul_ps(_mm256_set1_ps(-8.f), *s);
   }
   static __m256i values(const uint8_t* blk, int) {
     return unpack_nibbles(reinterpret_cast<const BlockQ4_0*>(blk)->qs);
@@ -81,10 +93,9 @@ template <> struct Unit<Q4_0> {  // w = d (q - 8)
 
 template <> struct Unit<Q4_1> {  // w = d q + m
   static constexpr int UNITS = 1, SLOTS = 1;
-  static void scales(const uint8_t* blk, float* s, float* o) {
-    const auto* b = reinterpret_cast<const BlockQ4_1*>(blk);
-    s[0] = half_to_float(b->d);
-    o[0] = half_to_float(b->m);
+  static void scale_rows(__m256i head, __m256* s, __m256* o) {
+    *s = halves(head, false);
+    *o = halves(head, true);
   }
   static __m256i values(const uint8_t* blk, int) {
     return unpack_nibbles(reinterpret_cast<const BlockQ4_1*>(blk)->qs);
@@ -93,9 +104,9 @@ template <> struct Unit<Q4_1> {  // w = d q + m
 
 template <> struct Unit<Q5_0> {  // w = d (q - 16)
   static constexpr int UNITS = 1, SLOTS = 1;
-  static void scales(const uint8_t* blk, float* s, float* o) {
-    s[0] = half_to_float(reinterpret_cast<const BlockQ5_0*>(blk)->d);
-    o[0] = -16.f * s[0];
+  static void scale_rows(__m256i head, __m256* s, __m256* o) {
+    *s = halves(head, false);
+    *o = _mm256_mul_ps(_mm256_set1_ps(-16.f), *s);
   }
   static __m256i values(const uint8_t* blk, int) {
     const auto* b = reinterpret_cast<const BlockQ5_0*>(blk);
@@ -106,9 +117,9 @@ template <> struct Unit<Q5_0> {  // w = d (q - 16)
 
 template <> struct Unit<Q8_0> {  // w = d (q' - 128), q' = q + 128 as unsigned bytes
   static constexpr int UNITS = 1, SLOTS = 1;
-  static void scales(const uint8_t* blk, float* s, float* o) {
-    s[0] = half_to_float(reinterpret_cast<const BlockQ8_0*>(blk)->d);
-    o[0] = -128.f * s[0];
+  static void scale_rows(__m256i head, __m256* s, __m256* o) {
+    *s = halves(head, false);
+    *o = _mm256_mul_ps(_mm256_set1_ps(-128.f), *s);
   }
   static __m256i values(const uint8_t* blk, int) {
     const __m256i q = _mm256_loadu_si256(
@@ -121,15 +132,15 @@ template <> struct Unit<Q8_0> {  // w = d (q' - 128), q' = q + 128 as unsigned b
 template <int64_t QTYPE> struct UnitK45 {
   static constexpr int UNITS = 8, SLOTS = 1;
   using Block = std::conditional_t<QTYPE == Q4_K, BlockQ4_K, BlockQ5_K>;
-  static void scales(const uint8_t* blk, float* s, float* o) {
+  static void scale_vectors(const uint8_t* blk, __m256* s, __m256* o) {
     const auto* b = reinterpret_cast<const Block*>(blk);
-    uint8_t sm[16];
+    alignas(16) uint8_t sm[16];
     k4_scales_mins(b->scales, sm);
-    const float d = half_to_float(b->d), dmin = half_to_float(b->dmin);
-    for (int j = 0; j < 8; ++j) {
-      s[j] = d * static_cast<float>(sm[j]);
-      o[j] = -dmin * static_cast<float>(sm[8 + j]);
-    }
+    const __m128i bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(sm));
+    s[0] = _mm256_mul_ps(_mm256_set1_ps(half_to_float(b->d)),
+                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+    o[0] = _mm256_mul_ps(_mm256_set1_ps(-half_to_float(b->dmin)),
+                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
   }
   static __m256i values(const uint8_t* blk, int j) {
     const auto* b = reinterpret_cast<const Block*>(blk);
@@ -143,12 +154,14 @@ template <> struct Unit<Q5_K> : UnitK45<Q5_K> {};
 
 template <> struct Unit<Q6_K> {  // w = d scale (q - 32), a scale per 16
   static constexpr int UNITS = 8, SLOTS = 2;
-  static void scales(const uint8_t* blk, float* s, float* o) {
+  static void scale_vectors(const uint8_t* blk, __m256* s, __m256* o) {
     const auto* b = reinterpret_cast<const BlockQ6_K*>(blk);
-    const float d = half_to_float(b->d);
-    for (int i = 0; i < 16; ++i) {
-      s[i] = d * static_cast<float>(b->scales[i]);
-      o[i] = -32.f * s[i];
+    const __m256 d = _mm256_set1_ps(half_to_float(b->d));
+    const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales));
+    for (int v = 0; v < 2; ++v) {
+      const __m128i eight = v ? _mm_srli_si128(scales, 8) : scales;
+      s[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)));
+      o[v] = _mm256_mul_ps(_mm256_set1_ps(-32.f), s[v]);
     }
   }
   static __m256i values(const uint8_t* blk, int j) {
@@ -181,39 +194,169 @@ inline void transpose8(const __m256i* r, __m256i* out) {
   }
 }
 
-// The `count` (<= PANEL; the others zero) weight rows at w packed: per unit, the 8 vectors of
-// 4 weights of the panel's rows (vector g holds weights 4g..4g+3 of each row), then per slot
-// the rows' scales and offsets.
-template <int64_t QTYPE>
-void pack_panel(const uint8_t* w, int64_t row_bytes, int count, int64_t units, uint8_t* panel) {
+// How packing reads a group of BLOCKS blocks: CHUNKS vectors of 32 bytes loaded from the group
+// (chunk), and word g of unit j computed from the chunks' words (word; t[8 c + g'] is word g' of
+// chunk c). The unit's bytes are computed from the chunks' bytes one by one, so the chunks of 8
+// rows can be transposed first and the units computed on the transposed words: units that share
+// a chunk (a K-quant's low and high nibbles, two 32-wide blocks' 16 bytes) share its transpose.
+template <int64_t QTYPE> struct PerUnit {  // each unit its own chunk: its bytes as Unit gives them
+  static constexpr int BLOCKS = 1, CHUNKS = Unit<QTYPE>::UNITS;
+  static __m256i chunk(const uint8_t* group, int c) { return Unit<QTYPE>::values(group, c); }
+  static __m256i word(const __m256i* t, int j, int g) { return t[8 * j + g]; }
+};
+
+inline __m256i nibble_word(__m256i v, bool high) {
+  return _mm256_and_si256(high ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+}
+
+// Q4_0 / Q4_1: two blocks' 16 bytes of nibbles in one chunk; byte l holds weights l (low) and
+// l + 16 (high), so unit j's word g < 4 is the low nibbles of its word g, word g >= 4 the high
+// nibbles of its word g - 4.
+template <int64_t QTYPE> struct NibblePairs {
+  using Block = std::conditional_t<QTYPE == Q4_0, BlockQ4_0, BlockQ4_1>;
+  static constexpr int BLOCKS = 2, CHUNKS = 1;
+  static __m256i chunk(const uint8_t* group, int) {
+    const auto* b = reinterpret_cast<const Block*>(group);
+    return _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(b[1].qs),
+                               reinterpret_cast<const __m128i*>(b[0].qs));
+  }
+  static __m256i word(const __m256i* t, int j, int g) { return nibble_word(t[4 * j + g % 4], g >= 4); }
+};
+
+// Q4_K / Q5_K: sub-blocks 2c and 2c + 1 in the low and high nibbles of chunk c of qs; Q5_K's
+// fifth bits, bit j of qh's bytes, a chunk of their own (the last).
+template <int64_t QTYPE> struct KNibbles {
+  using Block = std::conditional_t<QTYPE == Q4_K, BlockQ4_K, BlockQ5_K>;
+  static constexpr int BLOCKS = 1, CHUNKS = QTYPE == Q5_K ? 5 : 4;
+  static __m256i chunk(const uint8_t* group, int c) {
+    const auto* b = reinterpret_cast<const Block*>(group);
+    if constexpr (QTYPE == Q5_K) {
+      if (c == 4) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qh));
+    }
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qs + 32 * c));
+  }
+  static __m256i word(const __m256i* t, int j, int g) {
+    const __m256i q = nibble_word(t[8 * (j / 2) + g], j % 2);
+    if constexpr (QTYPE == Q5_K) {
+      const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(t[32 + g], _mm_cvtsi32_si128(j)),
+                                           _mm256_set1_epi8(1));
+      return _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+    }
+    return q;
+  }
+};
+
+// Q6_K: sub-block j = 4 h + s takes the low (s < 2) or high nibbles of ql chunk 2 h + s % 2 and
+// bits 2 s of qh chunk h (chunks 4 and 5).
+struct Q6Chunks {
+  static constexpr int BLOCKS = 1, CHUNKS = 6;
+  static __m256i chunk(const uint8_t* group, int c) {
+    const auto* b = reinterpret_cast<const BlockQ6_K*>(group);
+    const uint8_t* at = c < 4 ? b->ql + 32 * c : b->qh + 32 * (c - 4);
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+  }
+  static __m256i word(const __m256i* t, int j, int g) {
+    const int h = j / 4, sub = j % 4;
+    const __m256i low = nibble_word(t[8 * (2 * h + sub % 2) + g], sub >= 2);
+    const __m256i high = _mm256_and_si256(
+        _mm256_srl_epi16(t[8 * (4 + h) + g], _mm_cvtsi32_si128(2 * sub)), _mm256_set1_epi8(3));
+    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+  }
+};
+
+template <int64_t QTYPE> struct Layout { using type = PerUnit<QTYPE>; };
+template <> struct Layout<Q4_0> { using type = NibblePairs<Q4_0>; };
+template <> struct Layout<Q4_1> { using type = NibblePairs<Q4_1>; };
+template <> struct Layout<Q4_K> { using type = KNibbles<Q4_K>; };
+template <> struct Layout<Q5_K> { using type = KNibbles<Q5_K>; };
+template <> struct Layout<Q6_K> { using type = Q6Chunks; };
+
+// The units of blocks [blk0, blk0 + L::BLOCKS) of the `count` (<= PANEL; the others zero)
+// weight rows at w, packed: per unit, the 8 vectors of 4 weights of the panel's rows (vector g
+// holds weights 4g..4g+3 of each row), then per slot the rows' scales and offsets.
+template <int64_t QTYPE, typename L>
+void pack_group(const uint8_t* w, int64_t row_bytes, int count, int64_t blk0, uint8_t* panel) {
   using U = Unit<QTYPE>;
   constexpr int64_t bytes = unit_bytes<U::SLOTS>();
-  constexpr int PER_BLOCK = U::UNITS * U::SLOTS;
   const int64_t bb = block_bytes(QTYPE);
-  for (int64_t blk = 0; blk < units / U::UNITS; ++blk) {
-    float s[PANEL][PER_BLOCK] = {}, o[PANEL][PER_BLOCK] = {};
-    for (int i = 0; i < count; ++i) U::scales(w + i * row_bytes + blk * bb, s[i], o[i]);
-    for (int j = 0; j < U::UNITS; ++j) {
-      uint8_t* dst = panel + (blk * U::UNITS + j) * bytes;
-      float* scales = reinterpret_cast<float*>(dst + 8 * VEC_BYTES);
-      __m256i r[PANEL];
-      for (int i = 0; i < PANEL; ++i) {
-        r[i] = i < count ? U::values(w + i * row_bytes + blk * bb, j) : _mm256_setzero_si256();
-        for (int slot = 0; slot < U::SLOTS; ++slot) {
-          scales[slot * 2 * PANEL + i] = s[i][j * U::SLOTS + slot];
-          scales[slot * 2 * PANEL + PANEL + i] = o[i][j * U::SLOTS + slot];
-        }
+  for (int b = 0; b < L::BLOCKS; ++b) {
+    // Unit j's scale slots: PANEL floats of scales, then of offsets, a slot.
+    auto slots = [&](int j) {
+      return reinterpret_cast<float*>(panel + ((blk0 + b) * U::UNITS + j) * bytes +
+                                      8 * VEC_BYTES);
+    };
+    const uint8_t* blk = w + (blk0 + b) * bb;
+    if constexpr (U::UNITS == 1) {  // gathered from 8 rows at a time
+      float* to = slots(0);
+      const __m256i rows = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                              _mm256_set1_epi32(static_cast<int>(row_bytes)));
+      for (int half = 0; half < PANEL / 8; ++half) {
+        const __m256i present = _mm256_cmpgt_epi32(_mm256_set1_epi32(count - 8 * half),
+                                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256i head = _mm256_mask_i32gather_epi32(
+            _mm256_setzero_si256(), reinterpret_cast<const int*>(blk + 8 * half * row_bytes),
+            rows, present, 1);
+        __m256 scale, offset;
+        U::scale_rows(head, &scale, &offset);
+        _mm256_storeu_ps(to + 8 * half, scale);
+        _mm256_storeu_ps(to + PANEL + 8 * half, offset);
       }
-      for (int half = 0; half < PANEL / 8; ++half) {  // rows 8 half .. 8 half + 7
-        __m256i words[8];
-        transpose8(r + 8 * half, words);
-        for (int g = 0; g < 8; ++g) {
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + g * VEC_BYTES + 32 * half),
-                              words[g]);
+    } else {  // 8 rows' vectors of 8 entries transposed into 8 entries' vectors of 8 rows
+      constexpr int VECTORS = U::UNITS * U::SLOTS / 8;
+      for (int half = 0; half < PANEL / 8; ++half) {
+        __m256 s[8][VECTORS], o[8][VECTORS];
+        for (int r = 0; r < 8; ++r) {
+          const int i = 8 * half + r;
+          if (i < count) {
+            U::scale_vectors(blk + i * row_bytes, s[r], o[r]);
+          } else {
+            for (int v = 0; v < VECTORS; ++v) s[r][v] = o[r][v] = _mm256_setzero_ps();
+          }
+        }
+        for (int v = 0; v < VECTORS; ++v) {
+          for (int which = 0; which < 2; ++which) {
+            __m256i rows[8], entries[8];
+            for (int r = 0; r < 8; ++r) rows[r] = _mm256_castps_si256(which ? o[r][v] : s[r][v]);
+            transpose8(rows, entries);
+            for (int e = 0; e < 8; ++e) {
+              const int entry = 8 * v + e, j = entry / U::SLOTS, slot = entry % U::SLOTS;
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(
+                  slots(j) + slot * 2 * PANEL + which * PANEL + 8 * half), entries[e]);
+            }
+          }
         }
       }
     }
   }
+  for (int half = 0; half < PANEL / 8; ++half) {  // rows 8 half .. 8 half + 7
+    __m256i t[8 * L::CHUNKS];
+    for (int c = 0; c < L::CHUNKS; ++c) {
+      __m256i raw[8];
+      for (int r = 0; r < 8; ++r) {
+        const int i = 8 * half + r;
+        raw[r] = i < count ? L::chunk(w + i * row_bytes + blk0 * bb, c) : _mm256_setzero_si256();
+      }
+      transpose8(raw, t + 8 * c);
+    }
+    for (int j = 0; j < L::BLOCKS * U::UNITS; ++j) {
+      uint8_t* dst = panel + (blk0 * U::UNITS + j) * bytes + 32 * half;
+      for (int g = 0; g < 8; ++g) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + g * VEC_BYTES), L::word(t, j, g));
+      }
+    }
+  }
+}
+
+// The `count` weight rows at w, every unit packed (pack_group).
+template <int64_t QTYPE>
+void pack_panel(const uint8_t* w, int64_t row_bytes, int count, int64_t units, uint8_t* panel) {
+  using L = typename Layout<QTYPE>::type;
+  const int64_t blocks = units / Unit<QTYPE>::UNITS;
+  int64_t blk = 0;
+  for (; blk + L::BLOCKS <= blocks; blk += L::BLOCKS) {
+    pack_group<QTYPE, L>(w, row_bytes, count, blk, panel);
+  }
+  for (; blk < blocks; ++blk) pack_group<QTYPE, PerUnit<QTYPE>>(w, row_bytes, count, blk, panel);
 }
 
 // Activation rows as the panel tile reads them: int8 values, a scale per `group` values, and
