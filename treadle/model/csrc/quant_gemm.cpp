@@ -347,16 +347,32 @@ void pack_group(const uint8_t* w, int64_t row_bytes, int count, int64_t blk0, ui
   }
 }
 
-// The `count` weight rows at w, every unit packed (pack_group).
+// The `count` weight rows at w, every unit packed (pack_group). Each group's bytes in the
+// `next_count` rows that follow (the thread's next panel) are prefetched into L2 meanwhile: a
+// panel reads 8 or 16 rows at once, and without it the packing of a layer streamed from memory
+// waited on it (16384x2048 Q4_1 matrices in turn: 11 GB/s, the row kernel 30).
 template <int64_t QTYPE>
-void pack_panel(const uint8_t* w, int64_t row_bytes, int count, int64_t units, uint8_t* panel) {
+void pack_panel(const uint8_t* w, int64_t row_bytes, int count, int64_t units, uint8_t* panel,
+                int next_count) {
   using L = typename Layout<QTYPE>::type;
-  const int64_t blocks = units / Unit<QTYPE>::UNITS;
+  const int64_t blocks = units / Unit<QTYPE>::UNITS, bb = block_bytes(QTYPE);
+  const uint8_t* next = w + PANEL * row_bytes;
   int64_t blk = 0;
+  auto prefetch_next = [&](int64_t begin, int64_t end) {  // bytes [begin, end) of each row
+    for (int i = 0; i < next_count; ++i) {
+      for (int64_t at = begin & ~int64_t{63}; at < end; at += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + i * row_bytes + at), _MM_HINT_T1);
+      }
+    }
+  };
   for (; blk + L::BLOCKS <= blocks; blk += L::BLOCKS) {
+    prefetch_next(blk * bb, (blk + L::BLOCKS) * bb);
     pack_group<QTYPE, L>(w, row_bytes, count, blk, panel);
   }
-  for (; blk < blocks; ++blk) pack_group<QTYPE, PerUnit<QTYPE>>(w, row_bytes, count, blk, panel);
+  for (; blk < blocks; ++blk) {
+    prefetch_next(blk * bb, (blk + 1) * bb);
+    pack_group<QTYPE, PerUnit<QTYPE>>(w, row_bytes, count, blk, panel);
+  }
 }
 
 // Activation rows as the panel tile reads them: int8 values, a scale per `group` values, and
@@ -445,7 +461,10 @@ void gemm(const uint8_t* w, int64_t n, const PanelRows& a, int64_t rows, float* 
     panel.resize(units * unit_bytes<SLOTS>());
     for (int64_t p = begin; p < end; ++p) {
       const int count = static_cast<int>(std::min<int64_t>(PANEL, n - p * PANEL));
-      pack_panel<QTYPE>(w + p * PANEL * row_bytes, row_bytes, count, units, panel.data());
+      const int next_count =
+          p + 1 < end ? static_cast<int>(std::min<int64_t>(PANEL, n - (p + 1) * PANEL)) : 0;
+      pack_panel<QTYPE>(w + p * PANEL * row_bytes, row_bytes, count, units, panel.data(),
+                        next_count);
       for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {
         panel_rows<SLOTS, UNITS_PER_GROUP>(panel.data(), units, a, r0,
                                            std::min<int64_t>(TILE_ROWS, rows - r0),
