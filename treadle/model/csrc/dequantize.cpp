@@ -30,19 +30,6 @@ inline void q4_k_scale_min(const uint8_t* s, int j, int* scale, int* min) {
 }
 
 #if defined(__AVX2__)
-// 8 floats as bfloat16, rounded to nearest even (at::BFloat16's rule: NaN becomes 0x7FC0).
-inline __m128i to_bf16(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(
-      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
-  // packus works within 128-bit lanes: [0-3 0-3 | 4-7 4-7], then 64-bit quarters 0, 2.
-  const __m256i packed = _mm256_packus_epi32(rounded, rounded);
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0xD8));
-}
-
 inline void store8(float* dst, __m256 v) { _mm256_storeu_ps(dst, v); }
 inline void store8(at::BFloat16* dst, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), to_bf16(v));

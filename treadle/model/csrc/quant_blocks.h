@@ -66,6 +66,19 @@ inline __m256i bytes_from_bits(const uint8_t* x) {
   return _mm256_cmpeq_epi8(_mm256_or_si256(bytes, others), _mm256_set1_epi64x(-1));
 }
 
+// 8 floats as bfloat16, rounded to nearest even (at::BFloat16's rule: NaN becomes 0x7FC0).
+inline __m128i to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+  // packus works within 128-bit lanes: [0-3 0-3 | 4-7 4-7], then 64-bit quarters 0, 2.
+  const __m256i packed = _mm256_packus_epi32(rounded, rounded);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0xD8));
+}
+
 // 32 bytes of 4-bit values: the low (HIGH false) or high nibbles of `at`.
 inline __m256i nibbles32(const uint8_t* at, bool high) {
   __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
@@ -155,10 +168,13 @@ void k_quant_rows(int64_t qtype, const uint8_t* w, int64_t n, const Q8KRows& xq,
 
 // quant_gemm.cpp: the GEMM of many rows over panels of 16 (AVX2: 8) weight rows repacked per
 // call, for the types this build serves that way (panel_gemm_types).
+// Out: float, or at::BFloat16 (rounded as at::BFloat16 rounds).
 std::vector<int64_t> panel_gemm_types();
+template <typename Out>
 void panel_gemm(int64_t qtype, const uint8_t* w, int64_t n, const QuantizedRows& xq,
-                int64_t rows, float* out, int64_t ldo);
+                int64_t rows, Out* out, int64_t ldo);
+template <typename Out>
 void panel_gemm(int64_t qtype, const uint8_t* w, int64_t n, const Q8KRows& xq, int64_t rows,
-                float* out, int64_t ldo);
+                Out* out, int64_t ldo);
 
 }  // namespace quant

@@ -40,6 +40,8 @@ inline VecF splat_f(float v) { return _mm512_set1_ps(v); }
 inline VecF to_float(VecI v) { return _mm512_cvtepi32_ps(v); }
 inline VecF fma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
 inline void store_f(float* p, VecF v) { _mm512_storeu_ps(p, v); }
+inline __m256 low_half(VecF v) { return _mm512_castps512_ps256(v); }
+inline __m256 high_half(VecF v) { return _mm512_extractf32x8_ps(v, 1); }
 // acc + the sums of 4 products u8 x s8 per int32 lane.
 inline VecI dot4(VecI acc, VecI u8, VecI s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
 #else
@@ -62,6 +64,31 @@ inline VecI dot4(VecI acc, VecI u8, VecI s8) {
 }
 #endif
 constexpr int VEC_BYTES = PANEL * 4;
+
+// A vector of PANEL outputs at `out`, or its first `count` lanes.
+inline void store_out(float* out, VecF v, int count) {
+  if (count == PANEL) return store_f(out, v);
+  float lanes[PANEL];
+  store_f(lanes, v);
+  std::memcpy(out, lanes, count * sizeof(float));
+}
+
+inline void store_out(at::BFloat16* out, VecF v, int count) {
+  __m128i halves[PANEL / 8];
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  halves[0] = to_bf16(low_half(v));
+  halves[1] = to_bf16(high_half(v));
+#else
+  halves[0] = to_bf16(v);
+#endif
+  if (count == PANEL) {
+    for (int h = 0; h < PANEL / 8; ++h) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8 * h), halves[h]);
+    }
+    return;
+  }
+  std::memcpy(out, halves, count * sizeof(at::BFloat16));
+}
 
 // What packing needs of a block type: its UNITS units of 32 weights (one block, or a K-quant's
 // 8 sub-blocks), each unit's weights as unsigned bytes q, and the scale and offset of each of a
@@ -388,8 +415,8 @@ struct PanelRows {
 
 // out[r * ldo + i] for R activation rows from r0 and the panel's 8 rows; UNITS_PER_GROUP units
 // (32 values each) share an activation scale.
-template <int SLOTS, int UNITS_PER_GROUP, int R>
-void panel_tile(const uint8_t* panel, int64_t units, const PanelRows& a, int64_t r0, float* out,
+template <int SLOTS, int UNITS_PER_GROUP, int R, typename Out>
+void panel_tile(const uint8_t* panel, int64_t units, const PanelRows& a, int64_t r0, Out* out,
                 int64_t ldo, int count) {
   constexpr int64_t bytes = unit_bytes<SLOTS>();
   constexpr int WORDS = 8 / SLOTS;  // 4-weight vectors a slot
@@ -428,31 +455,23 @@ void panel_tile(const uint8_t* panel, int64_t units, const PanelRows& a, int64_t
       acc[r] = fma(part[r], splat_f(d), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if (count == PANEL) {
-      store_f(out + r * ldo, acc[r]);
-    } else {
-      float lanes[PANEL];
-      store_f(lanes, acc[r]);
-      std::memcpy(out + r * ldo, lanes, count * sizeof(float));
-    }
-  }
+  for (int r = 0; r < R; ++r) store_out(out + r * ldo, acc[r], count);
 }
 
-template <int SLOTS, int UNITS_PER_GROUP, int R = TILE_ROWS>
+template <int SLOTS, int UNITS_PER_GROUP, typename Out, int R = TILE_ROWS>
 void panel_rows(const uint8_t* panel, int64_t units, const PanelRows& a, int64_t r0,
-                int64_t rows, float* out, int64_t ldo, int count) {
+                int64_t rows, Out* out, int64_t ldo, int count) {
   if constexpr (R > 1) {
     if (rows < R) {
-      return panel_rows<SLOTS, UNITS_PER_GROUP, R - 1>(panel, units, a, r0, rows, out, ldo,
-                                                       count);
+      return panel_rows<SLOTS, UNITS_PER_GROUP, Out, R - 1>(panel, units, a, r0, rows, out,
+                                                            ldo, count);
     }
   }
   panel_tile<SLOTS, UNITS_PER_GROUP, R>(panel, units, a, r0, out, ldo, count);
 }
 
-template <int64_t QTYPE, int UNITS_PER_GROUP>
-void gemm(const uint8_t* w, int64_t n, const PanelRows& a, int64_t rows, float* out,
+template <int64_t QTYPE, int UNITS_PER_GROUP, typename Out>
+void gemm(const uint8_t* w, int64_t n, const PanelRows& a, int64_t rows, Out* out,
           int64_t ldo) {
   constexpr int SLOTS = Unit<QTYPE>::SLOTS;
   const int64_t units = a.k / QK, row_bytes = a.k / block_weights(QTYPE) * block_bytes(QTYPE);
@@ -484,18 +503,21 @@ std::vector<int64_t> panel_gemm_types() {
 #endif
 }
 
+template <typename Out>
 void panel_gemm(int64_t qtype, const uint8_t* w, int64_t n, const QuantizedRows& xq,
-                int64_t rows, float* out, int64_t ldo) {
+                int64_t rows, Out* out, int64_t ldo) {
   PanelRows a{xq.q.data(), xq.k, xq.d.data(), xq.nb, std::vector<float>(rows * xq.nb), xq.nb};
-  for (size_t i = 0; i < a.sums.size(); ++i) {
-    if (qtype == Q8_0) {  // its offset only undoes the + 128: the sum of the int8 values
-      int sum = 0;
-      for (int j = 0; j < QK; ++j) sum += xq.q[i * QK + j];
-      a.sums[i] = static_cast<float>(sum);
-    } else {  // an offset of the weights' own: the activations' exact sum, in scale units
-      a.sums[i] = xq.d[i] > 0.f ? xq.sum[i] / xq.d[i] : 0.f;
+  at::parallel_for(0, rows * xq.nb, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (qtype == Q8_0) {  // its offset only undoes the + 128: the sum of the int8 values
+        int sum = 0;
+        for (int j = 0; j < QK; ++j) sum += xq.q[i * QK + j];
+        a.sums[i] = static_cast<float>(sum);
+      } else {  // an offset of the weights' own: the activations' exact sum, in scale units
+        a.sums[i] = xq.d[i] > 0.f ? xq.sum[i] / xq.d[i] : 0.f;
+      }
     }
-  }
+  });
   switch (qtype) {
     case Q4_0: return gemm<Q4_0, 1>(w, n, a, rows, out, ldo);
     case Q4_1: return gemm<Q4_1, 1>(w, n, a, rows, out, ldo);
@@ -507,8 +529,9 @@ void panel_gemm(int64_t qtype, const uint8_t* w, int64_t n, const QuantizedRows&
   TORCH_CHECK(false, "no integer GEMM for quantized type ", qtype);
 }
 
+template <typename Out>
 void panel_gemm(int64_t qtype, const uint8_t* w, int64_t n, const Q8KRows& xq, int64_t rows,
-                float* out, int64_t ldo) {
+                Out* out, int64_t ldo) {
   const int64_t per_block = qtype == Q6_K ? 16 : 8;  // slots a super-block: per 16 or per 32
   PanelRows a{xq.q.data(), xq.k, xq.d.data(), xq.nsb,
               std::vector<float>(rows * xq.nsb * per_block), xq.nsb * per_block};
@@ -525,15 +548,26 @@ void panel_gemm(int64_t qtype, const uint8_t* w, int64_t n, const Q8KRows& xq, i
 #else
 std::vector<int64_t> panel_gemm_types() { return {}; }
 
-void panel_gemm(int64_t qtype, const uint8_t*, int64_t, const QuantizedRows&, int64_t, float*,
+template <typename Out>
+void panel_gemm(int64_t qtype, const uint8_t*, int64_t, const QuantizedRows&, int64_t, Out*,
                 int64_t) {
   TORCH_CHECK(false, "no integer GEMM for quantized type ", qtype, " in this build");
 }
 
-void panel_gemm(int64_t qtype, const uint8_t*, int64_t, const Q8KRows&, int64_t, float*,
+template <typename Out>
+void panel_gemm(int64_t qtype, const uint8_t*, int64_t, const Q8KRows&, int64_t, Out*,
                 int64_t) {
   TORCH_CHECK(false, "no integer GEMM for quantized type ", qtype, " in this build");
 }
 #endif
+
+template void panel_gemm(int64_t, const uint8_t*, int64_t, const QuantizedRows&, int64_t,
+                         float*, int64_t);
+template void panel_gemm(int64_t, const uint8_t*, int64_t, const QuantizedRows&, int64_t,
+                         at::BFloat16*, int64_t);
+template void panel_gemm(int64_t, const uint8_t*, int64_t, const Q8KRows&, int64_t, float*,
+                         int64_t);
+template void panel_gemm(int64_t, const uint8_t*, int64_t, const Q8KRows&, int64_t,
+                         at::BFloat16*, int64_t);
 
 }  // namespace quant

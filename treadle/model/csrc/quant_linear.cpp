@@ -307,11 +307,24 @@ at::Tensor linear_parts(at::Tensor x, const std::vector<at::Tensor>& weights,
                                              : quantize_rows(x.data_ptr<float>(), rows, k);
   }
   if (blocks256) xk = quantize_rows_q8k(x);
-  auto out = at::empty({rows, total}, x.options().dtype(at::kFloat));
-  float* o = out.data_ptr<float>();
+  // The GEMM writes bfloat16 outputs itself where no bias is added after it (a pass less).
+  const bool direct_bf16 = gemm && !bias.has_value() && x.scalar_type() == at::kBFloat16;
+  auto out = at::empty({rows, total},
+                       x.options().dtype(direct_bf16 ? at::kBFloat16 : at::kFloat));
+  float* o = direct_bf16 ? nullptr : out.data_ptr<float>();
+  at::BFloat16* o_bf16 = direct_bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
   for (size_t i = 0; i < weights.size(); ++i) {
     const uint8_t* w = weights[i].data_ptr<uint8_t>();
     const int64_t n = weights[i].size(0);
+    if (direct_bf16) {
+      if (is_k_quant(qtypes[i])) {
+        panel_gemm(qtypes[i], w, n, xk, rows, o_bf16, total);
+      } else {
+        panel_gemm(qtypes[i], w, n, xq, rows, o_bf16, total);
+      }
+      o_bf16 += n;
+      continue;
+    }
     if (gemm) {
       if (is_k_quant(qtypes[i])) {
         panel_gemm(qtypes[i], w, n, xk, rows, o, total);
@@ -329,6 +342,7 @@ at::Tensor linear_parts(at::Tensor x, const std::vector<at::Tensor>& weights,
     }
     o += n;
   }
+  if (direct_bf16) return out;
   if (bias.has_value()) out.add_(bias->to(at::kFloat));
   return out.to(x.scalar_type());
 }
