@@ -100,12 +100,18 @@ void silu_and_mul_rows(const T* gate_up, int64_t row_stride, T* out, int64_t tok
       T* o = out + t * width;
       int64_t i = 0;
 #if defined(__AVX2__)
-      if constexpr (std::is_same_v<T, float>) {  // a vector exp (libm's stays scalar)
-        for (; i + 8 <= width; i += 8) {
-          const __m256 gi = _mm256_loadu_ps(g + i);
-          const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), gi));
-          const __m256 silu = _mm256_div_ps(gi, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+      for (; i + 8 <= width; i += 8) {  // a vector exp (libm's stays scalar)
+        const __m256 gi = load8(g + i);
+        const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), gi));
+        const __m256 silu = _mm256_div_ps(gi, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+        if constexpr (std::is_same_v<T, float>) {
           _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+        } else {  // silu rounded to bfloat16 as torch rounds it, then the product
+          const __m128i rounded = to_bf16(silu);
+          const __m256 silu16 = _mm256_castsi256_ps(
+              _mm256_slli_epi32(_mm256_cvtepu16_epi32(rounded), 16));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i),
+                           to_bf16(_mm256_mul_ps(silu16, load8(u + i))));
         }
       }
 #endif

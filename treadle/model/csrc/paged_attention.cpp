@@ -7,6 +7,7 @@
 // With AVX2 and heads a whole number of 8-float vectors, a head's scores take four positions at
 // a time and its weighted values stay in registers over the task's positions (docs/decisions.md).
 #include "kernels.h"
+#include "vec_math.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -61,12 +62,8 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 #if defined(__AVX2__)
-// 8 lanes of a cache row as floats (an int8 cache's unscaled).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
+// 8 lanes of a cache row as floats: an int8 cache's unscaled (vec_math.h: float, bfloat16).
+using ::load8;
 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(
       _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));

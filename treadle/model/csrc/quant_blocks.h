@@ -3,6 +3,8 @@
 // dequantize.cpp (blocks to float weights).
 #pragma once
 
+#include "vec_math.h"
+
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
@@ -64,19 +66,6 @@ inline __m256i bytes_from_bits(const uint8_t* x) {
   const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuffle);
   const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL);  // all but bit j of byte j
   return _mm256_cmpeq_epi8(_mm256_or_si256(bytes, others), _mm256_set1_epi64x(-1));
-}
-
-// 8 floats as bfloat16, rounded to nearest even (at::BFloat16's rule: NaN becomes 0x7FC0).
-inline __m128i to_bf16(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(
-      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
-  // packus works within 128-bit lanes: [0-3 0-3 | 4-7 4-7], then 64-bit quarters 0, 2.
-  const __m256i packed = _mm256_packus_epi32(rounded, rounded);
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0xD8));
 }
 
 // 32 bytes of 4-bit values: the low (HIGH false) or high nibbles of `at`.

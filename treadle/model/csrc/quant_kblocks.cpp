@@ -38,12 +38,6 @@ inline int hsum_i32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
-
 // acc + sum over pairs of (q * a) * scale: 8 int32 lanes, each 4 consecutive weights.
 inline __m256i dot_scaled(__m256i acc, __m256i q, __m256i a, __m256i scale) {
   const __m256i pairs = _mm256_maddubs_epi16(q, a);

@@ -24,31 +24,6 @@ namespace {
 
 using namespace quant;
 
-template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
-  const int64_t nb = k / QK;
-  QuantizedRows out{k, nb, std::vector<int8_t>(rows * k), std::vector<float>(rows * nb),
-                    std::vector<float>(rows * nb)};
-  at::parallel_for(0, rows * nb, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const T* src = x + i * QK;
-      float v[QK];
-      float amax = 0.f, sum = 0.f;
-      for (int j = 0; j < QK; ++j) {
-        v[j] = static_cast<float>(src[j]);
-        amax = std::max(amax, std::fabs(v[j]));
-        sum += v[j];
-      }
-      const float d = amax / 127.f;
-      const float id = d > 0.f ? 1.f / d : 0.f;
-      for (int j = 0; j < QK; ++j) out.q[i * QK + j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
-      out.d[i] = d;
-      out.sum[i] = sum;
-    }
-  });
-  return out;
-}
-
 // Sum over one block of w[j] * a[j] for 32 unsigned 4-bit weights (in the GGUF nibble order:
 // low nibbles are weights 0-15, high nibbles 16-31) and 32 signed int8 activations.
 #if defined(__AVX2__)
@@ -73,6 +48,56 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 #endif
+
+// Each block of 32: scale amax / 127, values rounded to nearest even (as nearbyint), and the
+// block's exact sum.
+template <typename T>
+QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
+  const int64_t nb = k / QK;
+  QuantizedRows out{k, nb, std::vector<int8_t>(rows * k), std::vector<float>(rows * nb),
+                    std::vector<float>(rows * nb)};
+  at::parallel_for(0, rows * nb, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* src = x + i * QK;
+#if defined(__AVX2__)
+      __m256 v[4];
+      for (int j = 0; j < 4; ++j) v[j] = load8(src + 8 * j);
+      const __m256 sign = _mm256_set1_ps(-0.f);
+      const __m256 amax8 = _mm256_max_ps(
+          _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+          _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+      __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+      m = _mm_max_ss(m, _mm_movehdup_ps(m));
+      const float d = _mm_cvtss_f32(m) / 127.f;
+      const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+      __m256i q[4];
+      for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
+      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                                _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + i * QK),
+                          _mm256_permutevar8x32_epi32(
+                              packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      out.d[i] = d;
+      out.sum[i] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+#else
+      float v[QK];
+      float amax = 0.f, sum = 0.f;
+      for (int j = 0; j < QK; ++j) {
+        v[j] = static_cast<float>(src[j]);
+        amax = std::max(amax, std::fabs(v[j]));
+        sum += v[j];
+      }
+      const float d = amax / 127.f;
+      const float id = d > 0.f ? 1.f / d : 0.f;
+      for (int j = 0; j < QK; ++j) out.q[i * QK + j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
+      out.d[i] = d;
+      out.sum[i] = sum;
+#endif
+    }
+  });
+  return out;
+}
 
 #if !defined(__AVX2__)
 // Dot product of one weight row (nb blocks) with one quantized activation row: the portable

@@ -1,8 +1,30 @@
 // Vector math the kernels share.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #if defined(__AVX2__)
 #include <immintrin.h>
+
+// 8 floats from float32 or bfloat16 (bfloat16 is float32's high half).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// 8 floats as bfloat16, rounded to nearest even (at::BFloat16's rule: NaN becomes 0x7FC0).
+inline __m128i to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+  // packus works within 128-bit lanes: [0-3 0-3 | 4-7 4-7], then 64-bit quarters 0, 2.
+  const __m256i packed = _mm256_packus_epi32(rounded, rounded);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0xD8));
+}
 
 // exp(x), Cephes' expf: 2^n times a polynomial in the remainder, ~2 ulp. 0 below -87 (-inf
 // included: a forbidden token's weight is 0 exactly); inputs above 88 count as 88 (e^88 ~
