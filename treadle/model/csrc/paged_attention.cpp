@@ -254,8 +254,20 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
         float* s = scores.data() + h * PART;
         const float max_score = *std::max_element(s, s + count);
         float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t pos = 0; pos < count; ++pos) {
+        int64_t pos = 0;
+#if defined(__AVX2__)
+        {  // a vector exp: libm's stays scalar (5% of a 64-row step of the default model)
+          __m256 sum8 = _mm256_setzero_ps();
+          for (; pos + 8 <= count; pos += 8) {
+            const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + pos),
+                                                    _mm256_set1_ps(max_score)));
+            _mm256_storeu_ps(s + pos, e);
+            sum8 = _mm256_add_ps(sum8, e);
+          }
+          total = hsum(sum8);
+        }
+#endif
+        for (; pos < count; ++pos) {
           s[pos] = std::exp(s[pos] - max_score);
           total += s[pos];
         }

@@ -40,13 +40,6 @@ inline __m256i dot_pairs_u8_s8(__m256i w, __m256i a) {  // 8 int32 partial sums
 inline __m256i dot_pairs_s8_s8(__m256i w, __m256i a) {
   return dot_pairs_u8_s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
 }
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 #endif
 
 // Each block of 32: scale amax / 127, values rounded to nearest even (as nearbyint), and the

@@ -13,6 +13,14 @@ inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
+// The sum of 8 floats.
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 // 8 floats as bfloat16, rounded to nearest even (at::BFloat16's rule: NaN becomes 0x7FC0).
 inline __m128i to_bf16(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
