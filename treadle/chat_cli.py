@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from treadle.config import DTYPES, QUANTIZATION_CHOICES
+from treadle.sse import sse_data
 
 Messages = list[dict[str, str]]
 Reply = Callable[[Messages], AsyncIterator[str]]  # the history -> the answer's text pieces
@@ -136,11 +137,10 @@ def remote_reply(client: httpx.AsyncClient, model: str, sampling: dict[str, Any]
             if response.status_code != 200:
                 await response.aread()
                 raise ValueError(f"HTTP {response.status_code}: {error_message(response)}")
-            async for line in response.aiter_lines():
-                # SSE: `data: {...}` events; comments (`: keep-alive`) and blank lines skipped.
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for data in sse_data(response):
+                if data == "[DONE]":
                     continue
-                event = json.loads(line[len("data: "):])
+                event = json.loads(data)
                 if "error" in event:
                     raise ValueError(event["error"].get("message", "the server failed"))
                 for choice in event.get("choices", []):

@@ -39,6 +39,7 @@ from treadle.bench.metrics import PERCENTILES, RequestRecord, compute_metrics, t
 from treadle.bench.streaming import Backend, Clock, Send, StreamTimer
 from treadle.bench.workloads import BenchRequest, draw_adapters
 from treadle.core.request import DEFAULT_TENANT
+from treadle.sse import sse_data
 
 
 def assign_tenants(n: int, shares: dict[str, float], seed: int = 0) -> list[str]:
@@ -135,10 +136,7 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict, promp
             if response.status_code != 200:
                 record.error = error_message(await response.aread(), response.status_code)
                 return record
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank separators, SSE comments (pings), event names
-                data = line[5:].strip()
+            async for data in sse_data(response):
                 if data == "[DONE]":
                     break
                 event = json.loads(data)

@@ -47,6 +47,8 @@ from pathlib import Path
 
 import httpx
 
+from treadle.sse import sse_data
+
 OUTCOMES = ("ok", "aborted", "rejected", "4xx", "5xx", "transport", "wrong")
 FAILING = ("5xx", "transport", "wrong")
 MIB = 1 << 20
@@ -294,8 +296,7 @@ class Load:
             if response.status_code != 200:
                 await response.aread()
                 return http_outcome(response.status_code, False), response.text[:200]
-            events = [line.removeprefix("data: ") async for line in response.aiter_lines()
-                      if line.startswith("data: ")]
+            events = [data async for data in sse_data(response)]
         if not events or events[-1] != "[DONE]":
             return "wrong", "the stream ended without [DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
@@ -315,11 +316,10 @@ class Load:
                 await response.aread()
                 return http_outcome(response.status_code, False), response.text[:200]
             seen = 0
-            async for line in response.aiter_lines():
-                if line.startswith("data: "):
-                    seen += 1
-                    if seen >= after:
-                        break  # leaving the block closes the connection mid-stream
+            async for _ in sse_data(response):
+                seen += 1
+                if seen >= after:
+                    break  # leaving the block closes the connection mid-stream
         return "aborted", ""
 
     async def bad_request(self, rng: random.Random) -> tuple[str, str]:
