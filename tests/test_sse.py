@@ -44,5 +44,6 @@ def test_events_split_only_at_cr_and_lf():
         events = asyncio.run(read())
     finally:
         server.shutdown()
+        server.server_close()
     assert events[-1] == "[DONE]"
     assert [json.loads(e)["text"] for e in events[:-1]] == TEXTS

@@ -16,15 +16,19 @@ LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
 async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
-    """Each line of the stream, without its line ending, decoded as UTF-8."""
+    """Each line of the stream, without its line ending, decoded as UTF-8 (bytes that are not
+    replaced, as httpx does)."""
     pending = b""
     async for chunk in response.aiter_bytes():
         pending += chunk
-        *lines, pending = LINE_END.split(pending)
+        # A CR that ends a chunk may be the first half of a CRLF: it waits for the next one.
+        held = b"\r" if pending.endswith(b"\r") else b""
+        *lines, pending = LINE_END.split(pending[:len(pending) - len(held)])
+        pending += held
         for line in lines:
-            yield line.decode()
+            yield line.decode(errors="replace")
     if pending:
-        yield pending.decode()
+        yield pending.rstrip(b"\r").decode(errors="replace")
 
 
 async def sse_data(response: httpx.Response) -> AsyncIterator[str]:

@@ -413,7 +413,7 @@ struct PanelRows {
   int64_t slots;              // slots a row
 };
 
-// out[r * ldo + i] for R activation rows from r0 and the panel's 8 rows; UNITS_PER_GROUP units
+// out[r * ldo + i] for R activation rows from r0 and the panel's PANEL rows; UNITS_PER_GROUP units
 // (32 values each) share an activation scale.
 template <int SLOTS, int UNITS_PER_GROUP, int R, typename Out>
 void panel_tile(const uint8_t* panel, int64_t units, const PanelRows& a, int64_t r0, Out* out,

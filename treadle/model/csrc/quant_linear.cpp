@@ -15,6 +15,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -63,7 +64,8 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
       m = _mm_max_ps(m, _mm_movehl_ps(m, m));
       m = _mm_max_ss(m, _mm_movehdup_ps(m));
       const float d = _mm_cvtss_f32(m) / 127.f;
-      const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+      // 0 where 1 / d is not finite (an all-zero block, or values below ~1e-36)
+      const __m256 id = _mm256_set1_ps(d >= FLT_MIN ? 1.f / d : 0.f);
       __m256i q[4];
       for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
       const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
@@ -82,7 +84,7 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
         sum += v[j];
       }
       const float d = amax / 127.f;
-      const float id = d > 0.f ? 1.f / d : 0.f;
+      const float id = d >= FLT_MIN ? 1.f / d : 0.f;
       for (int j = 0; j < QK; ++j) out.q[i * QK + j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
       out.d[i] = d;
       out.sum[i] = sum;
