@@ -387,8 +387,10 @@ void pack_panel(const uint8_t* w, int64_t row_bytes, int count, int64_t units, u
   int64_t blk = 0;
   auto prefetch_next = [&](int64_t begin, int64_t end) {  // bytes [begin, end) of each row
     for (int i = 0; i < next_count; ++i) {
-      for (int64_t at = begin & ~int64_t{63}; at < end; at += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(next + i * row_bytes + at), _MM_HINT_T1);
+      const auto first = reinterpret_cast<uintptr_t>(next + i * row_bytes + begin);
+      const uintptr_t last = first + (end - begin);
+      for (uintptr_t line = first & ~uintptr_t{63}; line < last; line += 64) {  // the lines
+        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
       }
     }
   };

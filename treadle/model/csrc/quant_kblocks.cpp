@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 
@@ -268,7 +269,7 @@ void quantize_q8k_avx2(const T* x, int64_t rows, Q8KRows& out) {
       m = _mm_max_ps(m, _mm_movehl_ps(m, m));
       m = _mm_max_ss(m, _mm_movehdup_ps(m));
       const float d = _mm_cvtss_f32(m) / 127.f;
-      const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+      const __m256 id = _mm256_set1_ps(d >= FLT_MIN ? 1.f / d : 0.f);  // 1 / d finite
       out.d[i] = d;
       int8_t* q = out.q.data() + i * QK_K;
       int16_t* bsums = out.bsums.data() + 16 * i;
@@ -349,7 +350,7 @@ void quantize_q8k_portable(const T* x, int64_t rows, Q8KRows& out) {
       const T* src = x + i * QK_K;
       float amax = 0.f;
       for (int j = 0; j < QK_K; ++j) amax = std::max(amax, std::fabs(to_float(src[j])));
-      const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      const float d = amax / 127.f, id = d >= FLT_MIN ? 1.f / d : 0.f;
       out.d[i] = d;
       for (int g = 0; g < 16; ++g) {
         int sum = 0;
