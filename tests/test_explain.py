@@ -336,7 +336,7 @@ def test_preempted_when_the_cache_runs_out(server):
     # while the first still runs: the first's 43 steps take about 0.1 s on the tiny model, and
     # the client thread may wake later than that on two busy cores, so such a try runs again;
     # so does one where the victim was preempted near the first's end and its wait for the
-    # step in flight on arrival (the frontend part: 16 ms in a CI run) was the longer.
+    # step in flight on arrival (the frontend part) was the longer.
     for attempt in range(5):
         first = Background(server, {"prompt": prompt(20, 10 + attempt), "max_tokens": 43},
                            f"big{attempt}")

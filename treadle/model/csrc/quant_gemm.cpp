@@ -23,8 +23,8 @@ namespace quant {
 #if defined(__AVX2__)
 namespace {
 
-// A panel is as many weight rows as a vector has int32 lanes: 16 with AVX-512 (whose 512-bit
-// dot products measured twice the 256-bit ones' rate on a Zen 4 class EPYC), else 8. A tile
+// A panel is as many weight rows as a vector has int32 lanes: 16 with AVX-512 (512-bit dot
+// products, twice the 256-bit ones' rate: docs/decisions.md), else 8. A tile
 // takes TILE_ROWS activation rows: 3 accumulators a row stay in the 32 or 16 vector registers.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 constexpr int PANEL = 16;
@@ -91,10 +91,10 @@ inline void store_out(at::BFloat16* out, VecF v, int count) {
 }
 
 // What packing needs of a block type: its UNITS units of 32 weights (one block, or a K-quant's
-// 8 sub-blocks), each unit's weights as unsigned bytes q, and the scale and offset of each of a
-// unit's SLOTS scale slots (w = scale q + offset): a 32-wide type's for 8 rows at once
-// (scale_rows), a K-quant's a block at a time as vectors of 8, entry j SLOTS + slot
-// (scale_vectors).
+// 8 sub-blocks) and the scale and offset of each of a unit's SLOTS scale slots (w = scale q +
+// offset): a 32-wide type's for 8 rows at once (scale_rows), a K-quant's a block at a time as
+// vectors of 8, entry j SLOTS + slot (scale_vectors). A 32-wide type also gives a block's
+// weights as unsigned bytes q (values); the K-quants' come from their chunk layouts below.
 template <int64_t QTYPE> struct Unit;
 
 // The fp16 numbers in the low (HIGH false) or high 16 bits of each 32-bit lane, as floats.
@@ -169,12 +169,6 @@ template <int64_t QTYPE> struct UnitK45 {
     o[0] = _mm256_mul_ps(_mm256_set1_ps(-half_to_float(b->dmin)),
                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
   }
-  static __m256i values(const uint8_t* blk, int j) {
-    const auto* b = reinterpret_cast<const Block*>(blk);
-    __m256i q = nibbles32(b->qs + 32 * (j / 2), j % 2);
-    if constexpr (QTYPE == Q5_K) q = _mm256_or_si256(q, bit_field32(b->qh, j, 1, 4));
-    return q;
-  }
 };
 template <> struct Unit<Q4_K> : UnitK45<Q4_K> {};
 template <> struct Unit<Q5_K> : UnitK45<Q5_K> {};
@@ -190,12 +184,6 @@ template <> struct Unit<Q6_K> {  // w = d scale (q - 32), a scale per 16
       s[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)));
       o[v] = _mm256_mul_ps(_mm256_set1_ps(-32.f), s[v]);
     }
-  }
-  static __m256i values(const uint8_t* blk, int j) {
-    const auto* b = reinterpret_cast<const BlockQ6_K*>(blk);
-    const int h = j / 4, sub = j % 4;
-    return _mm256_or_si256(nibbles32(b->ql + 64 * h + 32 * (sub % 2), sub >= 2),
-                           bit_field32(b->qh + 32 * h, 2 * sub, 2, 4));
   }
 };
 
@@ -376,8 +364,8 @@ void pack_group(const uint8_t* w, int64_t row_bytes, int count, int64_t blk0, ui
 
 // The `count` weight rows at w, every unit packed (pack_group). Each group's bytes in the
 // `next_count` rows that follow (the thread's next panel) are prefetched into L2 meanwhile: a
-// panel reads 8 or 16 rows at once, and without it the packing of a layer streamed from memory
-// waited on it (16384x2048 Q4_1 matrices in turn: 11 GB/s, the row kernel 30).
+// panel reads 8 or 16 rows at once, which the hardware prefetcher alone left waiting on memory
+// (docs/decisions.md).
 template <int64_t QTYPE>
 void pack_panel(const uint8_t* w, int64_t row_bytes, int count, int64_t units, uint8_t* panel,
                 int next_count) {
@@ -398,9 +386,11 @@ void pack_panel(const uint8_t* w, int64_t row_bytes, int count, int64_t units, u
     prefetch_next(blk * bb, (blk + L::BLOCKS) * bb);
     pack_group<QTYPE, L>(w, row_bytes, count, blk, panel);
   }
-  for (; blk < blocks; ++blk) {
-    prefetch_next(blk * bb, (blk + 1) * bb);
-    pack_group<QTYPE, PerUnit<QTYPE>>(w, row_bytes, count, blk, panel);
+  if constexpr (L::BLOCKS > 1) {  // an odd block left of a pair layout
+    for (; blk < blocks; ++blk) {
+      prefetch_next(blk * bb, (blk + 1) * bb);
+      pack_group<QTYPE, PerUnit<QTYPE>>(w, row_bytes, count, blk, panel);
+    }
   }
 }
 

@@ -331,36 +331,29 @@ at::Tensor linear_parts(at::Tensor x, const std::vector<at::Tensor>& weights,
   const bool direct_bf16 = gemm && !bias.has_value() && x.scalar_type() == at::kBFloat16;
   auto out = at::empty({rows, total},
                        x.options().dtype(direct_bf16 ? at::kBFloat16 : at::kFloat));
-  float* o = direct_bf16 ? nullptr : out.data_ptr<float>();
-  at::BFloat16* o_bf16 = direct_bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
+  int64_t column = 0;  // the part's first output
   for (size_t i = 0; i < weights.size(); ++i) {
     const uint8_t* w = weights[i].data_ptr<uint8_t>();
-    const int64_t n = weights[i].size(0);
+    const int64_t n = weights[i].size(0), qtype = qtypes[i];
+    auto run_gemm = [&](auto* o) {
+      if (is_k_quant(qtype)) return panel_gemm(qtype, w, n, xk, rows, o, total);
+      panel_gemm(qtype, w, n, xq, rows, o, total);
+    };
     if (direct_bf16) {
-      if (is_k_quant(qtypes[i])) {
-        panel_gemm(qtypes[i], w, n, xk, rows, o_bf16, total);
-      } else {
-        panel_gemm(qtypes[i], w, n, xq, rows, o_bf16, total);
-      }
-      o_bf16 += n;
-      continue;
-    }
-    if (gemm) {
-      if (is_k_quant(qtypes[i])) {
-        panel_gemm(qtypes[i], w, n, xk, rows, o, total);
-      } else {
-        panel_gemm(qtypes[i], w, n, xq, rows, o, total);
-      }
+      run_gemm(out.data_ptr<at::BFloat16>() + column);
+    } else if (gemm) {
+      run_gemm(out.data_ptr<float>() + column);
     } else {
-      switch (qtypes[i]) {
+      float* o = out.data_ptr<float>() + column;
+      switch (qtype) {
         case Q4_0: gemv_rows<Q4_0>(w, n, k, xq, rows, o, total); break;
         case Q4_1: gemv_rows<Q4_1>(w, n, k, xq, rows, o, total); break;
         case Q5_0: gemv_rows<Q5_0>(w, n, k, xq, rows, o, total); break;
         case Q8_0: gemv_rows<Q8_0>(w, n, k, xq, rows, o, total); break;
-        default: k_quant_rows(qtypes[i], w, n, xk, rows, o, total);
+        default: k_quant_rows(qtype, w, n, xk, rows, o, total);
       }
     }
-    o += n;
+    column += n;
   }
   if (direct_bf16) return out;
   if (bias.has_value()) out.add_(bias->to(at::kFloat));
