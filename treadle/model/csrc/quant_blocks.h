@@ -83,6 +83,34 @@ inline __m256i bit_field32(const uint8_t* at, int shift, int bits, int to) {
                                          _mm256_set1_epi8(static_cast<char>((1 << bits) - 1)));
   return _mm256_sll_epi16(field, _mm_cvtsi32_si128(to));  // stays within each byte
 }
+
+// A decode step streams the weights from memory, and the hardware prefetcher alone left the
+// loop waiting on them. A tile of `rows` consecutive weight rows reads each row from `offset`
+// to `offset + bytes` this pass; this prefetches PREFETCH_AHEAD further on: a narrow tile's
+// bytes as one stream, a share each pass; wide rows each as a stream of their own, past a
+// row's end the same row of the next tile (a 4096x14336 Q6_K layer read 2x faster so; narrow
+// tiles read slower so: docs/decisions.md).
+constexpr int64_t PREFETCH_AHEAD = 4096;
+
+// Inlined by force: as a call in a kernel's loop it spilled the accumulators and read 2-3x slower.
+__attribute__((always_inline)) inline void prefetch_lines(const uint8_t* at, int64_t bytes) {
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(at);
+  for (uintptr_t line = begin & ~uintptr_t{63}; line < begin + bytes; line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+  }
+}
+
+__attribute__((always_inline)) inline void prefetch_rows(const uint8_t* w, int rows,
+                                                        int64_t row_bytes, int64_t offset,
+                                                        int64_t bytes) {
+  if (row_bytes < PREFETCH_AHEAD) {
+    prefetch_lines(w + PREFETCH_AHEAD + rows * offset, rows * bytes);
+  } else {
+    const int64_t ahead = offset + PREFETCH_AHEAD, tiles = ahead / row_bytes;
+    const uint8_t* at = w + tiles * rows * row_bytes + (ahead - tiles * row_bytes);
+    for (int i = 0; i < rows; ++i) prefetch_lines(at + i * row_bytes, bytes);
+  }
+}
 #endif
 
 inline bool is_k_quant(int64_t qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K; }

@@ -134,10 +134,6 @@ template <> struct KBlock<Q6_K> {
   }
 };
 
-// Weights are streamed from memory in a decode step; the prefetcher alone left the loop
-// waiting on them (see quant_linear.cpp's PREFETCH_AHEAD).
-constexpr int64_t PREFETCH_AHEAD = 4096;
-
 // out[r * ldo + i] = weight row i . activation row r0 + r, for R rows and W weight rows.
 template <int64_t QTYPE, int R, int W, bool PREFETCH>
 void k_tile(const uint8_t* w, int64_t row_bytes, const Q8KRows& xq, int64_t r0, float* out,
@@ -148,14 +144,8 @@ void k_tile(const uint8_t* w, int64_t row_bytes, const Q8KRows& xq, int64_t r0, 
   __m256 acc[R][W];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < W; ++i) acc[r][i] = _mm256_setzero_ps();
-  const int64_t lines = (W * row_bytes / 64 + nsb - 1) / nsb;  // prefetched a super-block
   for (int64_t sb = 0; sb < nsb; ++sb) {
-    if constexpr (PREFETCH) {
-      const uint8_t* ahead = w + PREFETCH_AHEAD + sb * lines * 64;
-      for (int64_t l = 0; l < lines; ++l) {
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * l), _MM_HINT_T0);
-      }
-    }
+    if constexpr (PREFETCH) prefetch_rows(w, W, row_bytes, sb * bb, bb);
     Prepared p[W];
     for (int i = 0; i < W; ++i) p[i] = B::prepare(w + i * row_bytes + sb * bb);
     __m256i iacc[R][W];
