@@ -1,0 +1,137 @@
+"""A GGUF of random bfloat16 weights in the shape a Llama-family config.json gives (bench/configs/),
+with the default model's tokenizer: what llama.cpp's `llama-quantize` turns into a Q4_K_M file
+for side-by-side runs of Treadle and llama.cpp's server at sizes nobody can download here.
+
+    python bench/random_gguf.py bench/configs/llama-3.1-8b llama8b-bf16.gguf
+    llama-quantize llama8b-bf16.gguf llama8b-q4km.gguf Q4_K_M
+
+Tensors are written one at a time, so an 8B shape needs its 15 GB of disk but little memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from treadle.model.source import default_model_path
+
+INIT_STD = 0.02  # Hugging Face's initializer_range for Llama
+
+
+def rope_freqs(config: dict, head_dim: int) -> np.ndarray | None:
+    """llama3 rope scaling's per-frequency factors, as llama.cpp's converter stores them."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type") != "llama3":
+        return None
+    base = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim", hidden // heads)
+    shapes = [("token_embd.weight", (config["vocab_size"], hidden))]
+    for i in range(config["num_hidden_layers"]):
+        shapes += [(f"blk.{i}.attn_norm.weight", (hidden,)),
+                   (f"blk.{i}.attn_q.weight", (heads * head_dim, hidden)),
+                   (f"blk.{i}.attn_k.weight", (kv_heads * head_dim, hidden)),
+                   (f"blk.{i}.attn_v.weight", (kv_heads * head_dim, hidden)),
+                   (f"blk.{i}.attn_output.weight", (hidden, heads * head_dim)),
+                   (f"blk.{i}.ffn_norm.weight", (hidden,)),
+                   (f"blk.{i}.ffn_gate.weight", (inter, hidden)),
+                   (f"blk.{i}.ffn_up.weight", (inter, hidden)),
+                   (f"blk.{i}.ffn_down.weight", (hidden, inter))]
+    shapes.append(("output_norm.weight", (hidden,)))
+    if not config.get("tie_word_embeddings", False):
+        shapes.append(("output.weight", (config["vocab_size"], hidden)))
+    return shapes
+
+
+def write_random_gguf(config_folder: Path, out: Path, seed: int = 0) -> None:
+    config = json.loads((Path(config_folder) / "config.json").read_text())
+    if config.get("model_type") not in ("llama", "mistral"):
+        raise SystemExit(f"{config.get('model_type')!r}: only Llama-family shapes are written")
+    tokenizer = gguf.GGUFReader(str(default_model_path()))
+    tokens = tokenizer.fields["tokenizer.ggml.tokens"]
+    if len(tokens.data) != config["vocab_size"]:
+        raise SystemExit(f"vocab_size {config['vocab_size']} is not the default tokenizer's "
+                         f"{len(tokens.data)}")
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim", config["hidden_size"] // heads)
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_name(f"random {Path(config_folder).name}")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    for key, field in tokenizer.fields.items():
+        if key.startswith("tokenizer."):
+            kinds = field.types
+            writer.add_key_value(key, field.contents(), kinds[0],
+                                 sub_type=kinds[-1] if kinds[0] == gguf.GGUFValueType.ARRAY
+                                 else None)
+    factors = rope_freqs(config, head_dim)
+    shapes = tensor_shapes(config)
+    if factors is not None:
+        writer.add_tensor_info("rope_freqs.weight", factors.shape, factors.dtype, factors.nbytes)
+    for name, shape in shapes:
+        if len(shape) == 1:
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * shape[0])
+        else:
+            writer.add_tensor_info(name, shape, np.dtype(np.uint16), 2 * math.prod(shape),
+                                   raw_dtype=gguf.GGMLQuantizationType.BF16)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    if factors is not None:
+        writer.write_tensor_data(factors)
+    generator = torch.Generator().manual_seed(seed)
+    for _, shape in shapes:
+        if len(shape) == 1:
+            writer.write_tensor_data(np.ones(shape, dtype=np.float32))
+        else:
+            weights = torch.randn(shape, generator=generator) * INIT_STD
+            writer.write_tensor_data(weights.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+    writer.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("config_folder", type=Path, help="a folder with a config.json")
+    parser.add_argument("out", type=Path, help="the GGUF file to write")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    write_random_gguf(args.config_folder, args.out, args.seed)
+
+
+if __name__ == "__main__":
+    main()
