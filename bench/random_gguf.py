@@ -5,7 +5,7 @@ for side-by-side runs of Treadle and llama.cpp's server at sizes nobody can down
     python bench/random_gguf.py bench/configs/llama-3.1-8b llama8b-bf16.gguf
     llama-quantize llama8b-bf16.gguf llama8b-q4km.gguf Q4_K_M
 
-Tensors are written one at a time, so an 8B shape needs its 15 GB of disk but little memory.
+Tensors are written one at a time: an 8B shape needs its 15 GB of disk, not of memory.
 """
 
 from __future__ import annotations
@@ -24,16 +24,32 @@ from treadle.model.source import default_model_path
 INIT_STD = 0.02  # Hugging Face's initializer_range for Llama
 
 
-def rope_freqs(config: dict, head_dim: int) -> np.ndarray | None:
-    """llama3 rope scaling's per-frequency factors, as llama.cpp's converter stores them."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type") != "llama3":
+def rope_settings(config: dict) -> dict:
+    return config.get("rope_parameters") or config.get("rope_scaling") or {}
+
+
+def rope_theta(config: dict) -> float:
+    return rope_settings(config).get("rope_theta", config.get("rope_theta", 10000.0))
+
+
+def head_dim(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def rope_freqs(config: dict) -> np.ndarray | None:
+    """llama3 rope scaling's per-frequency factors, as llama.cpp's converter stores them; None
+    for unscaled rope. Other scalings are refused: the file would not say them."""
+    rope = rope_settings(config)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
         return None
-    base = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    if kind != "llama3":
+        raise SystemExit(f"rope_type {kind!r}: only unscaled and llama3 rope are written")
     factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
     old = rope["original_max_position_embeddings"]
+    dim = head_dim(config)
     factors = []
-    for freq in 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim):
+    for freq in 1.0 / rope_theta(config) ** (np.arange(0, dim, 2, dtype=np.float64) / dim):
         wavelen = 2 * math.pi / freq
         if wavelen < old / high:
             factors.append(1.0)
@@ -48,14 +64,14 @@ def rope_freqs(config: dict, head_dim: int) -> np.ndarray | None:
 def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim", hidden // heads)
+    dim = head_dim(config)
     shapes = [("token_embd.weight", (config["vocab_size"], hidden))]
     for i in range(config["num_hidden_layers"]):
         shapes += [(f"blk.{i}.attn_norm.weight", (hidden,)),
-                   (f"blk.{i}.attn_q.weight", (heads * head_dim, hidden)),
-                   (f"blk.{i}.attn_k.weight", (kv_heads * head_dim, hidden)),
-                   (f"blk.{i}.attn_v.weight", (kv_heads * head_dim, hidden)),
-                   (f"blk.{i}.attn_output.weight", (hidden, heads * head_dim)),
+                   (f"blk.{i}.attn_q.weight", (heads * dim, hidden)),
+                   (f"blk.{i}.attn_k.weight", (kv_heads * dim, hidden)),
+                   (f"blk.{i}.attn_v.weight", (kv_heads * dim, hidden)),
+                   (f"blk.{i}.attn_output.weight", (hidden, heads * dim)),
                    (f"blk.{i}.ffn_norm.weight", (hidden,)),
                    (f"blk.{i}.ffn_gate.weight", (inter, hidden)),
                    (f"blk.{i}.ffn_up.weight", (inter, hidden)),
@@ -67,7 +83,7 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def write_random_gguf(config_folder: Path, out: Path, seed: int = 0) -> None:
-    config = json.loads((Path(config_folder) / "config.json").read_text())
+    config = json.loads((config_folder / "config.json").read_text())
     if config.get("model_type") not in ("llama", "mistral"):
         raise SystemExit(f"{config.get('model_type')!r}: only Llama-family shapes are written")
     tokenizer = gguf.GGUFReader(str(default_model_path()))
@@ -75,21 +91,19 @@ def write_random_gguf(config_folder: Path, out: Path, seed: int = 0) -> None:
     if len(tokens.data) != config["vocab_size"]:
         raise SystemExit(f"vocab_size {config['vocab_size']} is not the default tokenizer's "
                          f"{len(tokens.data)}")
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim", config["hidden_size"] // heads)
+    factors = rope_freqs(config)
     writer = gguf.GGUFWriter(str(out), "llama")
-    writer.add_name(f"random {Path(config_folder).name}")
+    writer.add_name(f"random {config_folder.name}")
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
+    writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    rope = config.get("rope_parameters") or {}
-    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    writer.add_key_length(head_dim(config))
+    writer.add_value_length(head_dim(config))
+    writer.add_rope_dimension_count(head_dim(config))
+    writer.add_rope_freq_base(rope_theta(config))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
@@ -99,7 +113,6 @@ def write_random_gguf(config_folder: Path, out: Path, seed: int = 0) -> None:
             writer.add_key_value(key, field.contents(), kinds[0],
                                  sub_type=kinds[-1] if kinds[0] == gguf.GGUFValueType.ARRAY
                                  else None)
-    factors = rope_freqs(config, head_dim)
     shapes = tensor_shapes(config)
     if factors is not None:
         writer.add_tensor_info("rope_freqs.weight", factors.shape, factors.dtype, factors.nbytes)
@@ -119,8 +132,9 @@ def write_random_gguf(config_folder: Path, out: Path, seed: int = 0) -> None:
         if len(shape) == 1:
             writer.write_tensor_data(np.ones(shape, dtype=np.float32))
         else:
-            weights = torch.randn(shape, generator=generator) * INIT_STD
-            writer.write_tensor_data(weights.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+            weights = torch.empty(shape, dtype=torch.bfloat16).normal_(0, INIT_STD,
+                                                                       generator=generator)
+            writer.write_tensor_data(weights.view(torch.int16).numpy().view(np.uint16))
     writer.close()
 
 

@@ -11,7 +11,8 @@ import gguf
 import pytest
 import torch
 from model_utils import TINY, greedy_decode, make_runner
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from treadle.model.source import default_model_path
 
@@ -32,19 +33,35 @@ def write_config(folder: Path, **overrides) -> Path:
     return folder
 
 
-def test_the_file_has_the_configs_shape_and_the_default_tokenizer(tmp_path):
+@pytest.mark.default_model
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_file_has_the_configs_shape_and_the_default_tokenizer(tmp_path, tied):
+    folder = write_config(tmp_path / "cfg", tie_word_embeddings=tied)
     path = tmp_path / "tiny.gguf"
-    random_gguf.write_random_gguf(write_config(tmp_path / "cfg"), path)
+    random_gguf.write_random_gguf(folder, path)
     reader = gguf.GGUFReader(str(path))
+    fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("llama.")}
+    assert fields == {
+        "llama.block_count": 2, "llama.context_length": 256, "llama.embedding_length": 64,
+        "llama.feed_forward_length": 128, "llama.attention.head_count": 4,
+        "llama.attention.head_count_kv": 2, "llama.attention.key_length": 16,
+        "llama.attention.value_length": 16, "llama.rope.dimension_count": 16,
+        "llama.rope.freq_base": 500000.0, "llama.vocab_size": 49152,
+        "llama.attention.layer_norm_rms_epsilon": pytest.approx(1e-5)}
     tensors = {t.name: t for t in reader.tensors}
-    # rope_freqs, the embedding, 9 a layer, the final norm, the untied output
-    assert len(tensors) == 1 + 1 + 9 * TINY["num_hidden_layers"] + 2
+    # rope_freqs, the embedding, 9 a layer, the final norm, and an untied output
+    assert len(tensors) == 1 + 1 + 9 * TINY["num_hidden_layers"] + 1 + (not tied)
+    assert ("output.weight" in tensors) == (not tied)
     assert tensors["blk.1.attn_k.weight"].shape.tolist() == [64, 2 * 16]
     assert tensors["blk.0.ffn_down.weight"].tensor_type == gguf.GGMLQuantizationType.BF16
     assert tensors["output_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
-    # llama3 scaling: the highest frequencies unscaled, the lowest divided by the factor
-    assert tensors["rope_freqs.weight"].data[0] == 1.0
-    assert tensors["rope_freqs.weight"].data[-1] == 32.0
+    # llama3 scaling's factors: transformers' unscaled frequencies over its llama3 ones
+    config = LlamaConfig.from_pretrained(folder)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, torch.device("cpu"))
+    unscaled = 1.0 / 500000.0 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    factors = torch.from_numpy(tensors["rope_freqs.weight"].data.copy()).double()
+    assert torch.allclose(factors, unscaled / scaled.double(), rtol=1e-5)
+    assert len(set(factors.tolist())) > 2  # the smoothed band is in the test, not only the ends
     default = gguf.GGUFReader(str(default_model_path()))
     assert (reader.fields["tokenizer.ggml.tokens"].contents()
             == default.fields["tokenizer.ggml.tokens"].contents())
@@ -53,6 +70,7 @@ def test_the_file_has_the_configs_shape_and_the_default_tokenizer(tmp_path):
     assert 0.019 < std < 0.021
 
 
+@pytest.mark.default_model
 def test_treadle_and_transformers_load_the_same_model_from_it(tmp_path):
     path = tmp_path / "tiny.gguf"
     random_gguf.write_random_gguf(write_config(tmp_path / "cfg"), path, seed=3)
@@ -66,9 +84,11 @@ def test_treadle_and_transformers_load_the_same_model_from_it(tmp_path):
     assert ours == theirs
 
 
+@pytest.mark.default_model
 @pytest.mark.parametrize("overrides, message", [
     ({"model_type": "qwen3_moe"}, "only Llama-family"),
     ({"vocab_size": 1000}, "not the default tokenizer"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "only unscaled and llama3"),
 ])
 def test_shapes_it_cannot_write_are_refused(tmp_path, overrides, message):
     with pytest.raises(SystemExit, match=message):

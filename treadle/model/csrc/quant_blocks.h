@@ -7,6 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -84,15 +85,14 @@ inline __m256i bit_field32(const uint8_t* at, int shift, int bits, int to) {
   return _mm256_sll_epi16(field, _mm_cvtsi32_si128(to));  // stays within each byte
 }
 
-// A decode step streams the weights from memory, and the hardware prefetcher alone left the
-// loop waiting on them. A tile of `rows` consecutive weight rows reads each row from `offset`
-// to `offset + bytes` this pass; this prefetches PREFETCH_AHEAD further on: a narrow tile's
-// bytes as one stream, a share each pass; wide rows each as a stream of their own, past a
-// row's end the same row of the next tile (a 4096x14336 Q6_K layer read 2x faster so; narrow
-// tiles read slower so: docs/decisions.md).
+// One-row steps stream the weights from memory faster with software prefetch than with the
+// hardware prefetcher alone. A tile of `rows` consecutive weight rows reads [offset, offset +
+// bytes) of each row this pass: this prefetches PREFETCH_AHEAD further on, a narrow tile as one
+// stream, wide rows each as a stream of its own that runs on into the same row of the next tile
+// (docs/decisions.md, "Prefetching wide rows").
 constexpr int64_t PREFETCH_AHEAD = 4096;
 
-// Inlined by force: as a call in a kernel's loop it spilled the accumulators and read 2-3x slower.
+// Inlined by force: an out-of-line call in a kernel's loop spilled its accumulators.
 __attribute__((always_inline)) inline void prefetch_lines(const uint8_t* at, int64_t bytes) {
   const uintptr_t begin = reinterpret_cast<uintptr_t>(at);
   for (uintptr_t line = begin & ~uintptr_t{63}; line < begin + bytes; line += 64) {
@@ -105,10 +105,15 @@ __attribute__((always_inline)) inline void prefetch_rows(const uint8_t* w, int r
                                                         int64_t bytes) {
   if (row_bytes < PREFETCH_AHEAD) {
     prefetch_lines(w + PREFETCH_AHEAD + rows * offset, rows * bytes);
-  } else {
-    const int64_t ahead = offset + PREFETCH_AHEAD, tiles = ahead / row_bytes;
-    const uint8_t* at = w + tiles * rows * row_bytes + (ahead - tiles * row_bytes);
-    for (int i = 0; i < rows; ++i) prefetch_lines(at + i * row_bytes, bytes);
+    return;
+  }
+  const int64_t ahead = offset + PREFETCH_AHEAD, tiles = ahead / row_bytes;
+  const int64_t column = ahead - tiles * row_bytes;
+  const int64_t in_row = std::min(bytes, row_bytes - column);  // the rest: the next tile's row
+  const uint8_t* at = w + tiles * rows * row_bytes + column;
+  for (int i = 0; i < rows; ++i) {
+    prefetch_lines(at + i * row_bytes, in_row);
+    if (in_row < bytes) prefetch_lines(at + (rows + i) * row_bytes - column, bytes - in_row);
   }
 }
 #endif
