@@ -250,15 +250,11 @@ void quantize_q8k_avx2(const T* x, int64_t rows, Q8KRows& out) {
   const int64_t nsb = out.nsb;
   at::parallel_for(0, rows * nsb, 16, [&](int64_t begin, int64_t end) {
     const __m256 sign = _mm256_set1_ps(-0.f);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t i = begin; i < end; ++i) {
       const T* src = x + i * QK_K;
       __m256 amax = _mm256_setzero_ps();
       for (int j = 0; j < QK_K; j += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, load8(src + j)));
-      __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-      m = _mm_max_ss(m, _mm_movehdup_ps(m));
-      const float d = _mm_cvtss_f32(m) / 127.f;
+      const float d = hmax(amax) / 127.f;
       const __m256 id = _mm256_set1_ps(d >= FLT_MIN ? 1.f / d : 0.f);  // 1 / d finite
       out.d[i] = d;
       int8_t* q = out.q.data() + i * QK_K;
@@ -270,10 +266,7 @@ void quantize_q8k_avx2(const T* x, int64_t rows, Q8KRows& out) {
         const __m256i v3 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(src + j + 24), id));
         bsums[j / 16] = static_cast<int16_t>(hsum_i32(_mm256_add_epi32(v0, v1)));
         bsums[j / 16 + 1] = static_cast<int16_t>(hsum_i32(_mm256_add_epi32(v2, v3)));
-        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v0, v1),
-                                                  _mm256_packs_epi32(v2, v3));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + j),
-                            _mm256_permutevar8x32_epi32(packed, order));
+        store_int8x32(q + j, v0, v1, v2, v3);
       }
     }
   });

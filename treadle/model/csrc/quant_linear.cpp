@@ -60,19 +60,12 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
       const __m256 amax8 = _mm256_max_ps(
           _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
           _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-      __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
-      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-      m = _mm_max_ss(m, _mm_movehdup_ps(m));
-      const float d = _mm_cvtss_f32(m) / 127.f;
+      const float d = hmax(amax8) / 127.f;
       // 0 where 1 / d is not finite (an all-zero block, or values below ~1e-36)
       const __m256 id = _mm256_set1_ps(d >= FLT_MIN ? 1.f / d : 0.f);
       __m256i q[4];
       for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
-      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
-                                                _mm256_packs_epi32(q[2], q[3]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + i * QK),
-                          _mm256_permutevar8x32_epi32(
-                              packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      store_int8x32(out.q.data() + i * QK, q[0], q[1], q[2], q[3]);
       out.d[i] = d;
       out.sum[i] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
 #else

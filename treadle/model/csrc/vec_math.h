@@ -3,6 +3,8 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <cstdint>
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 
@@ -19,6 +21,23 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// The largest of 8 floats.
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// 32 int32 values (4 vectors, in order) saturated to int8 and stored in order.
+inline void store_int8x32(int8_t* dst, __m256i a, __m256i b, __m256i c, __m256i d) {
+  // packs works within 128-bit lanes: the permute puts the four 8-byte groups back in order.
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm256_permutevar8x32_epi32(packed, order));
 }
 
 // 8 floats as bfloat16, rounded to nearest even (at::BFloat16's rule: NaN becomes 0x7FC0).
