@@ -64,6 +64,30 @@ def test_decode_attention_matches_naive(dtype, path, head_dim, window, monkeypat
     assert (out.double() - expected).abs().max().item() < tolerance
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, num_kv_heads", [(4, 4), (8, 4), (8, 2), (10, 2), (14, 2),
+                                                 (8, 1)])
+def test_query_heads_sharing_a_kv_head_in_any_number(dtype, heads, num_kv_heads):
+    """The native kernel takes a KV head's query heads in passes of 3 or 2: groups of 1, 2, 4
+    (2 + 2), 5 (3 + 2), 7 (3 + 3 + 1) and 8 (2 + 2 + 2 + 2), positions past a multiple of 4."""
+    if kernels.paged_decode_attention() is None:
+        pytest.skip("native kernel unavailable")
+    gen = torch.Generator().manual_seed(2)
+    block_size, num_blocks, head_dim = 4, 64, 16
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    lens = torch.tensor([1, 6, 31])
+    tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * 8].view(-1, 8)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    meta = attention.AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long), decode_indices=None,
+        decode_block_tables=tables, decode_context_lens=lens, prefills=[])
+    out = attention.decode_attention(q, k_cache, v_cache, meta, scale=0.25)
+    expected = naive_attention(q, k_cache, v_cache, tables, lens, 0.25)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.double() - expected).abs().max().item() < tolerance
+
+
 @pytest.mark.parametrize("window", [None, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("path", ["native", "triton"])

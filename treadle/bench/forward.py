@@ -14,6 +14,7 @@ import torch
 
 from treadle.bench.roofline import DecodeCost, best_seconds, measure_roofline
 from treadle.config import CacheConfig, ModelConfig, SchedulerConfig
+from treadle.model.attention import KVCache
 from treadle.model.batch import ModelInput, ScheduledSequence
 from treadle.model.capabilities import resolve_device, torch_dtype
 from treadle.model.loader import load_model
@@ -46,6 +47,7 @@ def bench_forward(model: str | None, dtype: str, batch_sizes: list[int], threads
                 model_config, CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                           kv_cache_dtype=kv_cache_dtype),
                 SchedulerConfig(max_num_seqs=max(batch_sizes)))
+            fill_kv_cache(runner.kv_cache)
             cost = DecodeCost.of(runner.model, runner.kv_cache_dtype)
             runs.append({**runner.platform_info(), "weight_bytes": cost.bytes_read(1, 0),
                          "resident_bytes": runner.model.resident_bytes()})
@@ -55,6 +57,21 @@ def bench_forward(model: str | None, dtype: str, batch_sizes: list[int], threads
     return {"model": resolve_model(model).name, "parameters": cost.parameters, "runs": runs,
             "context_len": context_len, "rows": rows,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def fill_kv_cache(kv_cache: KVCache) -> None:
+    """Random keys and values in every slot: a cache allocated untouched reads as one shared
+    page of zeros, from cache, where a server's contexts stream from memory."""
+    generator = torch.Generator(device=kv_cache.keys[0].device).manual_seed(0)
+    for layer, cache in enumerate(kv_cache.keys + kv_cache.values):
+        if cache.dtype == torch.int8:
+            cache.copy_(torch.randint(-127, 128, cache.shape, generator=generator,
+                                      device=cache.device, dtype=torch.int8))
+        else:
+            cache.copy_(torch.randn(cache.shape, generator=generator, device=cache.device))
+        scales = (kv_cache.key_scales + kv_cache.value_scales)[layer]
+        if scales is not None:
+            scales.fill_(1 / 127)
 
 
 def time_decode_steps(runner: ModelRunner, cost: DecodeCost, batch_sizes: list[int],

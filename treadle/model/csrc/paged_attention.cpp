@@ -1,11 +1,12 @@
 // Decode attention straight from the paged KV cache: one query token per sequence, keys and
-// values read in place through the block table (no gathered copy, no padding to the longest
-// context). With a window (sliding-window layers), only the last `window` positions are read:
+// values read through the block table (no padding to the longest context). With a window (sliding-window layers), only the last `window` positions are read:
 // blocks wholly before them are skipped. An int8 cache (a float32 scale per slot and KV head
 // beside it) is read as int8, half the bytes of bfloat16: a slot's lanes widened to float as
 // bfloat16's are, each vector's scale applied to its heads' scores and softmax weights.
-// With AVX2 and heads a whole number of 8-float vectors, a head's scores take four positions at
-// a time and its weighted values stay in registers over the task's positions (docs/decisions.md).
+// With AVX2 and heads a whole number of 8-float vectors, a task first copies its slots out of
+// their blocks (a block's slots are contiguous), then the query heads that share a KV head take
+// each key and value vector in one load for all of them, scores four positions at a time,
+// weighted values kept in registers over the task's positions (docs/decisions.md).
 #include "kernels.h"
 #include "vec_math.h"
 #include <ATen/Parallel.h>
@@ -22,6 +23,12 @@
 #endif
 
 namespace {
+
+// Positions a task attends to. One sequence, 9 heads over 3 KV heads, 2 threads (Zen 3, medians
+// of 7 alternating best-of-30 runs in one process), one task a sequence before: 512 positions
+// 95 -> 58 us, 2,048 379 -> 211 us; 128 alike (one task either way; 64 gained 2 us there). The
+// merge costs 3-9% at one thread or 16 sequences.
+constexpr int64_t PART = 128;
 
 // Widening loads the compiler can vectorize: bfloat16 is the top half of a float32.
 inline float to_float(float x) { return x; }
@@ -75,86 +82,119 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-// scores[pos] = query . key at slot_of[pos] for `count` positions: four positions at a time,
-// four independent chains sharing each query load (one dot at a time waited on its own chain
-// of head_dim / 8 multiply-adds).
-template <typename C>
-void head_scores(const float* query, const C* keys, int64_t row, const int64_t* slot_of,
-                 int64_t count, int64_t head_dim, float* scores) {
+// scores[h PART + pos] = query h . keys[pos row ...], for `count` positions and the G query
+// heads (queries head_dim apart) that share one KV head: each key vector is loaded and widened
+// once for the G of them, four positions at a time, independent chains sharing each load.
+template <int G, typename C>
+void group_scores(const float* query, const C* keys, int64_t row, int64_t count,
+                  int64_t head_dim, float* scores) {
   int64_t pos = 0;
   for (; pos + 4 <= count; pos += 4) {
-    const C* k0 = keys + slot_of[pos] * row;
-    const C* k1 = keys + slot_of[pos + 1] * row;
-    const C* k2 = keys + slot_of[pos + 2] * row;
-    const C* k3 = keys + slot_of[pos + 3] * row;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t d = 0; d < head_dim; d += 8) {
-      const __m256 q = _mm256_loadu_ps(query + d);
-      a0 = _mm256_fmadd_ps(q, load8(k0 + d), a0);
-      a1 = _mm256_fmadd_ps(q, load8(k1 + d), a1);
-      a2 = _mm256_fmadd_ps(q, load8(k2 + d), a2);
-      a3 = _mm256_fmadd_ps(q, load8(k3 + d), a3);
+    const C* k[4];
+    for (int p = 0; p < 4; ++p) k[p] = keys + (pos + p) * row;
+    __m256 acc[G][4];
+    for (int h = 0; h < G; ++h) {
+      for (int p = 0; p < 4; ++p) acc[h][p] = _mm256_setzero_ps();
     }
-    _mm_storeu_ps(scores + pos, hsum4(a0, a1, a2, a3));
+    for (int64_t d = 0; d < head_dim; d += 8) {
+      for (int p = 0; p < 4; ++p) {
+        const __m256 key = load8(k[p] + d);
+        for (int h = 0; h < G; ++h) {
+          acc[h][p] = _mm256_fmadd_ps(_mm256_loadu_ps(query + h * head_dim + d), key, acc[h][p]);
+        }
+      }
+    }
+    for (int h = 0; h < G; ++h) {
+      _mm_storeu_ps(scores + h * PART + pos, hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]));
+    }
   }
   for (; pos < count; ++pos) {
-    const C* k = keys + slot_of[pos] * row;
-    __m256 a = _mm256_setzero_ps();
+    const C* k = keys + pos * row;
+    __m256 acc[G];
+    for (int h = 0; h < G; ++h) acc[h] = _mm256_setzero_ps();
     for (int64_t d = 0; d < head_dim; d += 8) {
-      a = _mm256_fmadd_ps(_mm256_loadu_ps(query + d), load8(k + d), a);
+      const __m256 key = load8(k + d);
+      for (int h = 0; h < G; ++h) {
+        acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(query + h * head_dim + d), key, acc[h]);
+      }
     }
     const __m256 z = _mm256_setzero_ps();
-    scores[pos] = _mm_cvtss_f32(hsum4(a, z, z, z));
+    for (int h = 0; h < G; ++h) scores[h * PART + pos] = _mm_cvtss_f32(hsum4(acc[h], z, z, z));
   }
 }
 
-// acc[0, 8 NR) += sum over positions of weight[pos] * value at slot_of[pos]: NR registers of
-// the head's output in two sets (even and odd positions), so that no chain waits on the last.
-template <int NR, typename C>
-void head_values_chunk(const float* weight, const C* values, int64_t row, const int64_t* slot_of,
-                       int64_t count, float* acc) {
-  __m256 even[NR], odd[NR];
-  for (int j = 0; j < NR; ++j) {
-    even[j] = _mm256_loadu_ps(acc + 8 * j);
-    odd[j] = _mm256_setzero_ps();
+// acc[h head_dim + (0, 8 NR)] += sum over positions of weight[h PART + pos] *
+// values[pos row ...], for the G heads sharing one KV head: each value vector is loaded and
+// widened once for the G of them.
+template <int G, int NR, typename C>
+void group_values_chunk(const float* weight, const C* values, int64_t row, int64_t count,
+                        int64_t head_dim, float* acc) {
+  __m256 sums[G][NR];
+  for (int h = 0; h < G; ++h) {
+    for (int j = 0; j < NR; ++j) sums[h][j] = _mm256_loadu_ps(acc + h * head_dim + 8 * j);
   }
-  int64_t pos = 0;
-  for (; pos + 2 <= count; pos += 2) {
-    const __m256 p0 = _mm256_set1_ps(weight[pos]), p1 = _mm256_set1_ps(weight[pos + 1]);
-    const C* v0 = values + slot_of[pos] * row;
-    const C* v1 = values + slot_of[pos + 1] * row;
+  for (int64_t pos = 0; pos < count; ++pos) {
+    const C* v = values + pos * row;
+    __m256 w[G];
+    for (int h = 0; h < G; ++h) w[h] = _mm256_set1_ps(weight[h * PART + pos]);
     for (int j = 0; j < NR; ++j) {
-      even[j] = _mm256_fmadd_ps(p0, load8(v0 + 8 * j), even[j]);
-      odd[j] = _mm256_fmadd_ps(p1, load8(v1 + 8 * j), odd[j]);
+      const __m256 value = load8(v + 8 * j);
+      for (int h = 0; h < G; ++h) sums[h][j] = _mm256_fmadd_ps(w[h], value, sums[h][j]);
     }
   }
-  if (pos < count) {
-    const __m256 p0 = _mm256_set1_ps(weight[pos]);
-    const C* v0 = values + slot_of[pos] * row;
-    for (int j = 0; j < NR; ++j) even[j] = _mm256_fmadd_ps(p0, load8(v0 + 8 * j), even[j]);
+  for (int h = 0; h < G; ++h) {
+    for (int j = 0; j < NR; ++j) _mm256_storeu_ps(acc + h * head_dim + 8 * j, sums[h][j]);
   }
-  for (int j = 0; j < NR; ++j) _mm256_storeu_ps(acc + 8 * j, _mm256_add_ps(even[j], odd[j]));
 }
 
-template <typename C>
-void head_values(const float* weight, const C* values, int64_t row, const int64_t* slot_of,
-                 int64_t count, int64_t head_dim, float* acc) {
-  for (int64_t d = 0; d < head_dim; d += 32) {
-    switch (std::min<int64_t>(4, (head_dim - d) / 8)) {
-      case 1: head_values_chunk<1>(weight, values + d, row, slot_of, count, acc + d); break;
-      case 2: head_values_chunk<2>(weight, values + d, row, slot_of, count, acc + d); break;
-      case 3: head_values_chunk<3>(weight, values + d, row, slot_of, count, acc + d); break;
-      default: head_values_chunk<4>(weight, values + d, row, slot_of, count, acc + d);
+// 32 lanes a pass: the G x 4 sums (12 independent chains at most), the G weights and the
+// value fit 16 registers.
+template <int G, typename C>
+void group_values(const float* weight, const C* values, int64_t row, int64_t count,
+                  int64_t head_dim, float* acc) {
+  constexpr int NR_MAX = 4;
+  for (int64_t d = 0; d < head_dim; d += 8 * NR_MAX) {
+    switch (std::min<int64_t>(NR_MAX, (head_dim - d) / 8)) {
+      case 1:
+        group_values_chunk<G, 1>(weight, values + d, row, count, head_dim, acc + d);
+        break;
+      case 2:
+        group_values_chunk<G, 2>(weight, values + d, row, count, head_dim, acc + d);
+        break;
+      case 3:
+        group_values_chunk<G, 3>(weight, values + d, row, count, head_dim, acc + d);
+        break;
+      default:
+        group_values_chunk<G, NR_MAX>(weight, values + d, row, count, head_dim, acc + d);
     }
+  }
+}
+
+// Scores (values: FOR_VALUES) of every query head, the heads of each KV head in passes of at
+// most 3 (the registers one pass holds), of 2 where that divides them (4: 2 + 2, not 3 + 1).
+template <bool FOR_VALUES, typename C>
+void all_heads(const float* in, const C* rows, int64_t row, int64_t count, int64_t head_dim,
+               int64_t num_heads, int64_t group, float* out) {
+  const int64_t pass = group % 3 != 0 && group % 2 == 0 ? 2 : 3;
+  for (int64_t h0 = 0; h0 < num_heads;) {
+    const int64_t kv = h0 / group, g = std::min<int64_t>(pass, (kv + 1) * group - h0);
+    const C* kv_rows = rows + kv * head_dim;
+    const float* src = FOR_VALUES ? in + h0 * PART : in + h0 * head_dim;
+    float* dst = FOR_VALUES ? out + h0 * head_dim : out + h0 * PART;
+    if constexpr (FOR_VALUES) {
+      if (g == 3) group_values<3>(src, kv_rows, row, count, head_dim, dst);
+      else if (g == 2) group_values<2>(src, kv_rows, row, count, head_dim, dst);
+      else group_values<1>(src, kv_rows, row, count, head_dim, dst);
+    } else {
+      if (g == 3) group_scores<3>(src, kv_rows, row, count, head_dim, dst);
+      else if (g == 2) group_scores<2>(src, kv_rows, row, count, head_dim, dst);
+      else group_scores<1>(src, kv_rows, row, count, head_dim, dst);
+    }
+    h0 += g;
   }
 }
 #endif
 
-// Positions a task attends to. One sequence, 9 heads over 3 KV heads, 2 threads (Zen 3, medians
-// of 7 alternating best-of-30 runs in one process), one task a sequence before: 512 positions
-// 95 -> 58 us, 2,048 379 -> 211 us; 128 alike (one task either way; 64 gained 2 us there). The
-// merge costs 3-9% at one thread or 16 sequences.
-constexpr int64_t PART = 128;
 
 // T: the queries' and output's type; C: the cache's (T, or int8_t with `k_scale_ptr`,
 // `v_scale_ptr` [blocks, block_size, kv_heads]; else those are null and unread).
@@ -196,9 +236,16 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
       task_acc(num_tasks * num_heads * head_dim);
 
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(num_heads * head_dim), scores(num_heads * PART), slot_row(row),
-        scaled(PART);
+    std::vector<float> query(num_heads * head_dim), scores(num_heads * PART), slot_row(row);
     std::vector<int64_t> slot_of(PART);  // the cache slot of each of the task's positions
+#if defined(__AVX2__)
+    // The task's keys and values, contiguous; kept by the thread (not zeroed per call).
+    thread_local std::vector<C> keys, values;
+    if (vector_heads && static_cast<int64_t>(keys.size()) < PART * row) {
+      keys.resize(PART * row);
+      values.resize(PART * row);
+    }
+#endif
     // Where each query head's KV head starts in a slot's row (a 64-bit division per head and
     // position was a fifth of the loop's time).
     std::vector<int64_t> kv_head(num_heads), kv_offset(num_heads);
@@ -224,13 +271,23 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
       }
 #if defined(__AVX2__)
       if (vector_heads) {
-        for (int64_t h = 0; h < num_heads; ++h) {
-          float* s = scores.data() + h * PART;
-          head_scores(query.data() + h * head_dim, k_ptr + kv_offset[h], row, slot_of.data(),
-                      count, head_dim, s);
-          if constexpr (kInt8) {
+        // The task's keys and values copied out of their blocks first: a block's slots are
+        // contiguous, and copying them whole streams from memory where reading them head by
+        // head, position by position, waited on each line (docs/decisions.md).
+        for (int64_t pos = 0; pos < count;) {
+          int64_t run = 1;  // positions in consecutive slots
+          while (pos + run < count && slot_of[pos + run] == slot_of[pos] + run) ++run;
+          std::memcpy(keys.data() + pos * row, k_ptr + slot_of[pos] * row, run * row * sizeof(C));
+          std::memcpy(values.data() + pos * row, v_ptr + slot_of[pos] * row,
+                      run * row * sizeof(C));
+          pos += run;
+        }
+        all_heads<false>(query.data(), keys.data(), row, count, head_dim, num_heads, group,
+                         scores.data());
+        if constexpr (kInt8) {
+          for (int64_t h = 0; h < num_heads; ++h) {
             for (int64_t pos = 0; pos < count; ++pos) {
-              s[pos] *= k_scale_ptr[slot_of[pos] * num_kv_heads + kv_head[h]];
+              scores[h * PART + pos] *= k_scale_ptr[slot_of[pos] * num_kv_heads + kv_head[h]];
             }
           }
         }
@@ -278,17 +335,15 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
       std::fill(acc, acc + num_heads * head_dim, 0.f);
 #if defined(__AVX2__)
       if (vector_heads) {
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const float* weight = scores.data() + h * PART;
-          if constexpr (kInt8) {
+        if constexpr (kInt8) {  // the sums are taken: the weights take the values' scales
+          for (int64_t h = 0; h < num_heads; ++h) {
             for (int64_t pos = 0; pos < count; ++pos) {
-              scaled[pos] = weight[pos] * v_scale_ptr[slot_of[pos] * num_kv_heads + kv_head[h]];
+              scores[h * PART + pos] *= v_scale_ptr[slot_of[pos] * num_kv_heads + kv_head[h]];
             }
-            weight = scaled.data();
           }
-          head_values(weight, v_ptr + kv_offset[h], row, slot_of.data(), count, head_dim,
-                      acc + h * head_dim);
         }
+        all_heads<true>(scores.data(), values.data(), row, count, head_dim, num_heads, group,
+                        acc);
         continue;
       }
 #endif
