@@ -67,17 +67,24 @@ def test_decode_attention_matches_naive(dtype, path, head_dim, window, monkeypat
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, num_kv_heads", [(4, 4), (8, 4), (8, 2), (10, 2), (14, 2),
                                                  (8, 1)])
-def test_query_heads_sharing_a_kv_head_in_any_number(dtype, heads, num_kv_heads):
+@pytest.mark.parametrize("head_dim", [16, 40])
+@pytest.mark.parametrize("tables_of", ["scattered", "consecutive"])
+def test_query_heads_sharing_a_kv_head_in_any_number(dtype, heads, num_kv_heads, head_dim,
+                                                     tables_of):
     """The native kernel takes a KV head's query heads in passes of 3 or 2: groups of 1, 2, 4
-    (2 + 2), 5 (3 + 2), 7 (3 + 3 + 1) and 8 (2 + 2 + 2 + 2), positions past a multiple of 4."""
+    (2 + 2), 5 (3 + 2), 7 (3 + 3 + 1) and 8 (2 + 2 + 2 + 2), positions past a multiple of 4,
+    heads of 2 and of 4 + 1 vectors; it copies runs of slots out first, blocks scattered or
+    one after another."""
     if kernels.paged_decode_attention() is None:
         pytest.skip("native kernel unavailable")
     gen = torch.Generator().manual_seed(2)
-    block_size, num_blocks, head_dim = 4, 64, 16
+    block_size, num_blocks = 4, 64
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     lens = torch.tensor([1, 6, 31])
-    tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * 8].view(-1, 8)
+    blocks = (torch.randperm(num_blocks, generator=gen) if tables_of == "scattered"
+              else torch.arange(num_blocks))
+    tables = blocks[:len(lens) * 8].view(-1, 8)
     q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
     meta = attention.AttentionMetadata(
         slot_mapping=torch.zeros(0, dtype=torch.long), decode_indices=None,

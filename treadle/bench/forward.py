@@ -60,16 +60,15 @@ def bench_forward(model: str | None, dtype: str, batch_sizes: list[int], threads
 
 
 def fill_kv_cache(kv_cache: KVCache) -> None:
-    """Random keys and values in every slot: a cache allocated untouched reads as one shared
-    page of zeros, from cache, where a server's contexts stream from memory."""
+    """Random keys and values in every slot: a CPU cache allocated untouched reads as one
+    shared page of zeros, from cache, where a server's contexts stream from memory."""
     generator = torch.Generator(device=kv_cache.keys[0].device).manual_seed(0)
-    for layer, cache in enumerate(kv_cache.keys + kv_cache.values):
+    for cache in kv_cache.keys + kv_cache.values:
         if cache.dtype == torch.int8:
-            cache.copy_(torch.randint(-127, 128, cache.shape, generator=generator,
-                                      device=cache.device, dtype=torch.int8))
+            cache.random_(-127, 128, generator=generator)
         else:
-            cache.copy_(torch.randn(cache.shape, generator=generator, device=cache.device))
-        scales = (kv_cache.key_scales + kv_cache.value_scales)[layer]
+            cache.normal_(generator=generator)
+    for scales in kv_cache.key_scales + kv_cache.value_scales:
         if scales is not None:
             scales.fill_(1 / 127)
 

@@ -1,8 +1,9 @@
 // Decode attention straight from the paged KV cache: one query token per sequence, keys and
-// values read through the block table (no padding to the longest context). With a window (sliding-window layers), only the last `window` positions are read:
-// blocks wholly before them are skipped. An int8 cache (a float32 scale per slot and KV head
-// beside it) is read as int8, half the bytes of bfloat16: a slot's lanes widened to float as
-// bfloat16's are, each vector's scale applied to its heads' scores and softmax weights.
+// values read through the block table (no padding to the longest context). With a window
+// (sliding-window layers), only the last `window` positions are read: blocks wholly before
+// them are skipped. An int8 cache (a float32 scale per slot and KV head beside it) is read as
+// int8, half the bytes of bfloat16: a slot's lanes widened to float as bfloat16's are, each
+// vector's scale applied to its heads' scores and softmax weights.
 // With AVX2 and heads a whole number of 8-float vectors, a task first copies its slots out of
 // their blocks (a block's slots are contiguous), then the query heads that share a KV head take
 // each key and value vector in one load for all of them, scores four positions at a time,
@@ -125,30 +126,44 @@ void group_scores(const float* query, const C* keys, int64_t row, int64_t count,
 
 // acc[h head_dim + (0, 8 NR)] += sum over positions of weight[h PART + pos] *
 // values[pos row ...], for the G heads sharing one KV head: each value vector is loaded and
-// widened once for the G of them.
+// widened once for the G of them. A lone head sums even and odd positions apart, so that its NR
+// chains are 2 NR.
 template <int G, int NR, typename C>
 void group_values_chunk(const float* weight, const C* values, int64_t row, int64_t count,
                         int64_t head_dim, float* acc) {
-  __m256 sums[G][NR];
+  constexpr int SETS = G == 1 ? 2 : 1;
+  __m256 sums[SETS][G][NR];
   for (int h = 0; h < G; ++h) {
-    for (int j = 0; j < NR; ++j) sums[h][j] = _mm256_loadu_ps(acc + h * head_dim + 8 * j);
+    for (int j = 0; j < NR; ++j) {
+      sums[0][h][j] = _mm256_loadu_ps(acc + h * head_dim + 8 * j);
+      if constexpr (SETS == 2) sums[1][h][j] = _mm256_setzero_ps();
+    }
   }
-  for (int64_t pos = 0; pos < count; ++pos) {
+  const auto add = [&](int set, int64_t pos) {
     const C* v = values + pos * row;
     __m256 w[G];
     for (int h = 0; h < G; ++h) w[h] = _mm256_set1_ps(weight[h * PART + pos]);
     for (int j = 0; j < NR; ++j) {
       const __m256 value = load8(v + 8 * j);
-      for (int h = 0; h < G; ++h) sums[h][j] = _mm256_fmadd_ps(w[h], value, sums[h][j]);
+      for (int h = 0; h < G; ++h) sums[set][h][j] = _mm256_fmadd_ps(w[h], value, sums[set][h][j]);
     }
+  };
+  int64_t pos = 0;
+  for (; pos + SETS <= count; pos += SETS) {
+    for (int set = 0; set < SETS; ++set) add(set, pos + set);
   }
+  if (pos < count) add(0, pos);
   for (int h = 0; h < G; ++h) {
-    for (int j = 0; j < NR; ++j) _mm256_storeu_ps(acc + h * head_dim + 8 * j, sums[h][j]);
+    for (int j = 0; j < NR; ++j) {
+      __m256 total = sums[0][h][j];
+      if constexpr (SETS == 2) total = _mm256_add_ps(total, sums[1][h][j]);
+      _mm256_storeu_ps(acc + h * head_dim + 8 * j, total);
+    }
   }
 }
 
-// 32 lanes a pass: the G x 4 sums (12 independent chains at most), the G weights and the
-// value fit 16 registers.
+// 32 lanes a pass: the sums (12 or 8 chains), the G weights and the value fit AVX2's 16
+// registers.
 template <int G, typename C>
 void group_values(const float* weight, const C* values, int64_t row, int64_t count,
                   int64_t head_dim, float* acc) {
@@ -194,7 +209,6 @@ void all_heads(const float* in, const C* rows, int64_t row, int64_t count, int64
   }
 }
 #endif
-
 
 // T: the queries' and output's type; C: the cache's (T, or int8_t with `k_scale_ptr`,
 // `v_scale_ptr` [blocks, block_size, kv_heads]; else those are null and unread).
@@ -271,9 +285,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
       }
 #if defined(__AVX2__)
       if (vector_heads) {
-        // The task's keys and values copied out of their blocks first: a block's slots are
-        // contiguous, and copying them whole streams from memory where reading them head by
-        // head, position by position, waited on each line (docs/decisions.md).
+        // Copied whole, runs of slots stream from memory (docs/decisions.md).
         for (int64_t pos = 0; pos < count;) {
           int64_t run = 1;  // positions in consecutive slots
           while (pos + run < count && slot_of[pos + run] == slot_of[pos] + run) ++run;
