@@ -141,3 +141,55 @@ def test_long_contexts_split_into_tasks_merge_exactly(dtype, window, path, monke
     assert (result.double() - expected).abs().max().item() < tolerance
     narrow = replace(wide, decode_block_tables=tables)
     assert torch.equal(attention.decode_attention(q, k_cache, v_cache, narrow, 0.125), result)
+
+
+def naive_prefill(q, keys, values, scale, window=None):
+    """Query i at key N - T + i over the keys up to its own (the last `window` of them)."""
+    num_queries, num_keys = q.shape[0], keys.shape[0]
+    group = q.shape[1] // keys.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i in range(num_queries):
+        last = num_keys - num_queries + i
+        first = 0 if window is None else max(0, last - window + 1)
+        for h in range(q.shape[1]):
+            k = keys[first:last + 1, h // group].double()
+            v = values[first:last + 1, h // group].double()
+            out[i, h] = (k @ q[i, h].double() * scale).softmax(0) @ v
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, num_kv_heads", [(9, 3), (8, 2), (4, 4)])
+@pytest.mark.parametrize("head_dim", [16, 40])
+@pytest.mark.parametrize("num_keys, window", [(13, None), (30, None), (30, 5)])
+def test_prefill_attention_matches_naive(dtype, heads, num_kv_heads, head_dim, num_keys, window):
+    """The native prefill kernel: a chunk of 13 queries over its own keys (13) or over a
+    context before it (30), causal, with and without a sliding window."""
+    native = kernels.native_prefill_attention()
+    if native is None:
+        pytest.skip("native prefill attention unavailable")
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(13, heads, head_dim, generator=gen).to(dtype)
+    keys = torch.randn(num_keys, num_kv_heads, head_dim, generator=gen).to(dtype)
+    values = torch.randn(num_keys, num_kv_heads, head_dim, generator=gen).to(dtype)
+    out = native(q, keys, values, 0.25, window or 0)
+    assert out.shape == q.shape and out.dtype == dtype
+    expected = naive_prefill(q, keys, values, 0.25, window)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.double() - expected).abs().max().item() < tolerance
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_chunks_agree_with_the_whole_prompt_to_the_bit(window):
+    """A prompt's last rows computed as a later chunk (over the keys before it) equal the same
+    rows of the whole prompt: each row is one pass over its own keys."""
+    native = kernels.native_prefill_attention()
+    if native is None:
+        pytest.skip("native prefill attention unavailable")
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(40, 9, 64, generator=gen).to(torch.bfloat16)
+    keys = torch.randn(40, 3, 64, generator=gen).to(torch.bfloat16)
+    values = torch.randn(40, 3, 64, generator=gen).to(torch.bfloat16)
+    whole = native(q, keys, values, 0.125, window or 0)
+    later = native(q[25:], keys, values, 0.125, window or 0)
+    assert torch.equal(later, whole[25:])

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from treadle.model.kernels import paged_decode_attention
+from treadle.model.kernels import native_prefill_attention, paged_decode_attention
 
 
 @dataclass
@@ -164,7 +164,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for chunk in meta.prefills:
         out[chunk.start:chunk.end] = prefill_attention(
             q[chunk.start:chunk.end], k[chunk.start:chunk.end], v[chunk.start:chunk.end],
-            k_cache, v_cache, chunk, scale, k_scales, v_scales, meta.gather_buffers)
+            k_cache, v_cache, chunk, scale, k_scales, v_scales, meta.gather_buffers,
+            meta.window)
     return out
 
 
@@ -205,10 +206,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
                       v_cache: torch.Tensor, chunk: PrefillChunk, scale: float,
                       k_scales: torch.Tensor | None = None,
                       v_scales: torch.Tensor | None = None,
-                      gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-                      ) -> torch.Tensor:
+                      gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      window: int | None = None) -> torch.Tensor:
     """One sequence's chunk: causal inside it, over the context before it (the part its mask
-    and block table cover); its blocks gathered into `gather_buffers` where given."""
+    and block table cover, the last `window` positions of a sliding-window layer); its blocks
+    gathered into `gather_buffers` where given."""
     if chunk.mask is None and k_scales is None:  # the context is this chunk, as stored
         keys, values = k, v
     else:
@@ -218,6 +220,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
                            key_buffer).flatten(0, 1)[:num_keys]
         values = read_blocks(v_cache, v_scales, chunk.block_table, q.dtype,
                              value_buffer).flatten(0, 1)[:num_keys]
+    native = native_prefill_attention() if q.is_cpu and q.shape[-1] % 8 == 0 else None
+    if native is not None:  # each query over its keys in one pass: chunks agree with the whole
+        return native(q, keys, values, scale, window or 0)
     # [batch, heads, tokens, dim]: SDPA's fused kernels (CPU and CUDA) take only that; 3-D
     # inputs run its unfused path.
     query, keys, values = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], \

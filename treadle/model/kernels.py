@@ -241,6 +241,16 @@ def native_paged_decode_attention() -> Callable | None:
     return native
 
 
+@functools.cache
+def native_prefill_attention() -> Callable | None:
+    """`prefill_attention(q, keys, values, scale, window)`: a chunk's causal attention on the
+    CPU, each query over the keys up to its own; None where this build has none (no AVX2)."""
+    module = load_kernels()
+    if module is None or not module.prefill_attention_available():
+        return None
+    return module.prefill_attention
+
+
 def quant_linear_kernels() -> ModuleType | None:
     """`quant_linear(x, weight, qtype, bias)` and `dequantize(weight, qtype, in_features)`."""
     return load_kernels()

@@ -9,6 +9,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("prefill_attention", &prefill_attention);
+  m.def("prefill_attention_available", &prefill_attention_available);
   m.def("quant_linear", &quant_linear);
   m.def("quant_linear_parts", &quant_linear_parts);
   m.def("quant_gemm_parts", &quant_gemm_parts);

@@ -24,6 +24,10 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
                                      double scale, int64_t window,
                                      c10::optional<at::Tensor> k_scales,
                                      c10::optional<at::Tensor> v_scales);
+// A prefill chunk's causal attention over keys and values contiguous in q's dtype (AVX2 builds).
+at::Tensor prefill_attention(at::Tensor q, at::Tensor keys, at::Tensor values, double scale,
+                             int64_t window);
+bool prefill_attention_available();
 
 // quant_linear.cpp (the K-quants' kernels in quant_kblocks.cpp)
 at::Tensor quant_linear(at::Tensor x, at::Tensor weight, int64_t qtype,

@@ -7,7 +7,9 @@
 // With AVX2 and heads a whole number of 8-float vectors, a task first copies its slots out of
 // their blocks (a block's slots are contiguous), then the query heads that share a KV head take
 // each key and value vector in one load for all of them, scores four positions at a time,
-// weighted values kept in registers over the task's positions (docs/decisions.md).
+// weighted values kept in registers over the task's positions (docs/decisions.md). A prefill
+// chunk's attention (prefill_attention, AVX2 builds) runs the same loops over keys that are
+// contiguous already, each query over its own keys in one pass.
 #include "kernels.h"
 #include "vec_math.h"
 #include <ATen/Parallel.h>
@@ -42,6 +44,26 @@ inline float to_float(at::BFloat16 x) {
 // An int8 cache's lanes unscaled: each vector's scale multiplies its scores and weights instead
 // (one multiply per head and position, not per element).
 inline float to_float(int8_t x) { return static_cast<float>(x); }
+
+// s[i] = exp(s[i] - max) for `count` scores; returns their sum.
+inline float exp_in_place(float* s, int64_t count, float max) {
+  float total = 0.f;
+  int64_t pos = 0;
+#if defined(__AVX2__)
+  __m256 sum8 = _mm256_setzero_ps();  // a vector exp: libm's stays scalar
+  for (; pos + 8 <= count; pos += 8) {
+    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + pos), _mm256_set1_ps(max)));
+    _mm256_storeu_ps(s + pos, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  total = hsum(sum8);
+#endif
+  for (; pos < count; ++pos) {
+    s[pos] = std::exp(s[pos] - max);
+    total += s[pos];
+  }
+  return total;
+}
 
 // a . b. An `omp simd reduction` here compiled (GCC 12) to a store and 16 dependent scalar
 // adds per dot; with a 64-bit division per head that cost ~1 us per position (9 heads, 64 wide,
@@ -83,12 +105,12 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-// scores[h PART + pos] = query h . keys[pos row ...], for `count` positions and the G query
+// scores[h stride + pos] = query h . keys[pos row ...], for `count` positions and the G query
 // heads (queries head_dim apart) that share one KV head: each key vector is loaded and widened
 // once for the G of them, four positions at a time, independent chains sharing each load.
 template <int G, typename C>
 void group_scores(const float* query, const C* keys, int64_t row, int64_t count,
-                  int64_t head_dim, float* scores) {
+                  int64_t head_dim, float* scores, int64_t stride) {
   int64_t pos = 0;
   for (; pos + 4 <= count; pos += 4) {
     const C* k[4];
@@ -106,7 +128,8 @@ void group_scores(const float* query, const C* keys, int64_t row, int64_t count,
       }
     }
     for (int h = 0; h < G; ++h) {
-      _mm_storeu_ps(scores + h * PART + pos, hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]));
+      _mm_storeu_ps(scores + h * stride + pos,
+                    hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]));
     }
   }
   for (; pos < count; ++pos) {
@@ -120,17 +143,17 @@ void group_scores(const float* query, const C* keys, int64_t row, int64_t count,
       }
     }
     const __m256 z = _mm256_setzero_ps();
-    for (int h = 0; h < G; ++h) scores[h * PART + pos] = _mm_cvtss_f32(hsum4(acc[h], z, z, z));
+    for (int h = 0; h < G; ++h) scores[h * stride + pos] = _mm_cvtss_f32(hsum4(acc[h], z, z, z));
   }
 }
 
-// acc[h head_dim + (0, 8 NR)] += sum over positions of weight[h PART + pos] *
+// acc[h head_dim + (0, 8 NR)] += sum over positions of weight[h stride + pos] *
 // values[pos row ...], for the G heads sharing one KV head: each value vector is loaded and
 // widened once for the G of them. A lone head sums even and odd positions apart, so that its NR
 // chains are 2 NR.
 template <int G, int NR, typename C>
 void group_values_chunk(const float* weight, const C* values, int64_t row, int64_t count,
-                        int64_t head_dim, float* acc) {
+                        int64_t head_dim, float* acc, int64_t stride) {
   constexpr int SETS = G == 1 ? 2 : 1;
   __m256 sums[SETS][G][NR];
   for (int h = 0; h < G; ++h) {
@@ -142,7 +165,7 @@ void group_values_chunk(const float* weight, const C* values, int64_t row, int64
   const auto add = [&](int set, int64_t pos) {
     const C* v = values + pos * row;
     __m256 w[G];
-    for (int h = 0; h < G; ++h) w[h] = _mm256_set1_ps(weight[h * PART + pos]);
+    for (int h = 0; h < G; ++h) w[h] = _mm256_set1_ps(weight[h * stride + pos]);
     for (int j = 0; j < NR; ++j) {
       const __m256 value = load8(v + 8 * j);
       for (int h = 0; h < G; ++h) sums[set][h][j] = _mm256_fmadd_ps(w[h], value, sums[set][h][j]);
@@ -166,21 +189,25 @@ void group_values_chunk(const float* weight, const C* values, int64_t row, int64
 // registers.
 template <int G, typename C>
 void group_values(const float* weight, const C* values, int64_t row, int64_t count,
-                  int64_t head_dim, float* acc) {
+                  int64_t head_dim, float* acc, int64_t stride) {
   constexpr int NR_MAX = 4;
   for (int64_t d = 0; d < head_dim; d += 8 * NR_MAX) {
     switch (std::min<int64_t>(NR_MAX, (head_dim - d) / 8)) {
       case 1:
-        group_values_chunk<G, 1>(weight, values + d, row, count, head_dim, acc + d);
+        group_values_chunk<G, 1>(weight, values + d, row, count, head_dim, acc + d,
+                                   stride);
         break;
       case 2:
-        group_values_chunk<G, 2>(weight, values + d, row, count, head_dim, acc + d);
+        group_values_chunk<G, 2>(weight, values + d, row, count, head_dim, acc + d,
+                                   stride);
         break;
       case 3:
-        group_values_chunk<G, 3>(weight, values + d, row, count, head_dim, acc + d);
+        group_values_chunk<G, 3>(weight, values + d, row, count, head_dim, acc + d,
+                                   stride);
         break;
       default:
-        group_values_chunk<G, NR_MAX>(weight, values + d, row, count, head_dim, acc + d);
+        group_values_chunk<G, NR_MAX>(weight, values + d, row, count, head_dim, acc + d,
+                                   stride);
     }
   }
 }
@@ -189,21 +216,21 @@ void group_values(const float* weight, const C* values, int64_t row, int64_t cou
 // most 3 (the registers one pass holds), of 2 where that divides them (4: 2 + 2, not 3 + 1).
 template <bool FOR_VALUES, typename C>
 void all_heads(const float* in, const C* rows, int64_t row, int64_t count, int64_t head_dim,
-               int64_t num_heads, int64_t group, float* out) {
+               int64_t num_heads, int64_t group, float* out, int64_t stride) {
   const int64_t pass = group % 3 != 0 && group % 2 == 0 ? 2 : 3;
   for (int64_t h0 = 0; h0 < num_heads;) {
     const int64_t kv = h0 / group, g = std::min<int64_t>(pass, (kv + 1) * group - h0);
     const C* kv_rows = rows + kv * head_dim;
-    const float* src = FOR_VALUES ? in + h0 * PART : in + h0 * head_dim;
-    float* dst = FOR_VALUES ? out + h0 * head_dim : out + h0 * PART;
+    const float* src = FOR_VALUES ? in + h0 * stride : in + h0 * head_dim;
+    float* dst = FOR_VALUES ? out + h0 * head_dim : out + h0 * stride;
     if constexpr (FOR_VALUES) {
-      if (g == 3) group_values<3>(src, kv_rows, row, count, head_dim, dst);
-      else if (g == 2) group_values<2>(src, kv_rows, row, count, head_dim, dst);
-      else group_values<1>(src, kv_rows, row, count, head_dim, dst);
+      if (g == 3) group_values<3>(src, kv_rows, row, count, head_dim, dst, stride);
+      else if (g == 2) group_values<2>(src, kv_rows, row, count, head_dim, dst, stride);
+      else group_values<1>(src, kv_rows, row, count, head_dim, dst, stride);
     } else {
-      if (g == 3) group_scores<3>(src, kv_rows, row, count, head_dim, dst);
-      else if (g == 2) group_scores<2>(src, kv_rows, row, count, head_dim, dst);
-      else group_scores<1>(src, kv_rows, row, count, head_dim, dst);
+      if (g == 3) group_scores<3>(src, kv_rows, row, count, head_dim, dst, stride);
+      else if (g == 2) group_scores<2>(src, kv_rows, row, count, head_dim, dst, stride);
+      else group_scores<1>(src, kv_rows, row, count, head_dim, dst, stride);
     }
     h0 += g;
   }
@@ -295,7 +322,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
           pos += run;
         }
         all_heads<false>(query.data(), keys.data(), row, count, head_dim, num_heads, group,
-                         scores.data());
+                         scores.data(), PART);
         if constexpr (kInt8) {
           for (int64_t h = 0; h < num_heads; ++h) {
             for (int64_t pos = 0; pos < count; ++pos) {
@@ -322,24 +349,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
       for (int64_t h = 0; h < num_heads; ++h) {
         float* s = scores.data() + h * PART;
         const float max_score = *std::max_element(s, s + count);
-        float total = 0.f;
-        int64_t pos = 0;
-#if defined(__AVX2__)
-        {  // a vector exp: libm's stays scalar
-          __m256 sum8 = _mm256_setzero_ps();
-          for (; pos + 8 <= count; pos += 8) {
-            const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + pos),
-                                                    _mm256_set1_ps(max_score)));
-            _mm256_storeu_ps(s + pos, e);
-            sum8 = _mm256_add_ps(sum8, e);
-          }
-          total = hsum(sum8);
-        }
-#endif
-        for (; pos < count; ++pos) {
-          s[pos] = std::exp(s[pos] - max_score);
-          total += s[pos];
-        }
+        const float total = exp_in_place(s, count, max_score);
         task_max[task * num_heads + h] = max_score;
         task_sum[task * num_heads + h] = total;
       }
@@ -355,7 +365,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
           }
         }
         all_heads<true>(scores.data(), values.data(), row, count, head_dim, num_heads, group,
-                        acc);
+                        acc, PART);
         continue;
       }
 #endif
@@ -401,6 +411,54 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
   });
 }
 
+
+#if defined(__AVX2__)
+// A chunk's queries q [T, H, D] over keys, values [N, Hkv, D] (query i at key N - T + i), each
+// row in one pass over its keys in order, all in float32.
+template <typename T>
+void prefill_kernel(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                    double scale, int64_t window, at::Tensor& out) {
+  const int64_t num_queries = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_keys = keys.size(0), num_kv_heads = keys.size(1);
+  const int64_t group = num_heads / num_kv_heads, row = num_kv_heads * head_dim;
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = keys.data_ptr<T>();
+  const T* v_ptr = values.data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  // The last rows see the most keys: taken alternately from both ends, the two halves of a
+  // static split cost alike.
+  at::parallel_for(0, num_queries, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(num_heads * head_dim), acc(num_heads * head_dim), totals(num_heads),
+        scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item % 2 == 0 ? item / 2 : num_queries - 1 - item / 2;
+      const int64_t last = num_keys - num_queries + i;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
+      const int64_t count = last - first + 1;
+      scores.resize(num_heads * count);
+      const T* q_row = q_ptr + i * num_heads * head_dim;
+      for (int64_t j = 0; j < num_heads * head_dim; ++j) query[j] = to_float(q_row[j]) * fscale;
+      all_heads<false>(query.data(), k_ptr + first * row, row, count, head_dim, num_heads, group,
+                       scores.data(), count);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* s = scores.data() + h * count;
+        totals[h] = exp_in_place(s, count, *std::max_element(s, s + count));
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      all_heads<true>(scores.data(), v_ptr + first * row, row, count, head_dim, num_heads, group,
+                      acc.data(), count);
+      T* dst = out_ptr + i * num_heads * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float inv = 1.f / totals[h];
+        for (int64_t d = 0; d < head_dim; ++d) {
+          dst[h * head_dim + d] = static_cast<T>(acc[h * head_dim + d] * inv);
+        }
+      }
+    }
+  });
+}
+#endif
 }  // namespace
 
 // q [seqs, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim] in q's dtype, or
@@ -454,5 +512,39 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
     decode_kernel<float, float>(q, k_cache, v_cache, nullptr, nullptr, block_tables,
                                 context_lens, scale, window, out);
   }
+  return out;
+}
+
+bool prefill_attention_available() {
+#if defined(__AVX2__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// q [T, heads, head_dim], keys and values [N, kv_heads, head_dim] (N >= T) in q's dtype, float32
+// or bfloat16, head_dim a multiple of 8: query i sits at key N - T + i and attends to the keys
+// up to its own, the last `window` of them where window > 0. Returns [T, heads, head_dim].
+at::Tensor prefill_attention(at::Tensor q, at::Tensor keys, at::Tensor values, double scale,
+                             int64_t window) {
+  TORCH_CHECK(prefill_attention_available(), "prefill attention needs AVX2");
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes());
+  TORCH_CHECK(q.size(1) % keys.size(1) == 0 && q.size(2) == keys.size(2) &&
+              q.size(2) % 8 == 0 && keys.size(0) >= q.size(0));
+  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && q.scalar_type() == values.scalar_type() &&
+              (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat),
+              "float32 or bfloat16, all in q's dtype");
+  q = q.contiguous();
+  keys = keys.contiguous();
+  values = values.contiguous();
+  auto out = at::empty_like(q);
+#if defined(__AVX2__)
+  if (q.scalar_type() == at::kBFloat16) {
+    prefill_kernel<at::BFloat16>(q, keys, values, scale, window, out);
+  } else {
+    prefill_kernel<float>(q, keys, values, scale, window, out);
+  }
+#endif
   return out;
 }
