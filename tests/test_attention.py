@@ -193,3 +193,44 @@ def test_prefill_chunks_agree_with_the_whole_prompt_to_the_bit(window):
     whole = native(q, keys, values, 0.125, window or 0)
     later = native(q[25:], keys, values, 0.125, window or 0)
     assert torch.equal(later, whole[25:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("start, window", [(0, None), (20, None), (20, 6), (0, 6)])
+def test_prefill_chunks_through_the_cache_match_the_sdpa_path(dtype, start, window,
+                                                              monkeypatch):
+    """`prefill_attention`'s native path against its SDPA path on chunks as the runner builds
+    them (ModelRunner.prefill_chunk): a fresh prompt (no mask), a later chunk over cached keys,
+    a window whose first block lies past position 0, a fresh prompt longer than its window."""
+    if kernels.native_prefill_attention() is None:
+        pytest.skip("native prefill attention unavailable")
+    gen = torch.Generator().manual_seed(6)
+    block_size, heads, num_kv_heads, head_dim, n = 4, 9, 3, 16, 10
+    context_len = start + n
+    num_blocks = (context_len + block_size - 1) // block_size
+    k_all = torch.randn(context_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_all = torch.randn(context_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+    padding = num_blocks * block_size - context_len  # block b holds positions 4b .. 4b + 3
+    k_cache = torch.cat([k_all, k_all[:padding] * 0]).view(num_blocks, block_size,
+                                                          num_kv_heads, head_dim)
+    v_cache = torch.cat([v_all, v_all[:padding] * 0]).view(num_blocks, block_size,
+                                                          num_kv_heads, head_dim)
+    q = torch.randn(n, heads, head_dim, generator=gen).to(dtype)
+    first_block = 0 if window is None else max(0, start - window + 1) // block_size
+    key_start = first_block * block_size
+    mask = None
+    if start > 0 or (window is not None and n > window):
+        keys = torch.arange(key_start, context_len)[None, :]
+        queries = torch.arange(start, context_len)[:, None]
+        mask = keys <= queries
+        if window is not None:
+            mask &= keys > queries - window
+    chunk = attention.PrefillChunk(start=0, end=n, context_len=context_len,
+                                   block_table=torch.arange(first_block, num_blocks), mask=mask,
+                                   key_start=key_start)
+    args = (q, k_all[start:], v_all[start:], k_cache, v_cache, chunk, 0.25)
+    native = attention.prefill_attention(*args, window=window)
+    monkeypatch.setattr(attention, "native_prefill_attention", lambda: None)
+    reference = attention.prefill_attention(*args, window=window)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (native.double() - reference.double()).abs().max().item() < tolerance

@@ -426,30 +426,33 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
   const T* v_ptr = values.data_ptr<T>();
   T* out_ptr = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
-  // The last rows see the most keys: taken alternately from both ends, the two halves of a
-  // static split cost alike.
-  at::parallel_for(0, num_queries, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(num_heads * head_dim), acc(num_heads * head_dim), totals(num_heads),
-        scores;
+  // Items are (query, KV head) pairs, so that a chunk of a few tokens over a long context
+  // still spreads over the threads. The last queries see the most keys: taken alternately from
+  // both ends, the two halves of a static split cost alike.
+  at::parallel_for(0, num_queries * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(group * head_dim), acc(group * head_dim), totals(group), scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item % 2 == 0 ? item / 2 : num_queries - 1 - item / 2;
+      const int64_t pair = item / num_kv_heads, kv = item % num_kv_heads;
+      const int64_t i = pair % 2 == 0 ? pair / 2 : num_queries - 1 - pair / 2;
       const int64_t last = num_keys - num_queries + i;
       const int64_t first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
       const int64_t count = last - first + 1;
-      scores.resize(num_heads * count);
-      const T* q_row = q_ptr + i * num_heads * head_dim;
-      for (int64_t j = 0; j < num_heads * head_dim; ++j) query[j] = to_float(q_row[j]) * fscale;
-      all_heads<false>(query.data(), k_ptr + first * row, row, count, head_dim, num_heads, group,
+      scores.resize(group * count);
+      // The KV head's query heads, and its keys and values from `first` (rows `row` apart).
+      const T* q_heads = q_ptr + (i * num_heads + kv * group) * head_dim;
+      for (int64_t j = 0; j < group * head_dim; ++j) query[j] = to_float(q_heads[j]) * fscale;
+      const int64_t offset = first * row + kv * head_dim;
+      all_heads<false>(query.data(), k_ptr + offset, row, count, head_dim, group, group,
                        scores.data(), count);
-      for (int64_t h = 0; h < num_heads; ++h) {
+      for (int64_t h = 0; h < group; ++h) {
         float* s = scores.data() + h * count;
         totals[h] = exp_in_place(s, count, *std::max_element(s, s + count));
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      all_heads<true>(scores.data(), v_ptr + first * row, row, count, head_dim, num_heads, group,
+      all_heads<true>(scores.data(), v_ptr + offset, row, count, head_dim, group, group,
                       acc.data(), count);
-      T* dst = out_ptr + i * num_heads * head_dim;
-      for (int64_t h = 0; h < num_heads; ++h) {
+      T* dst = out_ptr + (i * num_heads + kv * group) * head_dim;
+      for (int64_t h = 0; h < group; ++h) {
         const float inv = 1.f / totals[h];
         for (int64_t d = 0; d < head_dim; ++d) {
           dst[h * head_dim + d] = static_cast<T>(acc[h * head_dim + d] * inv);
