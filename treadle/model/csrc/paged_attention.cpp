@@ -192,22 +192,13 @@ void group_values(const float* weight, const C* values, int64_t row, int64_t cou
                   int64_t head_dim, float* acc, int64_t stride) {
   constexpr int NR_MAX = 4;
   for (int64_t d = 0; d < head_dim; d += 8 * NR_MAX) {
+    const C* v = values + d;
+    float* a = acc + d;
     switch (std::min<int64_t>(NR_MAX, (head_dim - d) / 8)) {
-      case 1:
-        group_values_chunk<G, 1>(weight, values + d, row, count, head_dim, acc + d,
-                                   stride);
-        break;
-      case 2:
-        group_values_chunk<G, 2>(weight, values + d, row, count, head_dim, acc + d,
-                                   stride);
-        break;
-      case 3:
-        group_values_chunk<G, 3>(weight, values + d, row, count, head_dim, acc + d,
-                                   stride);
-        break;
-      default:
-        group_values_chunk<G, NR_MAX>(weight, values + d, row, count, head_dim, acc + d,
-                                   stride);
+      case 1: group_values_chunk<G, 1>(weight, v, row, count, head_dim, a, stride); break;
+      case 2: group_values_chunk<G, 2>(weight, v, row, count, head_dim, a, stride); break;
+      case 3: group_values_chunk<G, 3>(weight, v, row, count, head_dim, a, stride); break;
+      default: group_values_chunk<G, NR_MAX>(weight, v, row, count, head_dim, a, stride);
     }
   }
 }
@@ -410,7 +401,6 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
     }
   });
 }
-
 
 #if defined(__AVX2__)
 // A chunk's queries q [T, H, D] over keys, values [N, Hkv, D] (query i at key N - T + i), each
