@@ -257,6 +257,27 @@ def test_integer_gemm_matches_its_reference(qtype, dtype, kernels):
             x[:rows], [weight.data], [int(qtype)], torch.zeros(37)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_row_kernels_give_the_integer_gemm_s_bits_for_the_32_wide_types(dtype, kernels):
+    """A layer of these types may take either kernel at any row count and a row's result stays
+    the same: 37 outputs leave a partial tile of 8 (and of the GEMM's panels), 1-9 rows every
+    row tile, parts of different types side by side, with and without a bias. The K-quants'
+    kernels round otherwise and are not listed."""
+    same = set(kernels.quant_gemm_same_bits_types())
+    if not kernels.quant_gemm_types():
+        pytest.skip("this build has no integer GEMM (not x86-64 with AVX2)")
+    assert same == {int(q) for q in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0)} & set(
+        kernels.quant_gemm_types())
+    parts = [random_blocks(Q(qtype), out_features=37, in_features=288, seed=qtype)
+             for qtype in sorted(same)]
+    x = torch.randn(9, 288, generator=torch.Generator().manual_seed(7)).to(dtype)
+    data, qtypes = [p.data for p in parts], [p.qtype for p in parts]
+    for bias in (None, torch.randn(37 * len(parts))):
+        for rows in range(1, 10):
+            rows_out = kernels.quant_linear_parts(x[:rows], data, qtypes, bias)
+            assert torch.equal(rows_out, kernels.quant_gemm_parts(x[:rows], data, qtypes, bias))
+
+
 def test_a_layer_s_batch_path_is_the_integer_gemm_unless_a_dense_copy_is_kept(kernels):
     if not kernels.quant_gemm_types():
         pytest.skip("this build has no integer GEMM (not x86-64 with AVX2)")
@@ -424,15 +445,17 @@ def test_float_model_quantized_at_load(mode, qtype, tmp_path):
     assert (got - expected).abs().max() <= tolerance * expected.abs().max()
 
 
-@pytest.mark.parametrize("arch, dtype", [("llama", "float32"), ("qwen2", "bfloat16")])
-def test_native_decoder_steps_give_the_bits_of_the_layer_by_layer_path(arch, dtype, tmp_path,
-                                                                          kernels, monkeypatch):
+@pytest.mark.parametrize("arch, dtype, row_kernel_rows", [
+    ("llama", "float32", 4), ("qwen2", "bfloat16", 4), ("llama", "bfloat16", 1)])
+def test_native_decoder_steps_give_the_bits_of_the_layer_by_layer_path(
+        arch, dtype, row_kernel_rows, tmp_path, kernels, monkeypatch):
     """The native decoder runs a whole decode step in one call: the same kernels in the same
     order as the Python layers, so the same logits to the bit (qwen2: with the qkv bias), over
-    sequences of different lengths whose new keys land in different blocks."""
+    sequences of different lengths whose new keys land in different blocks; steps of more rows
+    than the row kernels take run the integer GEMM inside it."""
     build_tiny_model(arch, tmp_path)
     native, layered = (make_runner(tmp_path, dtype, block_size=4, quantization="int4",
-                                   quant_gemv_max_rows=4) for _ in range(2))
+                                   quant_gemv_max_rows=row_kernel_rows) for _ in range(2))
     taken = []
     fused_decode = LlamaModel.fused_decode
 
@@ -455,8 +478,7 @@ def test_native_decoder_steps_give_the_bits_of_the_layer_by_layer_path(arch, dty
         assert taken[-2:] == [True, False]
         assert torch.equal(got, expected), step
         lengths = [n + 1 if step % 3 or i != 1 else n for i, n in enumerate(lengths)]
-    for layer in native.model.quantized_layers():
-        layer.max_gemv_rows = 2  # three rows: the batch path, layer by layer
+    native.model.native_decoder_rows = 2  # as where a projection has no integer GEMM
     batch = ModelInput([ScheduledSequence([7], n, t) for n, t in zip(lengths, tables, strict=True)])
     native.execute(batch)
     assert taken[-1] is False

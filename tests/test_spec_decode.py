@@ -457,36 +457,35 @@ def test_default_model_greedy_with_speculation_equals_without(copy_prompts):
 
 
 @pytest.mark.default_model
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("method, row_kernel_rows", [("ngram", 8), ("suffix", 1)])
 def test_default_model_greedy_with_speculation_equals_without_on_the_quantized_path(
-        copy_prompts, method):
+        copy_prompts, method, row_kernel_rows):
     """The GGUF's blocks as stored, one request at a time: the integer kernels give a row the
-    same bits in a step of several rows (its proposed tokens) as alone. The crossover to the
-    float path is fixed above the rows of a verifying step, where a busy machine's tuning could
-    otherwise put it below them."""
+    same bits in a step of several rows (its proposed tokens) as alone, whether a verifying
+    step stays on the row kernels (8) or takes the integer GEMM from 2 rows (1)."""
     params = SamplingParams(max_tokens=40, temperature=0.0)
-    plain = make_engine(None, None, block_size=16, quant_gemv_max_rows=8)
+    plain = make_engine(None, None, block_size=16, quant_gemv_max_rows=row_kernel_rows)
     expected = [run(plain, [p], params)[0] for p in copy_prompts[:4]]
     engine = make_engine(None, {**LOOKUP, "method": method}, block_size=16,
-                         quant_gemv_max_rows=8)
+                         quant_gemv_max_rows=row_kernel_rows)
     assert [run(engine, [p], params)[0] for p in copy_prompts[:4]] == expected
     drafts, draft_tokens, accepted = engine.spec_decode_counts
     assert accepted > draft_tokens / 3, engine.spec_decode_counts
     assert_engine_empty(engine)
 
 
-
 @pytest.mark.default_model
-def test_a_measured_crossover_keeps_a_verifying_step_on_the_row_kernels():
-    """Without --quant-gemv-max-rows the crossover to the integer GEMM is measured, and on an
-    AVX-512 machine the GEMM wins from 2 rows; a step verifying one sequence's proposals (its
-    last token and num_speculative_tokens more) stays on the row kernels, which give each row
-    the bits it gets alone."""
-    engine = make_engine(None, LOOKUP, block_size=16)
-    chosen = engine.executor.runner.gemv_rows
-    assert chosen and min(chosen.values()) >= 1 + LOOKUP["num_speculative_tokens"]
-    assert all(layer.max_gemv_rows >= 1 + LOOKUP["num_speculative_tokens"]
-               for layer in engine.executor.runner.model.quantized_layers())
+def test_a_verifying_step_leaves_the_row_kernels_only_for_a_gemm_of_the_same_bits():
+    """Whatever the crossover (here pinned at 1 row), a layer whose integer GEMM rounds
+    otherwise than its row kernels keeps a verifying step's rows (its last token and
+    num_speculative_tokens more) on the row kernels; the others take the GEMM from 2 rows."""
+    engine = make_engine(None, LOOKUP, block_size=16, quant_gemv_max_rows=1)
+    layers = engine.executor.runner.model.quantized_layers()
+    verify_rows = 1 + LOOKUP["num_speculative_tokens"]
+    assert all(layer.max_gemv_rows == (1 if layer.gemm_same_bits else verify_rows)
+               for layer in layers)
+    assert any(layer.gemm_same_bits for layer in layers) == bool(
+        layers[0].kernels and layers[0].kernels.quant_gemm_same_bits_types())
 
 
 def test_llm_stop_strings_and_n_samples_with_speculation(tiny_folder):

@@ -95,6 +95,11 @@ class QuantizedLinear:
         return (self.dense is None and self.kernels is not None
                 and set(self.qtypes) <= gemm_types(self.kernels))
 
+    @property
+    def gemm_same_bits(self) -> bool:
+        """Whether the batch path is the integer GEMM and gives a row the row kernel's bits."""
+        return self.integer_gemm and set(self.qtypes) <= same_bits_types(self.kernels)
+
     def batch_path(self, x: torch.Tensor) -> torch.Tensor:
         if self.integer_gemm:
             return self.kernels.quant_gemm_parts(x, self.data, self.qtypes, self.bias)
@@ -124,6 +129,10 @@ class QuantizedLinear:
         return torch.cat([dequantize(p) for p in self.parts])
 
     @property
+    def shape_name(self) -> str:
+        return f"{self.out_features}x{self.in_features} {self.type_name}"
+
+    @property
     def shape_key(self) -> tuple[int, int, str, bool]:
         return (*self.shape, self.type_name, self.dense is not None)
 
@@ -132,6 +141,12 @@ class QuantizedLinear:
 def gemm_types(kernels) -> frozenset[int]:
     """The quantized types `kernels`' build serves with its integer GEMM."""
     return frozenset(kernels.quant_gemm_types())
+
+
+@functools.cache
+def same_bits_types(kernels) -> frozenset[int]:
+    """The quantized types whose row kernel and integer GEMM give the same bits in this build."""
+    return frozenset(kernels.quant_gemm_same_bits_types())
 
 
 def tune_gemv_rows(layers: list[QuantizedLinear], dtype: torch.dtype) -> dict[str, int]:
@@ -145,11 +160,11 @@ def tune_gemv_rows(layers: list[QuantizedLinear], dtype: torch.dtype) -> dict[st
         if layer.kernels is not None:
             by_shape.setdefault(layer.shape_key, []).append(layer)
     chosen = {}
-    for (out_features, in_features, qtype, _), group in by_shape.items():
+    for group in by_shape.values():
         rows = crossover_rows(group[0], dtype)
         for layer in group:
             layer.max_gemv_rows = rows
-        chosen[f"{out_features}x{in_features} {qtype}"] = rows
+        chosen[group[0].shape_name] = rows
     return chosen
 
 

@@ -126,18 +126,19 @@ class ModelRunner:
 
     def choose_gemv_rows(self, fixed: int | None, verify_rows: int) -> dict[str, int]:
         """Up to how many rows each quantized layer shape takes the row kernels: `fixed`, else
-        measured but at least `verify_rows`. The row kernels give a row the same bits in a step
-        of several rows as alone, the integer GEMM does not: greedy decoding with speculation
-        gives the tokens it gives without only while a verifying step stays on them."""
+        measured, and at least `verify_rows` where the integer GEMM rounds otherwise than the
+        row kernels (the K-quants): greedy decoding with speculation gives the tokens it gives
+        without only while a verifying step's rows get the bits they would get alone."""
         layers = self.model.quantized_layers()
-        if fixed is not None:
-            for layer in layers:
-                layer.max_gemv_rows = fixed
-            return {"all": fixed} if layers else {}
-        chosen = tune_gemv_rows(layers, self.dtype)
+        if fixed is None:
+            tune_gemv_rows(layers, self.dtype)
         for layer in layers:
-            layer.max_gemv_rows = max(layer.max_gemv_rows, verify_rows)
-        return {shape: max(rows, verify_rows) for shape, rows in chosen.items()}
+            if fixed is not None:
+                layer.max_gemv_rows = fixed
+            if not layer.gemm_same_bits:
+                layer.max_gemv_rows = max(layer.max_gemv_rows, verify_rows)
+        return {layer.shape_name: layer.max_gemv_rows for layer in layers
+                if layer.kernels is not None}
 
     def platform_info(self) -> dict:
         """The dtype served and why, and which fast paths run: for logs, /v1/models, benches."""

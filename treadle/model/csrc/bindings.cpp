@@ -15,6 +15,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear_parts", &quant_linear_parts);
   m.def("quant_gemm_parts", &quant_gemm_parts);
   m.def("quant_gemm_types", &quant_gemm_types);
+  m.def("quant_gemm_same_bits_types", &quant_gemm_same_bits_types);
   m.def("dequantize", &dequantize);
   m.def("dequantize_bf16", &dequantize_bf16);
   m.def("sample_rows", &sample_rows);

@@ -1,5 +1,5 @@
 // A Llama-family model's decode steps when every projection is in GGUF blocks and takes the
-// integer kernel: one call runs all layers (norms, projections, rope, cache writes, attention,
+// integer kernels (row kernels or GEMM): one call runs all layers (norms, projections, rope, cache writes, attention,
 // residual adds) instead of some 15 torch ops a layer dispatched from Python, whose overhead
 // (~5 us each) was a quarter of a one-token step (Zen 3, 2 threads: ~2.3 of ~9 ms). The same
 // kernels run in the same order as in the Python path, so both give the same bits.
@@ -17,9 +17,11 @@ void LlamaDecoder::add_layer(at::Tensor input_norm, at::Tensor post_norm,
                              c10::optional<at::Tensor> qkv_bias, std::vector<at::Tensor> o,
                              std::vector<int64_t> o_types, std::vector<at::Tensor> gate_up,
                              std::vector<int64_t> gate_up_types, std::vector<at::Tensor> down,
-                             std::vector<int64_t> down_types) {
+                             std::vector<int64_t> down_types,
+                             std::vector<int64_t> row_kernel_rows) {
+  TORCH_CHECK(row_kernel_rows.size() == 4, "add_layer: row_kernel_rows a projection");
   layers_.push_back({input_norm, post_norm, qkv, o, gate_up, down, qkv_bias, qkv_types, o_types,
-                     gate_up_types, down_types, {}});
+                     gate_up_types, down_types, row_kernel_rows, {}});
 }
 
 void LlamaDecoder::set_lora(int64_t layer, std::vector<at::Tensor> a, std::vector<at::Tensor> b,
@@ -74,6 +76,13 @@ at::Tensor LlamaDecoder::forward(at::Tensor hidden, at::Tensor cos, at::Tensor s
       }
       return y;
     };
+    // Projection p of x: the row kernels up to its row_kernel_rows, else the integer GEMM.
+    const auto project = [&](const at::Tensor& x, const std::vector<at::Tensor>& parts,
+                             const std::vector<int64_t>& types,
+                             const c10::optional<at::Tensor>& bias, size_t p) {
+      return tokens <= layer.row_kernel_rows[p] ? quant_linear_parts(x, parts, types, bias)
+                                                 : quant_gemm_parts(x, parts, types, bias);
+    };
     const at::Tensor& k_cache = k_caches[i];
     const at::Tensor& v_cache = v_caches[i];
     TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -81,7 +90,7 @@ at::Tensor LlamaDecoder::forward(at::Tensor hidden, at::Tensor cos, at::Tensor s
                 k_cache.size(2) * k_cache.size(3) == kv_width && v_cache.sizes() == k_cache.sizes());
     at::Tensor x = rms_norm(hidden, layer.input_norm, eps_, false);
     const at::Tensor qkv =
-        adapted(quant_linear_parts(x, layer.qkv, layer.qkv_types, layer.qkv_bias), x, 0);
+        adapted(project(x, layer.qkv, layer.qkv_types, layer.qkv_bias, 0), x, 0);
     const at::Tensor qk = rope(qkv.narrow(1, 0, qk_width).view({tokens, heads + kv_heads, dim}),
                                   cos, sin);
     const char* qk_bytes = static_cast<const char*>(qk.data_ptr());
@@ -93,13 +102,11 @@ at::Tensor LlamaDecoder::forward(at::Tensor hidden, at::Tensor cos, at::Tensor s
                                                       block_tables, context_lens, scale_, 0,
                                                       c10::nullopt, c10::nullopt);
     const at::Tensor attn_rows = attn.view({tokens, heads * dim});
-    hidden.add_(adapted(quant_linear_parts(attn_rows, layer.o, layer.o_types, c10::nullopt),
-                        attn_rows, 1));
+    hidden.add_(adapted(project(attn_rows, layer.o, layer.o_types, c10::nullopt, 1), attn_rows, 1));
     x = rms_norm(hidden, layer.post_norm, eps_, false);
     const at::Tensor act = silu_and_mul(adapted(
-        quant_linear_parts(x, layer.gate_up, layer.gate_up_types, c10::nullopt), x, 2));
-    hidden.add_(adapted(quant_linear_parts(act, layer.down, layer.down_types, c10::nullopt),
-                        act, 3));
+        project(x, layer.gate_up, layer.gate_up_types, c10::nullopt, 2), x, 2));
+    hidden.add_(adapted(project(act, layer.down, layer.down_types, c10::nullopt, 3), act, 3));
   }
   return hidden;
 }

@@ -40,6 +40,9 @@ at::Tensor quant_gemm_parts(at::Tensor x, const std::vector<at::Tensor>& weights
                                const std::vector<int64_t>& qtypes,
                                c10::optional<at::Tensor> bias);
 std::vector<int64_t> quant_gemm_types();
+// The types whose row kernels give the GEMM's bits: a layer of these may take either for any
+// number of rows and a row's result stays the same.
+std::vector<int64_t> quant_gemm_same_bits_types();
 at::Tensor dequantize(at::Tensor weight, int64_t qtype, int64_t k);
 at::Tensor dequantize_bf16(at::Tensor weight, int64_t qtype, int64_t k);
 
@@ -57,13 +60,15 @@ class LlamaDecoder {
  public:
   LlamaDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
                double scale);
-  // Each projection as its parts (q/k/v, gate/up), each part's blocks and type.
+  // Each projection as its parts (q/k/v, gate/up), each part's blocks and type; row_kernel_rows:
+  // per projection (qkv, o, gate_up, down), the most rows a step may have for the row kernels,
+  // above which it takes the integer GEMM.
   void add_layer(at::Tensor input_norm, at::Tensor post_norm,
                  std::vector<at::Tensor> qkv, std::vector<int64_t> qkv_types,
                  c10::optional<at::Tensor> qkv_bias, std::vector<at::Tensor> o,
                  std::vector<int64_t> o_types, std::vector<at::Tensor> gate_up,
                  std::vector<int64_t> gate_up_types, std::vector<at::Tensor> down,
-                 std::vector<int64_t> down_types);
+                 std::vector<int64_t> down_types, std::vector<int64_t> row_kernel_rows);
   // A layer's LoRA slots, per projection (qkv, o, gate_up, down): lora_add's a, b and offsets.
   // The tensors are shared with model/lora.py, which writes adapters into them in place.
   void set_lora(int64_t layer, std::vector<at::Tensor> a, std::vector<at::Tensor> b,
@@ -88,6 +93,7 @@ class LlamaDecoder {
     std::vector<at::Tensor> qkv, o, gate_up, down;
     c10::optional<at::Tensor> qkv_bias;
     std::vector<int64_t> qkv_types, o_types, gate_up_types, down_types;
+    std::vector<int64_t> row_kernel_rows;  // qkv, o, gate_up, down
     std::vector<Lora> lora;  // qkv, o, gate_up, down; empty without LoRA
   };
   int64_t num_heads_, num_kv_heads_, head_dim_, lora_rank_ = 0;

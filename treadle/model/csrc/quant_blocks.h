@@ -145,16 +145,52 @@ inline void check_weight(const at::Tensor& weight, int64_t qtype, int64_t k) {
               row_bytes);
 }
 
-// Activation rows quantized per block: int8 values, each block's scale and its exact sum.
+// Activation rows quantized per block: int8 values, each block's scale, and the two sums an
+// offset term multiplies: the block's exact float sum in units of its scale (0 for a zero
+// scale), and the sum of its int8 values.
 struct QuantizedRows {
   int64_t k, nb;              // row length, blocks a row
   std::vector<int8_t> q;      // [rows, k]
   std::vector<float> d;       // [rows, nb]
-  std::vector<float> sum;     // [rows, nb]
+  std::vector<float> sum;     // [rows, nb] exact sum / d
+  std::vector<int32_t> qsum;  // [rows, nb]
   const int8_t* q_row(int64_t r) const { return q.data() + r * k; }
   const float* d_row(int64_t r) const { return d.data() + r * nb; }
   const float* sum_row(int64_t r) const { return sum.data() + r * nb; }
+  const int32_t* qsum_row(int64_t r) const { return qsum.data() + r * nb; }
 };
+
+#if defined(__AVX2__)
+// The fp16 numbers in the low (HIGH false) or high 16 bits of each 32-bit lane, as floats.
+inline __m256 halves(__m256i words, bool high) {
+  const __m256i bits = high ? _mm256_srli_epi32(words, 16)
+                            : _mm256_and_si256(words, _mm256_set1_epi32(0xFFFF));
+  return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(bits),
+                                          _mm256_extracti128_si256(bits, 1)));
+}
+
+// A 32-wide type's weights as w = scale q + offset, q unsigned (Q8_0's stored q + 128), for 8
+// rows from the first 4 bytes of each row's block (d, and m for Q4_1). The panel GEMM and the
+// row kernel scale by these same floats, in the same order, so that they agree to the bit.
+template <int64_t QTYPE>
+inline void block32_scales(__m256i head, __m256* scale, __m256* offset) {
+  *scale = halves(head, false);
+  if constexpr (QTYPE == Q4_1) {
+    *offset = halves(head, true);
+  } else {
+    constexpr float shift = QTYPE == Q4_0 ? -8.f : QTYPE == Q5_0 ? -16.f : -128.f;
+    *offset = _mm256_mul_ps(_mm256_set1_ps(shift), *scale);
+  }
+}
+
+// The activation sum a 32-wide type's offset multiplies: Q8_0's only undoes its + 128 (the sum
+// of the int8 values), the others' offsets are the weights' own (the exact sum).
+template <int64_t QTYPE>
+inline float offset_sum(const QuantizedRows& xq, int64_t i) {
+  if constexpr (QTYPE == Q8_0) return static_cast<float>(xq.qsum[i]);
+  return xq.sum[i];
+}
+#endif
 
 // Q4_K / Q5_K: the 8 six-bit scales and 8 mins of a super-block as bytes (llama.cpp's
 // unpacking of get_scale_min_k4's layout): scales in sm[0..7], mins in sm[8..15].

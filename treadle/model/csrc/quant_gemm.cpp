@@ -7,8 +7,8 @@
 // maddubs and madd) into a vector of the rows' sums, so that a block's float work (convert,
 // scale, offset) is shared by PANEL outputs instead of repeated per output as in the row-by-row
 // kernels. Activations are the row kernels' (quant_linear.cpp's per-32 blocks,
-// quant_kblocks.cpp's Q8_K per 256); a step's outputs differ from the row kernels' only in
-// float rounding.
+// quant_kblocks.cpp's Q8_K per 256); the 32-wide types' outputs are the row kernels' bits, the
+// K-quants' differ from theirs in float rounding.
 #include "quant_blocks.h"
 
 #include <ATen/Parallel.h>
@@ -97,21 +97,12 @@ inline void store_out(at::BFloat16* out, VecF v, int count) {
 // weights as unsigned bytes q (values); the K-quants' come from their chunk layouts below.
 template <int64_t QTYPE> struct Unit;
 
-// The fp16 numbers in the low (HIGH false) or high 16 bits of each 32-bit lane, as floats.
-inline __m256 halves(__m256i words, bool high) {
-  const __m256i bits = high ? _mm256_srli_epi32(words, 16)
-                            : _mm256_and_si256(words, _mm256_set1_epi32(0xFFFF));
-  return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(bits),
-                                          _mm256_extracti128_si256(bits, 1)));
-}
-
 // A 32-wide type's scales and offsets for 8 rows (scale_rows) from the first 4 bytes of each
 // row's block: d, and m for Q4_1.
 template <> struct Unit<Q4_0> {  // w = d (q - 8)
   static constexpr int UNITS = 1, SLOTS = 1;
   static void scale_rows(__m256i head, __m256* s, __m256* o) {
-    *s = halves(head, false);
-    *o = _mm256_mul_ps(_mm256_set1_ps(-8.f), *s);
+    block32_scales<Q4_0>(head, s, o);
   }
   static __m256i values(const uint8_t* blk, int) {
     return unpack_nibbles(reinterpret_cast<const BlockQ4_0*>(blk)->qs);
@@ -121,8 +112,7 @@ template <> struct Unit<Q4_0> {  // w = d (q - 8)
 template <> struct Unit<Q4_1> {  // w = d q + m
   static constexpr int UNITS = 1, SLOTS = 1;
   static void scale_rows(__m256i head, __m256* s, __m256* o) {
-    *s = halves(head, false);
-    *o = halves(head, true);
+    block32_scales<Q4_1>(head, s, o);
   }
   static __m256i values(const uint8_t* blk, int) {
     return unpack_nibbles(reinterpret_cast<const BlockQ4_1*>(blk)->qs);
@@ -132,8 +122,7 @@ template <> struct Unit<Q4_1> {  // w = d q + m
 template <> struct Unit<Q5_0> {  // w = d (q - 16)
   static constexpr int UNITS = 1, SLOTS = 1;
   static void scale_rows(__m256i head, __m256* s, __m256* o) {
-    *s = halves(head, false);
-    *o = _mm256_mul_ps(_mm256_set1_ps(-16.f), *s);
+    block32_scales<Q5_0>(head, s, o);
   }
   static __m256i values(const uint8_t* blk, int) {
     const auto* b = reinterpret_cast<const BlockQ5_0*>(blk);
@@ -145,8 +134,7 @@ template <> struct Unit<Q5_0> {  // w = d (q - 16)
 template <> struct Unit<Q8_0> {  // w = d (q' - 128), q' = q + 128 as unsigned bytes
   static constexpr int UNITS = 1, SLOTS = 1;
   static void scale_rows(__m256i head, __m256* s, __m256* o) {
-    *s = halves(head, false);
-    *o = _mm256_mul_ps(_mm256_set1_ps(-128.f), *s);
+    block32_scales<Q8_0>(head, s, o);
   }
   static __m256i values(const uint8_t* blk, int) {
     const __m256i q = _mm256_loadu_si256(
@@ -499,17 +487,9 @@ template <typename Out>
 void panel_gemm(int64_t qtype, const uint8_t* w, int64_t n, const QuantizedRows& xq,
                 int64_t rows, Out* out, int64_t ldo) {
   PanelRows a{xq.q.data(), xq.k, xq.d.data(), xq.nb, std::vector<float>(rows * xq.nb), xq.nb};
-  at::parallel_for(0, rows * xq.nb, 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (qtype == Q8_0) {  // its offset only undoes the + 128: the sum of the int8 values
-        int sum = 0;
-        for (int j = 0; j < QK; ++j) sum += xq.q[i * QK + j];
-        a.sums[i] = static_cast<float>(sum);
-      } else {  // an offset of the weights' own: the activations' exact sum, in scale units
-        a.sums[i] = xq.d[i] > 0.f ? xq.sum[i] / xq.d[i] : 0.f;
-      }
-    }
-  });
+  for (int64_t i = 0; i < rows * xq.nb; ++i) {
+    a.sums[i] = qtype == Q8_0 ? offset_sum<Q8_0>(xq, i) : offset_sum<Q4_0>(xq, i);
+  }
   switch (qtype) {
     case Q4_0: return gemm<Q4_0, 1>(w, n, a, rows, out, ldo);
     case Q4_1: return gemm<Q4_1, 1>(w, n, a, rows, out, ldo);

@@ -5,11 +5,10 @@
 // dpbusd where built for it; a scalar loop elsewhere). One activation block of 32 meets one
 // weight block, or one K-quant sub-block, so every type shares the activation path.
 //
-// The 32-wide types run tiles of 4 weight rows x 2 activation rows (4 with AVX-512): each weight
-// block is unpacked once for the tile's activation rows and each activation block loaded once
-// for its weight rows, and a row's result does not depend on the rows beside it. Two blocks per
-// 512-bit register (zmm maddubs) measured 15-40% slower than 256-bit code on a Xeon: AVX-512
-// builds run the 256-bit code with more rows a tile.
+// The 32-wide types' row kernel gives each output a vector lane: 8 weight rows' products with
+// an activation block are summed in int32 and scaled as the panel GEMM (quant_gemm.cpp) scales
+// them, so the row kernel and the GEMM give an output the same bits: a row's result is the same
+// alone, in a verifying step of a few rows and in a large batch.
 #include "kernels.h"
 #include "quant_blocks.h"
 
@@ -36,6 +35,18 @@ inline __m256i dot_pairs_u8_s8(__m256i w, __m256i a) {  // 8 int32 partial sums
 #endif
 }
 
+// lo . a_lo + hi . a_hi in 8 int32 partial sums, for 4-bit weights (unsigned bytes below 16:
+// AVX2's 16-bit pair sums of the two stay below 2 x 2 x 15 x 128).
+inline __m256i dot_nibbles(__m256i lo, __m256i a_lo, __m256i hi, __m256i a_hi) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, a_lo), hi, a_hi);
+#else
+  return _mm256_madd_epi16(
+      _mm256_add_epi16(_mm256_maddubs_epi16(lo, a_lo), _mm256_maddubs_epi16(hi, a_hi)),
+      _mm256_set1_epi16(1));
+#endif
+}
+
 // Signed int8 weights times signed activations: maddubs wants unsigned x signed, so |w| times a
 // with w's sign.
 inline __m256i dot_pairs_s8_s8(__m256i w, __m256i a) {
@@ -49,7 +60,7 @@ template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
   const int64_t nb = k / QK;
   QuantizedRows out{k, nb, std::vector<int8_t>(rows * k), std::vector<float>(rows * nb),
-                    std::vector<float>(rows * nb)};
+                    std::vector<float>(rows * nb), std::vector<int32_t>(rows * nb)};
   at::parallel_for(0, rows * nb, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* src = x + i * QK;
@@ -67,7 +78,10 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
       for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
       store_int8x32(out.q.data() + i * QK, q[0], q[1], q[2], q[3]);
       out.d[i] = d;
-      out.sum[i] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+      const float sum = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+      out.sum[i] = d > 0.f ? sum / d : 0.f;
+      out.qsum[i] = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]),
+                                                _mm256_add_epi32(q[2], q[3])));
 #else
       float v[QK];
       float amax = 0.f, sum = 0.f;
@@ -78,9 +92,14 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
       }
       const float d = amax / 127.f;
       const float id = d >= FLT_MIN ? 1.f / d : 0.f;
-      for (int j = 0; j < QK; ++j) out.q[i * QK + j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
+      int32_t qsum = 0;
+      for (int j = 0; j < QK; ++j) {
+        out.q[i * QK + j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
+        qsum += out.q[i * QK + j];
+      }
       out.d[i] = d;
-      out.sum[i] = sum;
+      out.sum[i] = d > 0.f ? sum / d : 0.f;
+      out.qsum[i] = qsum;
 #endif
     }
   });
@@ -91,7 +110,7 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
 // Dot product of one weight row (nb blocks) with one quantized activation row: the portable
 // build's loop for the 32-wide types (AVX2 builds run rows_dot below).
 template <int64_t QTYPE>
-float row_dot(const uint8_t* w_row, const int8_t* aq, const float* ad, const float* asum,
+float row_dot(const uint8_t* w_row, const int8_t* aq, const float* ad, const float* sum_units,
               int64_t nb) {
   float total = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
@@ -109,18 +128,18 @@ float row_dot(const uint8_t* w_row, const int8_t* aq, const float* ad, const flo
         const auto* blk = reinterpret_cast<const BlockQ4_1*>(w_row) + b;
         qs = blk->qs;
         dw = half_to_float(blk->d);
-        total += half_to_float(blk->m) * asum[b];
+        total += half_to_float(blk->m) * sum_units[b] * ad[b];
       } else if constexpr (QTYPE == Q5_0) {
         const auto* blk = reinterpret_cast<const BlockQ5_0*>(w_row) + b;
         qs = blk->qs;
         std::memcpy(&qh, blk->qh, sizeof(qh));
         dw = half_to_float(blk->d);
-        total -= 16.f * dw * asum[b];
+        total -= 16.f * dw * sum_units[b] * ad[b];
       } else {
         const auto* blk = reinterpret_cast<const BlockQ4_0*>(w_row) + b;
         qs = blk->qs;
         dw = half_to_float(blk->d);
-        total -= 8.f * dw * asum[b];
+        total -= 8.f * dw * sum_units[b] * ad[b];
       }
       for (int j = 0; j < QK / 2; ++j) {
         const int32_t lo = (qs[j] & 0x0F) | (((qh >> j) & 1) << 4);
@@ -135,14 +154,12 @@ float row_dot(const uint8_t* w_row, const int8_t* aq, const float* ad, const flo
 #endif
 
 #if defined(__AVX2__)
-// What rows_dot needs of a 32-wide block type: its 32 weights as bytes (unsigned, but Q8_0's
-// signed), their dot products with 32 activations, and the offset term: offset_factor times the
-// sum over blocks of d (Q4_1: m) times the activation block's exact sum.
+// What lane_tile needs of a 32-wide block type: its 32 weights as bytes (unsigned, but Q8_0's
+// signed) and their dot products with 32 activations.
 template <int64_t QTYPE> struct Block32;
 
 template <> struct Block32<Q8_0> {  // w = d q
   using Block = BlockQ8_0;
-  static constexpr float offset_factor = 0.f;
   static __m256i weights(const Block& b) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs));
   }
@@ -151,24 +168,18 @@ template <> struct Block32<Q8_0> {  // w = d q
 
 template <> struct Block32<Q4_1> {  // w = d q + m
   using Block = BlockQ4_1;
-  static constexpr float offset_factor = 1.f;
-  static uint16_t offset_half(const Block& b) { return b.m; }
   static __m256i weights(const Block& b) { return unpack_nibbles(b.qs); }
   static __m256i dot(__m256i w, __m256i a) { return dot_pairs_u8_s8(w, a); }
 };
 
 template <> struct Block32<Q4_0> {  // w = d (q - 8)
   using Block = BlockQ4_0;
-  static constexpr float offset_factor = -8.f;
-  static uint16_t offset_half(const Block& b) { return b.d; }
   static __m256i weights(const Block& b) { return unpack_nibbles(b.qs); }
   static __m256i dot(__m256i w, __m256i a) { return dot_pairs_u8_s8(w, a); }
 };
 
 template <> struct Block32<Q5_0> {  // w = d (q - 16)
   using Block = BlockQ5_0;
-  static constexpr float offset_factor = -16.f;
-  static uint16_t offset_half(const Block& b) { return b.d; }
   static __m256i weights(const Block& b) {
     const __m256i high = _mm256_and_si256(bytes_from_bits(b.qh), _mm256_set1_epi8(0x10));
     return _mm256_or_si256(unpack_nibbles(b.qs), high);
@@ -176,87 +187,138 @@ template <> struct Block32<Q5_0> {  // w = d (q - 16)
   static __m256i dot(__m256i w, __m256i a) { return dot_pairs_u8_s8(w, a); }
 };
 
-// Every fp16 value as a float: a block's scales read through this table need no shuffle, where
-// converting them in registers took 2-3 port-5 shuffles a block (the port-bound part of the loop
-// on a Skylake Xeon).
-const float* half_table() {
-  static const std::vector<float> table = [] {
-    std::vector<float> t(1 << 16);
-    for (uint32_t h = 0; h < t.size(); ++h) t[h] = half_to_float(static_cast<uint16_t>(h));
-    return t;
-  }();
-  return table.data();
-}
-
-// out[r * ldo + i] = weight row i . activation row r0 + r for a tile of W consecutive weight
-// rows and R activation rows. Each weight block is unpacked once for the R rows and each
-// activation block loaded once for the W rows. Every (weight row, activation row) pair runs the
-// same operations in the same order whatever W, R and the step's row count, so a row's result
-// is the same bits alone as in any batch (greedy decoding and speculative verification agree).
-template <int64_t QTYPE, int W, int R>
-void tile_dot(const uint8_t* w, int64_t row_bytes, const QuantizedRows& xq, int64_t r0,
-              float* out, int64_t ldo, bool prefetch) {
+// dots[r] lane i: the int32 dot product of block b of row i with activation row r's block a[r].
+template <int64_t QTYPE, int R>
+inline void block_dots(const typename Block32<QTYPE>::Block* const* row, int64_t b,
+                       const __m256i* a, __m256i* dots) {
   using T = Block32<QTYPE>;
-  constexpr bool has_offset = T::offset_factor != 0.f;
-  const float* half = half_table();
-  __m256 acc[R][W];
-  float offset[R][W];
-  for (int r = 0; r < R; ++r) {
-    for (int i = 0; i < W; ++i) {
-      acc[r][i] = _mm256_setzero_ps();
-      offset[r][i] = 0.f;
-    }
-  }
-  // Prefetched 8 blocks at a time: a block is 18-34 bytes, and per block the prefetches'
-  // arithmetic slowed these kernels.
-  constexpr int64_t block = sizeof(typename T::Block), blocks_prefetched = 8;
-  for (int64_t b = 0; b < xq.nb; ++b) {
-    if (prefetch && b % blocks_prefetched == 0) {
-      prefetch_rows(w, W, row_bytes, b * block, blocks_prefetched * block);
-    }
-    __m256i a[R];
-    __m256 da[R];
+  __m256i pairs[R][2];
+  if constexpr (QTYPE == Q4_0 || QTYPE == Q4_1) {
+    // Rows j and j + 4 share a vector, their 16 bytes of nibbles side by side: the low nibbles
+    // (weights 0-15) meet activations 0-15 in both halves, the high ones 16-31. Three rounds
+    // of pair sums then leave rows 0-7 in order.
+    __m256i a_lo[R], a_hi[R], first[R];
     for (int r = 0; r < R; ++r) {
-      a[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q_row(r0 + r) + b * QK));
-      da[r] = _mm256_broadcast_ss(xq.d_row(r0 + r) + b);
+      a_lo[r] = _mm256_permute4x64_epi64(a[r], 0x44);
+      a_hi[r] = _mm256_permute4x64_epi64(a[r], 0xEE);
     }
-    for (int i = 0; i < W; ++i) {
-      const auto& blk = reinterpret_cast<const typename T::Block*>(w + i * row_bytes)[b];
-      const __m256i weights = T::weights(blk);
-      const __m256 dw = _mm256_broadcast_ss(half + blk.d);
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i raw = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(row[j + 4][b].qs),
+                                              reinterpret_cast<const __m128i*>(row[j][b].qs));
+      const __m256i lo = _mm256_and_si256(raw, mask);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
       for (int r = 0; r < R; ++r) {
-        if constexpr (has_offset) {
-          offset[r][i] = std::fma(half[T::offset_half(blk)], xq.sum_row(r0 + r)[b],
-                                  offset[r][i]);
+        const __m256i sums = dot_nibbles(lo, a_lo[r], hi, a_hi[r]);
+        if (j % 2 == 0) {
+          first[r] = sums;
+        } else {
+          pairs[r][j / 2] = _mm256_hadd_epi32(first[r], sums);
         }
-        acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(T::dot(weights, a[r])),
-                                    _mm256_mul_ps(dw, da[r]), acc[r][i]);
       }
     }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int i = 0; i < W; ++i) {
-      out[r * ldo + i] = std::fma(T::offset_factor, offset[r][i], hsum(acc[r][i]));
+    for (int r = 0; r < R; ++r) dots[r] = _mm256_hadd_epi32(pairs[r][0], pairs[r][1]);
+  } else {
+    // Each row's 8 partial sums alone: pair sums of rows 0-3 and of 4-7, each 128-bit half
+    // holding half of each row's sum, then the halves added across.
+    for (int h = 0; h < 2; ++h) {
+      for (int j = 0; j < 4; j += 2) {
+        const __m256i w0 = T::weights(row[4 * h + j][b]);
+        const __m256i w1 = T::weights(row[4 * h + j + 1][b]);
+        for (int r = 0; r < R; ++r) {
+          const __m256i pair = _mm256_hadd_epi32(T::dot(w0, a[r]), T::dot(w1, a[r]));
+          pairs[r][h] = j == 0 ? pair : _mm256_hadd_epi32(pairs[r][h], pair);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      dots[r] = _mm256_add_epi32(_mm256_permute2x128_si256(pairs[r][0], pairs[r][1], 0x20),
+                                 _mm256_permute2x128_si256(pairs[r][0], pairs[r][1], 0x31));
     }
   }
 }
 
-// Activation rows a tile takes: its 4 x 2 accumulators stay in AVX2's 16 registers beside the
-// blocks (larger tiles spill; docs/decisions.md).
-constexpr int ROW_TILE = 2;
-
-// tile_dot for W weight rows and every activation row, ROW_TILE at a time while the W rows'
-// blocks stay in L1; only the first pass prefetches.
-template <int64_t QTYPE, int W>
-void weight_tile_dot(const uint8_t* w, int64_t row_bytes, const QuantizedRows& xq,
-                     int64_t rows, float* out, int64_t ldo) {
-  for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-    const bool first = r0 == 0;
-    float* o = out + r0 * ldo;
-    switch (std::min<int64_t>(ROW_TILE, rows - r0)) {
-      case 1: tile_dot<QTYPE, W, 1>(w, row_bytes, xq, r0, o, ldo, first); break;
-      default: tile_dot<QTYPE, W, ROW_TILE>(w, row_bytes, xq, r0, o, ldo, first);
+// out[r * ldo + i] = weight row i . activation row r0 + r for the `count` (<= 8) weight rows at
+// w and R activation rows, output i in lane i. Per block, each row's 32 products are summed in
+// int32 (block_dots) and the sums scaled as the panel GEMM's panel_tile scales its lanes: fma(dot, scale, 0),
+// then + offset x the activations' offset sum, then x the activation scale into the total.
+template <int64_t QTYPE, int R>
+void lane_tile(const uint8_t* w, int64_t row_bytes, int count, const QuantizedRows& xq,
+               int64_t r0, float* out, int64_t ldo, bool prefetch) {
+  using T = Block32<QTYPE>;
+  using Block = typename T::Block;
+  const Block* row[8];
+  alignas(32) int32_t offsets[8];
+  for (int i = 0; i < 8; ++i) {  // rows past count repeat the last: read, never stored
+    const int64_t at = std::min(i, count - 1) * row_bytes;
+    row[i] = reinterpret_cast<const Block*>(w + at);
+    offsets[i] = static_cast<int32_t>(at);
+  }
+  const __m256i head_offsets = _mm256_load_si256(reinterpret_cast<const __m256i*>(offsets));
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  // Prefetched 8 blocks at a time: a block is 18-34 bytes, and per block the prefetches'
+  // arithmetic slowed these kernels.
+  constexpr int64_t block = sizeof(Block), blocks_prefetched = 8;
+  for (int64_t b = 0; b < xq.nb; ++b) {
+    if (prefetch && b % blocks_prefetched == 0) {
+      prefetch_rows(w, count, row_bytes, b * block, blocks_prefetched * block);
     }
+    __m256i a[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q_row(r0 + r) + b * QK));
+    }
+    __m256i dots[R];
+    block_dots<QTYPE, R>(row, b, a, dots);
+    __m256 scale, offset;
+    block32_scales<QTYPE>(
+        _mm256_i32gather_epi32(reinterpret_cast<const int*>(w + b * block), head_offsets, 1),
+        &scale, &offset);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (r0 + r) * xq.nb + b;
+      if constexpr (QTYPE == Q8_0) {  // the GEMM's q + 128 weights: + 128 x the int8 sum
+        dots[r] = _mm256_add_epi32(dots[r], _mm256_set1_epi32(128 * xq.qsum[i]));
+      }
+      __m256 part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), scale, _mm256_setzero_ps());
+      part = _mm256_fmadd_ps(offset, _mm256_set1_ps(offset_sum<QTYPE>(xq, i)), part);
+      acc[r] = _mm256_fmadd_ps(part, _mm256_set1_ps(xq.d[i]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[r]);
+    std::memcpy(out + r * ldo, lanes, count * sizeof(float));
+  }
+}
+
+// Activation rows a tile takes: with AVX-512's 32 vector registers, 4 rows' sums stay in
+// registers beside the blocks; AVX2's 16 hold 2.
+#if defined(__AVX512VL__)
+constexpr int ROW_TILE = 4;
+#else
+constexpr int ROW_TILE = 2;
+#endif
+
+// lane_tile for the R (or, past the last full tile, fewer) activation rows from r0.
+template <int64_t QTYPE, int R>
+void lane_tile_upto(int64_t left, const uint8_t* w, int64_t row_bytes, int count,
+                    const QuantizedRows& xq, int64_t r0, float* out, int64_t ldo, bool prefetch) {
+  if constexpr (R > 1) {
+    if (left < R) {
+      return lane_tile_upto<QTYPE, R - 1>(left, w, row_bytes, count, xq, r0, out, ldo, prefetch);
+    }
+  }
+  lane_tile<QTYPE, R>(w, row_bytes, count, xq, r0, out, ldo, prefetch);
+}
+
+// lane_tile for `count` weight rows and every activation row, ROW_TILE at a time while the
+// rows' blocks stay in L1; only the first pass prefetches.
+template <int64_t QTYPE>
+void lane_rows(const uint8_t* w, int64_t row_bytes, int count, const QuantizedRows& xq,
+               int64_t rows, float* out, int64_t ldo) {
+  for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+    lane_tile_upto<QTYPE, ROW_TILE>(rows - r0, w, row_bytes, count, xq, r0, out + r0 * ldo, ldo,
+                                    r0 == 0);
   }
 }
 #endif
@@ -268,13 +330,9 @@ void gemv_rows(const uint8_t* w, int64_t n, int64_t k, const QuantizedRows& xq, 
   const int64_t row_bytes = k / QK * block_bytes(QTYPE);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
 #if defined(__AVX2__)
-    constexpr int W = 4;  // weight rows a tile (2 and 8 measured slower at one row on a Xeon)
-    int64_t o = begin;
-    for (; o + W <= end; o += W) {
-      weight_tile_dot<QTYPE, W>(w + o * row_bytes, row_bytes, xq, rows, out + o, ldo);
-    }
-    for (; o < end; ++o) {
-      weight_tile_dot<QTYPE, 1>(w + o * row_bytes, row_bytes, xq, rows, out + o, ldo);
+    for (int64_t o = begin; o < end; o += 8) {
+      lane_rows<QTYPE>(w + o * row_bytes, row_bytes, static_cast<int>(std::min<int64_t>(8, end - o)),
+                       xq, rows, out + o, ldo);
     }
 #else
     for (int64_t o = begin; o < end; ++o) {
@@ -361,6 +419,14 @@ at::Tensor quant_gemm_parts(at::Tensor x, const std::vector<at::Tensor>& weights
 }
 
 std::vector<int64_t> quant_gemm_types() { return panel_gemm_types(); }
+
+std::vector<int64_t> quant_gemm_same_bits_types() {
+  std::vector<int64_t> same;  // the 32-wide types (lane_tile); the K-quants' differ in rounding
+  for (int64_t qtype : panel_gemm_types()) {
+    if (!is_k_quant(qtype)) same.push_back(qtype);
+  }
+  return same;
+}
 
 at::Tensor quant_linear(at::Tensor x, at::Tensor weight, int64_t qtype,
                            c10::optional<at::Tensor> bias) {

@@ -183,12 +183,19 @@ class LlamaModel(DecoderModel):
 
     def fused_decode(self, meta: AttentionMetadata, hidden: torch.Tensor) -> bool:
         """Whether this step runs in the native decoder: a step of decode tokens only, few
-        enough for every projection to take the integer kernel."""
+        enough for every projection to take an integer kernel."""
         return (meta.decode_block_tables is not None and meta.decode_indices is None
                 and not meta.prefills and hidden.is_cpu
                 and self.native_decoder is not None
-                and hidden.shape[0] <= min(self.layers[0][name].max_gemv_rows
-                                           for name in PROJECTIONS))
+                and hidden.shape[0] <= self.native_decoder_rows)
+
+    @functools.cached_property
+    def native_decoder_rows(self) -> float:
+        """The most rows a step may have for every projection to take an integer kernel: the
+        row kernels up to its `max_gemv_rows`, any number where its batch path is the integer
+        GEMM."""
+        projections = [base_layer(layer[name]) for layer in self.layers for name in PROJECTIONS]
+        return min((p.max_gemv_rows for p in projections if not p.integer_gemm), default=math.inf)
 
     @functools.cached_property
     def native_decoder(self) -> object | None:
@@ -208,7 +215,8 @@ class LlamaModel(DecoderModel):
             qkv, o, gate_up, down = (base_layer(layer[name]) for name in PROJECTIONS)
             decoder.add_layer(layer["input_norm"], layer["post_norm"], qkv.data, qkv.qtypes,
                               qkv.bias, o.data, o.qtypes, gate_up.data, gate_up.qtypes,
-                              down.data, down.qtypes)
+                              down.data, down.qtypes,
+                              [p.max_gemv_rows for p in (qkv, o, gate_up, down)])
             adapted = [layer[name] for name in PROJECTIONS]
             if all(base_layer(p) is not p for p in adapted):  # LoRA's wrappers
                 decoder.set_lora(i, [p.a for p in adapted], [p.b for p in adapted],
