@@ -143,6 +143,49 @@ def test_long_contexts_split_into_tasks_merge_exactly(dtype, window, path, monke
     assert torch.equal(attention.decode_attention(q, k_cache, v_cache, narrow, 0.125), result)
 
 
+@pytest.mark.parametrize("window", [None, 129, 300])
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "int8"])
+def test_rows_over_one_sequence_s_blocks_keep_the_bits_they_get_alone(cache, window):
+    """A verifying step's rows read one sequence's blocks at consecutive lengths (here across a
+    task's end): the native kernel takes them part by part, so that a thread finds a part's
+    slots copied already, and each row still gets the bits it gets alone (an int8 cache's
+    scales too). A window that cuts into a row's context keeps the rows apart."""
+    if kernels.paged_decode_attention() is None:
+        pytest.skip("native kernel unavailable")
+    gen = torch.Generator().manual_seed(4)
+    block_size, num_kv_heads, heads, head_dim, num_blocks = 16, 3, 9, 64, 40
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    dtype = torch.float32 if cache == "float32" else torch.bfloat16
+    if cache == "int8":
+        k_cache, v_cache = (torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
+                            for _ in range(2))
+        k_scales, v_scales = (0.02 * torch.rand(shape[:3], generator=gen) for _ in range(2))
+        k_float, v_float = k_cache * k_scales[..., None], v_cache * v_scales[..., None]
+    else:
+        k_cache = k_float = torch.randn(shape, generator=gen).to(dtype)
+        v_cache = v_float = torch.randn(shape, generator=gen).to(dtype)
+        k_scales = v_scales = None
+    shared, other = torch.randperm(num_blocks, generator=gen).view(2, 20)
+    lens = torch.tensor([40, 126, 127, 128, 129, 130, 60, 61])
+    tables = torch.stack([other] + [shared] * 5 + [other] * 2)
+    q = (3 * torch.randn(len(lens), heads, head_dim, generator=gen)).to(dtype)
+
+    def attend(rows: slice) -> torch.Tensor:
+        meta = attention.AttentionMetadata(
+            slot_mapping=torch.zeros(0, dtype=torch.long), decode_indices=None,
+            decode_block_tables=tables[rows], decode_context_lens=lens[rows], prefills=[],
+            window=window)
+        return attention.decode_attention(q[rows], k_cache, v_cache, meta, 0.125, k_scales,
+                                          v_scales)
+
+    out = attend(slice(None))
+    expected = naive_attention(q, k_float, v_float, tables, lens, 0.125, window)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.double() - expected).abs().max().item() < tolerance
+    for i in range(len(lens)):
+        assert torch.equal(attend(slice(i, i + 1)), out[i:i + 1]), i
+
+
 def naive_prefill(q, keys, values, scale, window=None):
     """Query i at key N - T + i over the keys up to its own (the last `window` of them)."""
     num_queries, num_keys = q.shape[0], keys.shape[0]

@@ -37,7 +37,7 @@ from treadle.model.family import ModelSpec
 from treadle.model.kernels import load_kernels
 from treadle.model.loader import load_model
 from treadle.model.lora import LoraError, check_adapter, load_adapter, load_peft_adapter
-from treadle.model.models.llama import GGUF_TENSOR_NAMES
+from treadle.model.models.llama import GGUF_TENSOR_NAMES, LlamaModel
 from treadle.model.quantization import QuantizedWeight, dequantize_torch
 from treadle.model.registry import spec_from_config
 from treadle.model.source import resolve_model
@@ -296,6 +296,30 @@ def test_fused_decoder_adds_each_rows_adapter(tiny_lora):
     loras[1:] = [None, None]
     base_rows = decode_step(True, [1, 2])
     assert (fused[1:] - base_rows).abs().max().item() > 1e-2
+
+
+def test_a_decode_step_of_many_rows_of_one_adapter_runs_layer_by_layer(tiny_lora, monkeypatch):
+    """Past 16 rows an adapter's rows take matmuls over a segment in the layers' path, not
+    lora_add, which the fused decoder runs: such a step leaves the fused decoder (its logits
+    would round otherwise), a step of a few adapted rows stays in it."""
+    if load_kernels() is None or not load_kernels().quant_gemm_types():
+        pytest.skip("no integer GEMM in this build: the fused decoder takes one row")
+    folder, _, adapters = tiny_lora
+    runner = lora_runner(folder, quantization="int4", quant_gemv_max_rows=1)
+    taken = []
+    fused_decode = LlamaModel.fused_decode
+
+    def record(model, meta, hidden):
+        taken.append(fused_decode(model, meta, hidden))
+        return taken[-1]
+
+    monkeypatch.setattr(LlamaModel, "fused_decode", record)
+    lora = (1, adapters["a"][0])
+    for i in range(18):
+        runner.execute(ModelInput([sequence([3 + i, 4, 5], 0, [i], lora)]))
+    for rows in (3, 18):
+        runner.execute(ModelInput([sequence([6], 3, [i], lora) for i in range(rows)]))
+        assert taken[-1] == (rows <= 16), rows
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])

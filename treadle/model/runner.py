@@ -44,8 +44,8 @@ class ModelRunner:
                  verify_rows: int = 1) -> None:
         """`scheduler_config` (None: the defaults): the step sizes the KV cache's default size
         and the activation estimate follow (treadle/model/memory.py). `verify_rows`: the rows
-        of a step verifying one sequence's proposed tokens (speculative decoding), which a
-        measured crossover keeps on the row kernels."""
+        of a step verifying one sequence's proposed tokens (speculative decoding), which stay on
+        the row kernels of a layer whose integer GEMM rounds otherwise (choose_gemv_rows)."""
         scheduler_config = scheduler_config or SchedulerConfig()
         spec = loaded.spec
         self.spec = spec
@@ -126,9 +126,10 @@ class ModelRunner:
 
     def choose_gemv_rows(self, fixed: int | None, verify_rows: int) -> dict[str, int]:
         """Up to how many rows each quantized layer shape takes the row kernels: `fixed`, else
-        measured, and at least `verify_rows` where the integer GEMM rounds otherwise than the
-        row kernels (the K-quants): greedy decoding with speculation gives the tokens it gives
-        without only while a verifying step's rows get the bits they would get alone."""
+        measured, and at least `verify_rows` where the batch path rounds otherwise than the row
+        kernels (the K-quants' GEMM, Q8_0 without VNNI, the float paths): greedy decoding with
+        speculation gives the tokens it gives without only while a verifying step's rows get
+        the bits they would get alone."""
         layers = self.model.quantized_layers()
         if fixed is None:
             tune_gemv_rows(layers, self.dtype)

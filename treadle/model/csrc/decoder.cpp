@@ -1,6 +1,7 @@
 // A Llama-family model's decode steps when every projection is in GGUF blocks and takes the
-// integer kernels (row kernels or GEMM): one call runs all layers (norms, projections, rope, cache writes, attention,
-// residual adds) instead of some 15 torch ops a layer dispatched from Python, whose overhead
+// integer kernels (row kernels or GEMM): one call runs all layers (norms, projections, rope,
+// cache writes, attention, residual adds) instead of some 15 torch ops a layer dispatched from
+// Python, whose overhead
 // (~5 us each) was a quarter of a one-token step (Zen 3, 2 threads: ~2.3 of ~9 ms). The same
 // kernels run in the same order as in the Python path, so both give the same bits.
 #include "kernels.h"

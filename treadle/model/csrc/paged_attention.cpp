@@ -258,12 +258,40 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
   // one contiguous row) are read from memory once. Each task keeps its heads' running max,
   // sum of exponentials and unnormalized weighted values; a second pass merges a sequence's
   // tasks in order, so a sequence's result depends on its length alone, not on the batch.
-  std::vector<int64_t> first_task(num_seqs + 1, 0);
+  // Consecutive sequences over the same blocks (a verifying step's rows of one sequence) take
+  // their tasks part by part, so that a thread finds a part's slots already copied.
+  const auto attended = [&](int64_t seq) {
+    return window > 0 ? std::min(lens[seq], window) : lens[seq];
+  };
+  const auto same_blocks = [&](int64_t a, int64_t b) {  // b reads a's slots from position 0
+    if (window > 0 && std::max(lens[a], lens[b]) > window) return false;
+    const int64_t blocks = (std::min(lens[a], lens[b]) + block_size - 1) / block_size;
+    return std::equal(tables + a * max_blocks, tables + a * max_blocks + blocks,
+                      tables + b * max_blocks);
+  };
+  std::vector<int64_t> seq_first_task(num_seqs + 1, 0);  // a sequence's tasks: seq_tasks[...]
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
-    const int64_t len = window > 0 ? std::min(lens[seq], window) : lens[seq];
-    first_task[seq + 1] = first_task[seq] + (len + PART - 1) / PART;
+    seq_first_task[seq + 1] = seq_first_task[seq] + (attended(seq) + PART - 1) / PART;
   }
-  const int64_t num_tasks = first_task[num_seqs];
+  const int64_t num_tasks = seq_first_task[num_seqs];
+  std::vector<int64_t> task_seq(num_tasks), task_part(num_tasks), seq_tasks(num_tasks);
+  const auto parts_of = [&](int64_t seq) { return seq_first_task[seq + 1] - seq_first_task[seq]; };
+  for (int64_t seq = 0, task = 0; seq < num_seqs;) {
+    int64_t last = seq + 1, parts = parts_of(seq);  // sequences [seq, last) share their blocks
+    for (; last < num_seqs && same_blocks(last - 1, last); ++last) {
+      parts = std::max(parts, parts_of(last));
+    }
+    for (int64_t part = 0; part < parts; ++part) {
+      for (int64_t s = seq; s < last; ++s) {
+        if (part < parts_of(s)) {
+          task_seq[task] = s;
+          task_part[task] = part;
+          seq_tasks[seq_first_task[s] + part] = task++;
+        }
+      }
+    }
+    seq = last;
+  }
   std::vector<float> task_max(num_tasks * num_heads), task_sum(num_tasks * num_heads),
       task_acc(num_tasks * num_heads * head_dim);
 
@@ -271,6 +299,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
     std::vector<float> query(num_heads * head_dim), scores(num_heads * PART), slot_row(row);
     std::vector<int64_t> slot_of(PART);  // the cache slot of each of the task's positions
 #if defined(__AVX2__)
+    std::vector<int64_t> copied(PART);   // the slots in keys and values, by position
+    int64_t copied_count = 0;
     // The task's keys and values, contiguous; kept by the thread (not zeroed per call).
     thread_local std::vector<C> keys, values;
     if (vector_heads && static_cast<int64_t>(keys.size()) < PART * row) {
@@ -285,15 +315,13 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
       kv_head[h] = h / group;
       kv_offset[h] = kv_head[h] * head_dim;
     }
-    int64_t seq = std::upper_bound(first_task.begin(), first_task.end(), begin) -
-                  first_task.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
-      while (first_task[seq + 1] <= task) ++seq;
+      const int64_t seq = task_seq[task];
       const int64_t end_pos = lens[seq];
       const int64_t first = window > 0 ? std::max<int64_t>(0, end_pos - window) : 0;
       const int64_t len = end_pos - first;  // positions attended: first .. end_pos - 1
       // This task's positions, counted from `first`: [p0, p0 + count).
-      const int64_t p0 = (task - first_task[seq]) * PART, count = std::min(PART, len - p0);
+      const int64_t p0 = task_part[task] * PART, count = std::min(PART, len - p0);
       const int64_t* table = tables + seq * max_blocks;
       const T* q_seq = q_ptr + seq * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) query[i] = to_float(q_seq[i]) * fscale;
@@ -303,8 +331,13 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
       }
 #if defined(__AVX2__)
       if (vector_heads) {
-        // Copied whole, runs of slots stream from memory (docs/decisions.md).
-        for (int64_t pos = 0; pos < count;) {
+        // Copied whole, runs of slots stream from memory (docs/decisions.md); the slots the
+        // thread's last task copied to the same positions are there already.
+        int64_t pos = 0;
+        while (pos < std::min(count, copied_count) && copied[pos] == slot_of[pos]) ++pos;
+        std::copy(slot_of.begin() + pos, slot_of.begin() + count, copied.begin() + pos);
+        copied_count = count;
+        while (pos < count) {
           int64_t run = 1;  // positions in consecutive slots
           while (pos + run < count && slot_of[pos + run] == slot_of[pos] + run) ++run;
           std::memcpy(keys.data() + pos * row, k_ptr + slot_of[pos] * row, run * row * sizeof(C));
@@ -383,12 +416,15 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
     for (int64_t i = begin; i < end; ++i) {
       const int64_t seq = i / num_heads, h = i % num_heads;
       float max_score = -INFINITY;
-      for (int64_t t = first_task[seq]; t < first_task[seq + 1]; ++t) {
-        max_score = std::max(max_score, task_max[t * num_heads + h]);
+      const int64_t* tasks = seq_tasks.data() + seq_first_task[seq];
+      const int64_t count = seq_first_task[seq + 1] - seq_first_task[seq];
+      for (int64_t j = 0; j < count; ++j) {
+        max_score = std::max(max_score, task_max[tasks[j] * num_heads + h]);
       }
       float total = 0.f;
       std::fill(out_row.begin(), out_row.end(), 0.f);
-      for (int64_t t = first_task[seq]; t < first_task[seq + 1]; ++t) {
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t t = tasks[j];
         const float w = std::exp(task_max[t * num_heads + h] - max_score);
         total += w * task_sum[t * num_heads + h];
         const float* a = task_acc.data() + (t * num_heads + h) * head_dim;

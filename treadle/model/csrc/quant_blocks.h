@@ -157,8 +157,15 @@ struct QuantizedRows {
   const int8_t* q_row(int64_t r) const { return q.data() + r * k; }
   const float* d_row(int64_t r) const { return d.data() + r * nb; }
   const float* sum_row(int64_t r) const { return sum.data() + r * nb; }
-  const int32_t* qsum_row(int64_t r) const { return qsum.data() + r * nb; }
 };
+
+// Whether this build's integer GEMM serves Q8_0: VNNI's dpbusd takes its q + 128 as unsigned
+// bytes, AVX2's maddubs would overflow its 16-bit pair sums on them.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool Q8_0_GEMM = true;
+#else
+constexpr bool Q8_0_GEMM = false;
+#endif
 
 #if defined(__AVX2__)
 // The fp16 numbers in the low (HIGH false) or high 16 bits of each 32-bit lane, as floats.

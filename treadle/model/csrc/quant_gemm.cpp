@@ -476,11 +476,8 @@ void gemm(const uint8_t* w, int64_t n, const PanelRows& a, int64_t rows, Out* ou
 }  // namespace
 
 std::vector<int64_t> panel_gemm_types() {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return {Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K};
-#else
-  return {Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K};  // Q8_0 + 128 overflows maddubs' 16-bit pairs
-#endif
+  if (Q8_0_GEMM) return {Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K};
+  return {Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K};
 }
 
 template <typename Out>

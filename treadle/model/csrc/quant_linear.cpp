@@ -1,7 +1,7 @@
 // Linear layers over GGUF's quantized blocks as stored (Q4_0, Q4_1, Q5_0, Q8_0: 32 weights a
 // block; Q4_K, Q6_K: 256 a super-block of 32-wide sub-blocks), never expanded: each activation
-// row is quantized to int8 per block of 32 (llama.cpp's Q8 scheme, with the block's exact float
-// sum for the offset term) and multiplied with integer dot products (AVX2 maddubs, AVX-512 VNNI
+// row is quantized to int8 per block of 32 (llama.cpp's Q8 scheme, with the block's sums for
+// the offset term) and multiplied with integer dot products (AVX2 maddubs, AVX-512 VNNI
 // dpbusd where built for it; a scalar loop elsewhere). One activation block of 32 meets one
 // weight block, or one K-quant sub-block, so every type shares the activation path.
 //
@@ -54,8 +54,8 @@ inline __m256i dot_pairs_s8_s8(__m256i w, __m256i a) {
 }
 #endif
 
-// Each block of 32: scale amax / 127, values rounded to nearest even (as nearbyint), and the
-// block's exact sum.
+// Each block of 32: scale amax / 127, values rounded to nearest even (as nearbyint), the
+// block's exact sum in units of the scale, and the sum of its int8 values.
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
   const int64_t nb = k / QK;
@@ -108,7 +108,8 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
 
 #if !defined(__AVX2__)
 // Dot product of one weight row (nb blocks) with one quantized activation row: the portable
-// build's loop for the 32-wide types (AVX2 builds run rows_dot below).
+// build's loop for the 32-wide types (AVX2 builds run lane_tile below; this build has no GEMM
+// to agree with).
 template <int64_t QTYPE>
 float row_dot(const uint8_t* w_row, const int8_t* aq, const float* ad, const float* sum_units,
               int64_t nb) {
@@ -154,8 +155,9 @@ float row_dot(const uint8_t* w_row, const int8_t* aq, const float* ad, const flo
 #endif
 
 #if defined(__AVX2__)
-// What lane_tile needs of a 32-wide block type: its 32 weights as bytes (unsigned, but Q8_0's
-// signed) and their dot products with 32 activations.
+// What lane_tile needs of a 32-wide block type: its block, and for the types whose weights
+// are not 4-bit nibbles (block_dots reads those itself), the 32 weights as bytes (unsigned, but
+// Q8_0's signed) and their dot products with 32 activations.
 template <int64_t QTYPE> struct Block32;
 
 template <> struct Block32<Q8_0> {  // w = d q
@@ -166,17 +168,8 @@ template <> struct Block32<Q8_0> {  // w = d q
   static __m256i dot(__m256i w, __m256i a) { return dot_pairs_s8_s8(w, a); }
 };
 
-template <> struct Block32<Q4_1> {  // w = d q + m
-  using Block = BlockQ4_1;
-  static __m256i weights(const Block& b) { return unpack_nibbles(b.qs); }
-  static __m256i dot(__m256i w, __m256i a) { return dot_pairs_u8_s8(w, a); }
-};
-
-template <> struct Block32<Q4_0> {  // w = d (q - 8)
-  using Block = BlockQ4_0;
-  static __m256i weights(const Block& b) { return unpack_nibbles(b.qs); }
-  static __m256i dot(__m256i w, __m256i a) { return dot_pairs_u8_s8(w, a); }
-};
+template <> struct Block32<Q4_1> { using Block = BlockQ4_1; };  // w = d q + m
+template <> struct Block32<Q4_0> { using Block = BlockQ4_0; };  // w = d (q - 8)
 
 template <> struct Block32<Q5_0> {  // w = d (q - 16)
   using Block = BlockQ5_0;
@@ -240,8 +233,9 @@ inline void block_dots(const typename Block32<QTYPE>::Block* const* row, int64_t
 
 // out[r * ldo + i] = weight row i . activation row r0 + r for the `count` (<= 8) weight rows at
 // w and R activation rows, output i in lane i. Per block, each row's 32 products are summed in
-// int32 (block_dots) and the sums scaled as the panel GEMM's panel_tile scales its lanes: fma(dot, scale, 0),
-// then + offset x the activations' offset sum, then x the activation scale into the total.
+// int32 (block_dots) and the sums scaled as the panel GEMM's panel_tile scales its lanes:
+// fma(dot, scale, 0), then + offset x the activations' offset sum, then x the activation scale
+// into the total.
 template <int64_t QTYPE, int R>
 void lane_tile(const uint8_t* w, int64_t row_bytes, int count, const QuantizedRows& xq,
                int64_t r0, float* out, int64_t ldo, bool prefetch) {
@@ -276,11 +270,14 @@ void lane_tile(const uint8_t* w, int64_t row_bytes, int count, const QuantizedRo
         &scale, &offset);
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * xq.nb + b;
-      if constexpr (QTYPE == Q8_0) {  // the GEMM's q + 128 weights: + 128 x the int8 sum
+      if constexpr (QTYPE == Q8_0 && Q8_0_GEMM) {  // the GEMM's q + 128: + 128 x the int8 sum
         dots[r] = _mm256_add_epi32(dots[r], _mm256_set1_epi32(128 * xq.qsum[i]));
       }
       __m256 part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), scale, _mm256_setzero_ps());
-      part = _mm256_fmadd_ps(offset, _mm256_set1_ps(offset_sum<QTYPE>(xq, i)), part);
+      // Without a Q8_0 GEMM to agree with, d q as it is: the + 128 and its offset would cancel.
+      if constexpr (QTYPE != Q8_0 || Q8_0_GEMM) {
+        part = _mm256_fmadd_ps(offset, _mm256_set1_ps(offset_sum<QTYPE>(xq, i)), part);
+      }
       acc[r] = _mm256_fmadd_ps(part, _mm256_set1_ps(xq.d[i]), acc[r]);
     }
   }
@@ -331,8 +328,8 @@ void gemv_rows(const uint8_t* w, int64_t n, int64_t k, const QuantizedRows& xq, 
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
 #if defined(__AVX2__)
     for (int64_t o = begin; o < end; o += 8) {
-      lane_rows<QTYPE>(w + o * row_bytes, row_bytes, static_cast<int>(std::min<int64_t>(8, end - o)),
-                       xq, rows, out + o, ldo);
+      const int count = static_cast<int>(std::min<int64_t>(8, end - o));
+      lane_rows<QTYPE>(w + o * row_bytes, row_bytes, count, xq, rows, out + o, ldo);
     }
 #else
     for (int64_t o = begin; o < end; ++o) {

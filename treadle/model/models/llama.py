@@ -183,11 +183,13 @@ class LlamaModel(DecoderModel):
 
     def fused_decode(self, meta: AttentionMetadata, hidden: torch.Tensor) -> bool:
         """Whether this step runs in the native decoder: a step of decode tokens only, few
-        enough for every projection to take an integer kernel."""
+        enough for every projection to take an integer kernel, whose adapted rows (if any) all
+        take `lora_add` in the layers' path too (none in a segment of many rows)."""
         return (meta.decode_block_tables is not None and meta.decode_indices is None
                 and not meta.prefills and hidden.is_cpu
                 and self.native_decoder is not None
-                and hidden.shape[0] <= self.native_decoder_rows)
+                and hidden.shape[0] <= self.native_decoder_rows
+                and not (self.lora_in_step() and self.lora.segments))
 
     @functools.cached_property
     def native_decoder_rows(self) -> float:
