@@ -11,8 +11,9 @@ import sys
 import numpy as np
 import pytest
 import torch
+import transformers
 from conftest import ROOT, assert_engine_empty
-from model_utils import build_tiny_model
+from model_utils import TINY, build_tiny_model
 
 from treadle.config import (
     CacheConfig,
@@ -25,6 +26,7 @@ from treadle.config import (
 from treadle.core.engine_core import EngineCore
 from treadle.core.sampler import Sampler, SamplingOptions
 from treadle.core.sampling_params import SamplingParams
+from treadle.core.spec_decode.draft import DraftProposer, TargetModel
 from treadle.core.spec_decode.ngram import NgramProposer
 from treadle.core.spec_decode.rejection import verify_drafts
 from treadle.core.spec_decode.suffix import SuffixProposer
@@ -62,15 +64,15 @@ def test_ngram_proposer_matches_brute_force(vocab):
         max_n = min_n + int(rng.integers(0, 4))
         k = int(rng.integers(1, 6))
         expected = brute_force_lookup(tokens, min_n, max_n, k)
-        assert NgramProposer(min_n, max_n).propose(tokens, k) == expected, (tokens, min_n,
+        assert NgramProposer(min_n, max_n).propose("r", tokens, k) == expected, (tokens, min_n,
                                                                            max_n, k)
 
 
 def test_ngram_proposer_copies_a_repeated_passage():
     passage = list(range(100, 140))
     tokens = [1, 2, 3, *passage, 7, 8, *passage[:10]]
-    assert NgramProposer(2, 5).propose(tokens, 4) == passage[10:14]
-    assert NgramProposer(2, 5).propose([5, 6, 7, 8], 4) == []  # nothing recurs
+    assert NgramProposer(2, 5).propose("r", tokens, 4) == passage[10:14]
+    assert NgramProposer(2, 5).propose("r", [5, 6, 7, 8], 4) == []  # nothing recurs
 
 
 def test_ngram_proposer_is_fast_enough_for_long_prompts():
@@ -79,7 +81,7 @@ def test_ngram_proposer_is_fast_enough_for_long_prompts():
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 500, 1000).tolist()
     tokens += tokens[300:310]
-    assert NgramProposer(2, 5).propose(tokens, 5) == brute_force_lookup(tokens, 2, 5, 5)
+    assert NgramProposer(2, 5).propose("r", tokens, 5) == brute_force_lookup(tokens, 2, 5, 5)
 
 
 def brute_force_suffix(tokens: list[int], cached: list[list[int]], min_n: int, max_n: int,
@@ -112,23 +114,23 @@ def test_suffix_proposer_matches_brute_force(vocab):
         cached = [rng.integers(0, vocab, int(rng.integers(1, 20))).tolist()
                   for _ in range(int(rng.integers(0, 6)))]
         for earlier in cached:
-            proposer.finished(earlier)
+            proposer.finished("r", earlier)
         tokens = rng.integers(0, vocab, int(rng.integers(1, 30))).tolist()
         k = int(rng.integers(1, 6))
         expected = brute_force_suffix(tokens, cached[-3:], min_n, max_n, k)
-        assert proposer.propose(tokens, k) == expected, (tokens, cached, min_n, max_n, k)
+        assert proposer.propose("r", tokens, k) == expected, (tokens, cached, min_n, max_n, k)
 
 
 def test_suffix_proposer_continues_what_an_earlier_request_wrote():
     proposer = SuffixProposer(2, 5, max_cached_requests=2)
     answer = list(range(100, 130))
-    proposer.finished([1, 2, 3, *answer])
-    assert NgramProposer(2, 5).propose([9, 8, *answer[:6]], 4) == []
-    assert proposer.propose([9, 8, *answer[:6]], 4) == answer[6:10]
-    assert proposer.propose([9, 8, *answer[-3:]], 4) == []  # nothing followed it
-    proposer.finished([5, 6])
-    proposer.finished([7, 8])  # the first request drops out of the cache
-    assert proposer.propose([9, 8, *answer[:6]], 4) == []
+    proposer.finished("r", [1, 2, 3, *answer])
+    assert NgramProposer(2, 5).propose("r", [9, 8, *answer[:6]], 4) == []
+    assert proposer.propose("r", [9, 8, *answer[:6]], 4) == answer[6:10]
+    assert proposer.propose("r", [9, 8, *answer[-3:]], 4) == []  # nothing followed it
+    proposer.finished("r", [5, 6])
+    proposer.finished("r", [7, 8])  # the first request drops out of the cache
+    assert proposer.propose("r", [9, 8, *answer[:6]], 4) == []
 
 
 TOY_LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
@@ -267,6 +269,74 @@ def test_suffix_speculation_reuses_an_earlier_requests_output(tiny_model):
     assert counts["suffix"] > 2 * max(counts["ngram"], 10), counts
 
 
+@pytest.fixture(scope="module")
+def other_tiny_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama-draft")
+    build_tiny_model("llama", folder, seed=1)
+    return folder
+
+
+@pytest.mark.parametrize("batch", [1, 6])
+def test_draft_model_speculation_equals_without(tiny_model, other_tiny_model, batch):
+    """A draft model proposes; the target decides: with itself as the draft nearly every guess
+    is right, with another random model of the same vocabulary few are, and the outputs are
+    token for token those without speculation either way (chunked prefill and preemption in
+    the mix). Every request's draft blocks come back when it ends."""
+    prompts = repetitive_prompts(batch, seed=5)
+    limits = dict(max_num_batched_tokens=16, long_prefill_token_threshold=8,
+                  num_blocks=40 if batch > 1 else 256)
+    expected = run(make_engine(tiny_model, None, **limits), prompts, GREEDY)
+    rates = {}
+    for name, draft in (("itself", tiny_model), ("another", other_tiny_model)):
+        config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4,
+                  "disable_by_batch_size": 16}
+        engine = make_engine(tiny_model, config, **limits)
+        assert run(engine, prompts, GREEDY) == expected, name
+        drafts, draft_tokens, accepted = engine.spec_decode_counts
+        assert drafts > 0, name
+        rates[name] = accepted / draft_tokens
+        proposer = engine.speculator.proposer
+        assert not proposer.states and sorted(proposer.free_blocks) == list(
+            range(proposer.runner.num_blocks))
+        if batch > 1:
+            assert engine.scheduler.num_preemptions > 0
+        assert_engine_empty(engine)
+    assert rates["itself"] > 0.9 and rates["another"] < 0.5, rates
+
+
+def test_a_draft_model_holds_its_blocks_for_the_requests_it_proposes_for(tiny_model):
+    """Blocks for disable_by_batch_size requests at the longest context: a request that needs
+    blocks takes them from the least recently proposed others; its rejected guesses' positions
+    are run again, so a guess follows the tokens as they are."""
+    config = SpeculativeConfig(method="draft_model", model=str(tiny_model),
+                               num_speculative_tokens=3, disable_by_batch_size=1)
+    target = TargetModel(ModelConfig(model=str(tiny_model), dtype="float32"), 64, 256, 4)
+    proposer = DraftProposer.from_config(config, target)
+    assert proposer.runner.num_blocks == 17  # (64 + 3) / 4, rounded up
+    greedy = make_engine(tiny_model, None)
+    prompt = list(range(3, 13))
+    output = run(greedy, [prompt], SamplingParams(max_tokens=6, temperature=0.0,
+                                                   ignore_eos=True))[0]
+    assert proposer.propose("a", prompt, 3) == output[:3]
+    # Its first guess taken, a wrong token after it: the guesses follow the tokens as they are.
+    wrong = (output[1] + 1) % 256
+    again = proposer.propose("a", [*prompt, output[0], wrong], 3)
+    fresh = DraftProposer.from_config(config, target)
+    assert again == fresh.propose("x", [*prompt, output[0], wrong], 3)
+    assert proposer.propose("b", list(range(3, 63)), 3)  # 16 blocks: a's are taken
+    assert list(proposer.states) == ["b"]
+    assert proposer.propose("a", list(range(3, 70)), 3) == []  # more than the cache holds
+    proposer.finished("a", [])
+    assert not proposer.states and len(proposer.free_blocks) == 17
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny_model, tmp_path):
+    config = transformers.LlamaConfig(**{**TINY, "vocab_size": 300})
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_engine(tiny_model, {"method": "draft_model", "model": str(tmp_path)})
+
+
 class OracleProposer:
     """Proposes the tokens a plain run produced, the last of every other proposal wrong: the
     tiny random model never copies its prompt, so the n-gram lookup alone would seldom be
@@ -276,7 +346,7 @@ class OracleProposer:
         self.runs = list(zip(prompts, outputs, strict=True))
         self.calls = 0
 
-    def propose(self, token_ids, max_tokens: int) -> list[int]:
+    def propose(self, request_id: str, token_ids, max_tokens: int) -> list[int]:
         self.calls += 1
         for prompt, output in self.runs:
             if token_ids[:len(prompt)] == prompt:
@@ -287,7 +357,7 @@ class OracleProposer:
                 return guess
         return []
 
-    def finished(self, token_ids) -> None:
+    def finished(self, request_id: str, token_ids) -> None:
         """It knows every answer already."""
 
 
@@ -381,6 +451,8 @@ def test_speculation_is_off_for_large_batches_and_excluded_requests(tiny_model):
     ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
     ('{"method": "ngram", "lookahead": 2}', "unknown key 'lookahead'"),
     ('{"method": "ngram", "num_speculative_tokens": "4"}', "num_speculative_tokens"),
+    ('{"method": "draft_model"}', "`model`"),
+    ('{"method": "ngram", "model": "m"}', "`model`"),
     ("{method: ngram}", "not valid JSON"),
     ("[1, 2]", "must be a JSON object"),
 ])

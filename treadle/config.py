@@ -378,7 +378,7 @@ def policy_sections() -> dict[str, Any]:
     return {name: p.settings() for name, p in POLICIES.items() if p.settings}
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -386,7 +386,8 @@ class SpeculativeConfig:
     """Speculative decoding (treadle/core/spec_decode/): vLLM's `--speculative-config` keys. The
     ngram method proposes the tokens that followed the latest earlier occurrence of the
     sequence's last `prompt_lookup_min`..`prompt_lookup_max` tokens; suffix looks for them in
-    the last `suffix_decoding_max_cached_requests` finished requests too."""
+    the last `suffix_decoding_max_cached_requests` finished requests too; draft_model runs
+    `model` (a smaller model sharing the tokenizer, served as `quantization` says)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4  # most tokens proposed per request and step
@@ -396,6 +397,8 @@ class SpeculativeConfig:
     # computes enough rows that extra positions cost time, not just weight reads (vLLM v0's key).
     disable_by_batch_size: int = 4
     suffix_decoding_max_cached_requests: int = 64  # suffix: finished requests looked up
+    model: str | None = None  # draft_model: an HF folder or .gguf file
+    quantization: str = "auto"  # draft_model: as --quantization says for the target
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -407,6 +410,9 @@ class SpeculativeConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config: {name} must be an integer >= 1, "
                                  f"got {value!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config: `model` (the draft model) goes with method "
+                             "draft_model, and only with it")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) "
                              f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")

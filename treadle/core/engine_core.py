@@ -28,6 +28,7 @@ from treadle.core.sampler import (
 from treadle.core.sampling_params import SamplingParams, check_max_logprobs
 from treadle.core.sched.policy import make_policy
 from treadle.core.sched.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from treadle.core.spec_decode.draft import DraftProposer, TargetModel
 from treadle.core.spec_decode.rejection import verify_drafts
 from treadle.core.spec_decode.speculator import Speculator
 from treadle.core.step_loop import (
@@ -91,8 +92,11 @@ class EngineCore:
         self.generators: dict[str, torch.Generator] = {}  # per-request seeded generators
         self.loop = StepLoop(self.scheduler, self.kv_cache_manager, SystemClock())
         # None: no speculation, and nothing of it in a step.
-        self.speculator = (Speculator(config.speculative_config)
-                           if config.speculative_config is not None else None)
+        speculative = config.speculative_config
+        self.speculator = None if speculative is None else Speculator(
+            speculative, DraftProposer.from_config(speculative, TargetModel(
+                config.model, facts.max_model_len, facts.vocab_size, config.cache.block_size))
+            if speculative.method == "draft_model" else None)
 
     @property
     def last_step_stats(self) -> StepStats | None:

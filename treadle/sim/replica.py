@@ -37,10 +37,10 @@ class AlwaysProposes:
     """A proposer with a guess whenever asked: how many of its tokens are right is drawn when
     they are checked."""
 
-    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+    def propose(self, request_id: str, token_ids: list[int], max_tokens: int) -> list[int]:
         return [SAMPLED_TOKEN] * max_tokens
 
-    def finished(self, token_ids: list[int]) -> None:
+    def finished(self, request_id: str, token_ids: list[int]) -> None:
         """Nothing to learn: every guess is drawn."""
 
 

@@ -42,7 +42,7 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         """The tokens after the earlier occurrence of the longest suffix of `token_ids`, of
         min_n..max_n tokens, that occurs before the end (the latest such occurrence among equally
         long ones), up to `max_tokens` of them; [] when no suffix of min_n tokens recurs."""
@@ -53,5 +53,5 @@ class NgramProposer:
         _, end = longest_match(tokens[:-1], tokens, self.min_n, self.max_n)
         return [] if end < 0 else tokens[end + 1:end + 1 + max_tokens].tolist()
 
-    def finished(self, token_ids: Sequence[int]) -> None:
+    def finished(self, request_id: str, token_ids: Sequence[int]) -> None:
         """A request ended: prompt lookup looks at each sequence alone."""

@@ -70,14 +70,14 @@ class Speculator:
             num = min(request.draft_length or self.config.num_speculative_tokens, room)
             if num < 1:
                 continue
-            drafts = self.proposer.propose(request.all_token_ids, num)
+            drafts = self.proposer.propose(request.request_id, request.all_token_ids, num)
             if drafts:
                 request.spec_token_ids = drafts
                 self.proposing.append(request)
 
     def finished(self, request: Request) -> None:
         """A request ended: its tokens, for proposers that learn from earlier requests."""
-        self.proposer.finished(request.all_token_ids)
+        self.proposer.finished(request.request_id, request.all_token_ids)
 
     def verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """Count a verified proposal and adapt the request's draft length (the module's rule)."""

@@ -24,7 +24,7 @@ class SuffixProposer:
         self.cached: deque[np.ndarray] = deque(maxlen=max_cached_requests)
         self.joined_arrays: tuple[np.ndarray, np.ndarray] | None = None  # built on demand
 
-    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         """The continuation of the longest match: in the sequence itself (as prompt lookup), or,
         where longer, in the cached requests (the latest among equally long ones)."""
         n = len(token_ids)
@@ -42,7 +42,7 @@ class SuffixProposer:
                 best = follow[:stop[0]] if stop.size else follow
         return best.tolist()
 
-    def finished(self, token_ids: Sequence[int]) -> None:
+    def finished(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Cache a finished request's prompt and output (the oldest dropped past the limit)."""
         self.cached.append(np.fromiter(token_ids, dtype=np.int64, count=len(token_ids)))
         self.joined_arrays = None
