@@ -529,6 +529,28 @@ def test_default_model_greedy_with_speculation_equals_without(copy_prompts):
 
 
 @pytest.mark.default_model
+def test_default_model_greedy_with_its_quantized_self_as_the_draft_equals_without(copy_prompts):
+    """The default model served in float32 with its Q4_1 file as the draft: the same tokens
+    as without speculation, one at a time and all 8 at once in a cache too small for them
+    (preemption) with a 64-token budget (chunked prefill); most guesses right."""
+    from treadle.model.source import resolve_model
+
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    limits = dict(block_size=16, num_blocks=30, max_num_batched_tokens=64,
+                  long_prefill_token_threshold=32, quantization="none")
+    expected = run(make_engine(None, None, **limits), copy_prompts, params)
+    draft = {"method": "draft_model", "model": str(resolve_model(None).gguf),
+             "num_speculative_tokens": 4, "disable_by_batch_size": 8}
+    engine = make_engine(None, draft, **limits)
+    assert [run(engine, [p], params)[0] for p in copy_prompts[:2]] == expected[:2]
+    assert run(engine, copy_prompts, params) == expected
+    assert engine.scheduler.num_preemptions > 0
+    drafts, draft_tokens, accepted = engine.spec_decode_counts
+    assert accepted > draft_tokens / 2, engine.spec_decode_counts
+    assert_engine_empty(engine)
+
+
+@pytest.mark.default_model
 @pytest.mark.parametrize("method, row_kernel_rows", [("ngram", 8), ("suffix", 1)])
 def test_default_model_greedy_with_speculation_equals_without_on_the_quantized_path(
         copy_prompts, method, row_kernel_rows):
