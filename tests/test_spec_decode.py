@@ -26,6 +26,7 @@ from treadle.config import (
 from treadle.core.engine_core import EngineCore
 from treadle.core.sampler import Sampler, SamplingOptions
 from treadle.core.sampling_params import SamplingParams
+from treadle.core.spec_decode import draft as draft_module
 from treadle.core.spec_decode.draft import DraftProposer, TargetModel
 from treadle.core.spec_decode.ngram import NgramProposer
 from treadle.core.spec_decode.rejection import verify_drafts
@@ -326,15 +327,58 @@ def test_a_draft_model_holds_its_blocks_for_the_requests_it_proposes_for(tiny_mo
     assert proposer.propose("b", list(range(3, 63)), 3)  # 16 blocks: a's are taken
     assert list(proposer.states) == ["b"]
     assert proposer.propose("a", list(range(3, 70)), 3) == []  # more than the cache holds
+    assert list(proposer.states) == ["b", "a"]  # nothing was taken from b for it
     proposer.finished("a", [])
+    proposer.finished("b", [])
     assert not proposer.states and len(proposer.free_blocks) == 17
 
 
-def test_a_draft_model_of_another_vocabulary_is_refused(tiny_model, tmp_path):
+def test_a_draft_model_reads_a_long_prompt_a_chunk_a_step(tiny_model, monkeypatch):
+    """A prompt longer than a chunk runs a chunk a proposal, with no guesses until the draft
+    has seen it all; then its guesses are the target's greedy tokens (the draft is itself)."""
+    monkeypatch.setattr(draft_module, "CATCH_UP_CHUNK", 4)
+    config = SpeculativeConfig(method="draft_model", model=str(tiny_model),
+                               num_speculative_tokens=3)
+    proposer = DraftProposer.from_config(config, TargetModel(
+        ModelConfig(model=str(tiny_model), dtype="float32"), 64, 256, 4))
+    prompt = list(range(3, 13))
+    output = run(make_engine(tiny_model, None), [prompt],
+                 SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+    assert proposer.propose("a", prompt, 3) == []
+    assert proposer.states["a"].tokens == prompt[:4]
+    assert proposer.propose("a", prompt, 3) == []
+    assert proposer.propose("a", prompt, 3) == output
+
+
+class Failing:
+    def propose(self, request_id: str, token_ids, max_tokens: int) -> list[int]:
+        raise RuntimeError("the draft broke")
+
+    def finished(self, request_id: str, token_ids) -> None:
+        """Nothing held."""
+
+
+def test_a_failing_proposer_costs_its_guesses_not_the_engine(tiny_model):
+    prompts = repetitive_prompts(2)
+    expected = run(make_engine(tiny_model, None), prompts, GREEDY)
+    engine = make_engine(tiny_model, SPEC)
+    engine.speculator.proposer = Failing()
+    assert run(engine, prompts, GREEDY) == expected
+    assert engine.spec_decode_counts == (0, 0, 0)
+    assert_engine_empty(engine)
+
+
+def test_draft_models_that_cannot_serve_the_target_are_refused(tiny_model, tmp_path):
     config = transformers.LlamaConfig(**{**TINY, "vocab_size": 300})
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="vocabulary"):
         make_engine(tiny_model, {"method": "draft_model", "model": str(tmp_path)})
+    with pytest.raises(ValueError, match="the draft model: .*does not exist"):
+        make_engine(tiny_model, {"method": "draft_model", "model": str(tmp_path / "none")})
+    draft = SpeculativeConfig(method="draft_model", model=str(tiny_model))
+    with pytest.raises(ValueError, match=r"context \(256 tokens\) is shorter"):
+        DraftProposer.from_config(draft, TargetModel(
+            ModelConfig(model=str(tiny_model), dtype="float32"), 512, 256, 4))
 
 
 class OracleProposer:
@@ -453,6 +497,8 @@ def test_speculation_is_off_for_large_batches_and_excluded_requests(tiny_model):
     ('{"method": "ngram", "num_speculative_tokens": "4"}', "num_speculative_tokens"),
     ('{"method": "draft_model"}', "`model`"),
     ('{"method": "ngram", "model": "m"}', "`model`"),
+    ('{"method": "draft_model", "model": 3}', "model must be a path"),
+    ('{"method": "draft_model", "model": "m", "quantization": "fp4"}', "quantization must be"),
     ("{method: ngram}", "not valid JSON"),
     ("[1, 2]", "must be a JSON object"),
 ])

@@ -413,6 +413,11 @@ class SpeculativeConfig:
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError("speculative_config: `model` (the draft model) goes with method "
                              "draft_model, and only with it")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config: model must be a path, got {self.model!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"speculative_config: quantization must be one of "
+                             f"{QUANTIZATION_CHOICES}, got {self.quantization!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) "
                              f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")

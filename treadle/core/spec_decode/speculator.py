@@ -18,6 +18,7 @@ The rule (torch-free, so the step loop's other users could run it):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -25,6 +26,8 @@ from treadle.config import SpeculativeConfig
 from treadle.core.request import Request
 from treadle.core.sampling_params import SamplingParams
 from treadle.core.spec_decode.proposer import Proposer, make_proposer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,13 +73,19 @@ class Speculator:
             num = min(request.draft_length or self.config.num_speculative_tokens, room)
             if num < 1:
                 continue
-            drafts = self.proposer.propose(request.request_id, request.all_token_ids, num)
+            try:
+                drafts = self.proposer.propose(request.request_id, request.all_token_ids, num)
+            except Exception:  # a proposer's failure costs its guesses, never the engine
+                logger.exception("proposer failed for request %s", request.request_id)
+                self.proposer.finished(request.request_id, ())
+                continue
             if drafts:
                 request.spec_token_ids = drafts
                 self.proposing.append(request)
 
     def finished(self, request: Request) -> None:
-        """A request ended: its tokens, for proposers that learn from earlier requests."""
+        """A request ended: its tokens, for proposers that learn from earlier requests or hold
+        state per request."""
         self.proposer.finished(request.request_id, request.all_token_ids)
 
     def verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
