@@ -554,45 +554,40 @@ def copy_prompts() -> list[list[int]]:
     return prompts
 
 
-@pytest.mark.default_model
-def test_default_model_greedy_with_speculation_equals_without(copy_prompts):
-    """Float32 weights (quantization none): batch 1, then all 8 at once in a cache too small
-    for them (preemption) with a 64-token budget (chunked prefill): token for token as without
-    speculation, most proposals right."""
-    params = SamplingParams(max_tokens=40, temperature=0.0)
-    limits = dict(block_size=16, num_blocks=30, max_num_batched_tokens=64,
-                  long_prefill_token_threshold=32, quantization="none")
-    plain = make_engine(None, None, **limits)
-    expected = run(plain, copy_prompts, params)
+# Float32 weights (quantization none), a cache too small for 8 prompts at once (preemption),
+# a 64-token budget (chunked prefill).
+SMALL_CACHE = dict(block_size=16, num_blocks=30, max_num_batched_tokens=64,
+                   long_prefill_token_threshold=32, quantization="none")
+COPY_PARAMS = SamplingParams(max_tokens=40, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def copy_outputs(copy_prompts) -> list[list[int]]:
+    """The default model's greedy outputs without speculation, all 8 prompts at once."""
+    plain = make_engine(None, None, **SMALL_CACHE)
+    outputs = run(plain, copy_prompts, COPY_PARAMS)
     assert plain.scheduler.num_preemptions > 0
-    engine = make_engine(None, LOOKUP, **limits)
-    assert [run(engine, [p], params)[0] for p in copy_prompts[:3]] == expected[:3]
-    assert run(engine, copy_prompts, params) == expected
+    return outputs
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_default_model_greedy_with_speculation_equals_without(copy_prompts, copy_outputs,
+                                                              method):
+    """Prompt lookup, or the model's own Q4_1 file as a draft: one request at a time, then all
+    8 at once with preemption and chunked prefill, token for token as without speculation,
+    most proposals right."""
+    from treadle.model.source import resolve_model
+
+    config = LOOKUP if method == "ngram" else {
+        "method": "draft_model", "model": str(resolve_model(None).gguf),
+        "num_speculative_tokens": 4, "disable_by_batch_size": 8}
+    engine = make_engine(None, config, **SMALL_CACHE)
+    assert [run(engine, [p], COPY_PARAMS)[0] for p in copy_prompts[:2]] == copy_outputs[:2]
+    assert run(engine, copy_prompts, COPY_PARAMS) == copy_outputs
     assert engine.scheduler.num_preemptions > 0
     drafts, draft_tokens, accepted = engine.spec_decode_counts
     assert accepted > draft_tokens / 3, engine.spec_decode_counts
-    assert_engine_empty(engine)
-
-
-@pytest.mark.default_model
-def test_default_model_greedy_with_its_quantized_self_as_the_draft_equals_without(copy_prompts):
-    """The default model served in float32 with its Q4_1 file as the draft: the same tokens
-    as without speculation, one at a time and all 8 at once in a cache too small for them
-    (preemption) with a 64-token budget (chunked prefill); most guesses right."""
-    from treadle.model.source import resolve_model
-
-    params = SamplingParams(max_tokens=40, temperature=0.0)
-    limits = dict(block_size=16, num_blocks=30, max_num_batched_tokens=64,
-                  long_prefill_token_threshold=32, quantization="none")
-    expected = run(make_engine(None, None, **limits), copy_prompts, params)
-    draft = {"method": "draft_model", "model": str(resolve_model(None).gguf),
-             "num_speculative_tokens": 4, "disable_by_batch_size": 8}
-    engine = make_engine(None, draft, **limits)
-    assert [run(engine, [p], params)[0] for p in copy_prompts[:2]] == expected[:2]
-    assert run(engine, copy_prompts, params) == expected
-    assert engine.scheduler.num_preemptions > 0
-    drafts, draft_tokens, accepted = engine.spec_decode_counts
-    assert accepted > draft_tokens / 2, engine.spec_decode_counts
     assert_engine_empty(engine)
 
 
