@@ -591,6 +591,42 @@ def test_default_model_greedy_with_speculation_equals_without(copy_prompts, copy
     assert_engine_empty(engine)
 
 
+@pytest.mark.slow
+@pytest.mark.default_model
+@pytest.mark.parametrize("quantization", ["none", "auto"])
+def test_the_exactness_bar_over_32_prompts_at_batch_1_and_16(quantization):
+    """Issue 36's bar as it reads (1.5 minutes, out of the default run): 32 copy prompts on the
+    float32 and the quantized paths, one at a time and 16 at once with chunked prefill and
+    preemption, every proposer's greedy outputs token for token those without speculation."""
+    import random
+
+    from treadle.bench.copy_workload import sentence
+    from treadle.model.source import resolve_model
+    from treadle.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(resolve_model(None).folder)
+    rng = random.Random(1)
+    prompts = [tokenizer.apply_chat_template(
+        [{"role": "user", "content": COPY_ASKS[i % 2].format(
+            " ".join(sentence(rng) for _ in range(2 + i % 4)))}],
+        tokenize=True, add_generation_prompt=True) for i in range(32)]
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    limits = dict(block_size=16, num_blocks=48, max_num_batched_tokens=128,
+                  long_prefill_token_threshold=64, quantization=quantization, max_num_seqs=16)
+    plain = make_engine(None, None, **limits)
+    alone = [run(plain, [p], params)[0] for p in prompts]
+    together = run(plain, prompts, params)
+    assert plain.scheduler.num_preemptions > 0
+    for method, extra in [("ngram", {}), ("suffix", {}),
+                          ("draft_model", {"model": str(resolve_model(None).gguf)})]:
+        engine = make_engine(None, {"method": method, "num_speculative_tokens": 4,
+                                    "disable_by_batch_size": 16, **extra}, **limits)
+        assert [run(engine, [p], params)[0] for p in prompts] == alone, method
+        assert run(engine, prompts, params) == together, method
+        assert engine.scheduler.num_preemptions > 0, method
+        assert_engine_empty(engine)
+
+
 @pytest.mark.default_model
 @pytest.mark.parametrize("method, row_kernel_rows", [("ngram", 8), ("suffix", 1)])
 def test_default_model_greedy_with_speculation_equals_without_on_the_quantized_path(
