@@ -93,10 +93,11 @@ class EngineCore:
         self.loop = StepLoop(self.scheduler, self.kv_cache_manager, SystemClock())
         # None: no speculation, and nothing of it in a step.
         speculative = config.speculative_config
-        self.speculator = None if speculative is None else Speculator(
-            speculative, DraftProposer.from_config(speculative, TargetModel(
+        proposer = None  # the lookups' the speculator makes; a draft model needs the target's
+        if speculative is not None and speculative.method == "draft_model":
+            proposer = DraftProposer.from_config(speculative, TargetModel(
                 config.model, facts.max_model_len, facts.vocab_size, config.cache.block_size))
-            if speculative.method == "draft_model" else None)
+        self.speculator = None if speculative is None else Speculator(speculative, proposer)
 
     @property
     def last_step_stats(self) -> StepStats | None:

@@ -27,10 +27,8 @@
 
 namespace {
 
-// Positions a task attends to. One sequence, 9 heads over 3 KV heads, 2 threads (Zen 3, medians
-// of 7 alternating best-of-30 runs in one process), one task a sequence before: 512 positions
-// 95 -> 58 us, 2,048 379 -> 211 us; 128 alike (one task either way; 64 gained 2 us there). The
-// merge costs 3-9% at one thread or 16 sequences.
+// Positions a task attends to: a lone long sequence spreads over the threads, and smaller
+// parts cost more merging than they gained (docs/decisions.md).
 constexpr int64_t PART = 128;
 
 // Widening loads the compiler can vectorize: bfloat16 is the top half of a float32.
