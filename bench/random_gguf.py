@@ -1,6 +1,7 @@
-"""A GGUF of random bfloat16 weights in the shape a Llama-family config.json gives (bench/configs/),
-with the default model's tokenizer: what llama.cpp's `llama-quantize` turns into a Q4_K_M file
-for side-by-side runs of Treadle and llama.cpp's server at sizes nobody can download here.
+"""A GGUF of random bfloat16 weights in the shape a Llama-family or Qwen3-MoE config.json gives
+(bench/configs/), with the default model's tokenizer: what llama.cpp's `llama-quantize` turns
+into a Q4_K_M file for side-by-side runs of Treadle and llama.cpp's server at sizes nobody can
+download here.
 
     python bench/random_gguf.py bench/configs/llama-3.1-8b llama8b-bf16.gguf
     llama-quantize llama8b-bf16.gguf llama8b-q4km.gguf Q4_K_M
@@ -22,6 +23,7 @@ import torch
 from treadle.model.source import default_model_path
 
 INIT_STD = 0.02  # Hugging Face's initializer_range for Llama
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen3_moe": "qwen3moe"}  # -> GGUF's
 
 
 def rope_settings(config: dict) -> dict:
@@ -62,9 +64,12 @@ def rope_freqs(config: dict) -> np.ndarray | None:
 
 
 def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """Each tensor's name and shape (numpy's order); a mixture of experts' router
+    (`ffn_gate_inp`) and experts stacked per matrix as llama.cpp's converter writes them."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     dim = head_dim(config)
+    experts = config.get("num_experts", 0)
     shapes = [("token_embd.weight", (config["vocab_size"], hidden))]
     for i in range(config["num_hidden_layers"]):
         shapes += [(f"blk.{i}.attn_norm.weight", (hidden,)),
@@ -72,10 +77,19 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
                    (f"blk.{i}.attn_k.weight", (kv_heads * dim, hidden)),
                    (f"blk.{i}.attn_v.weight", (kv_heads * dim, hidden)),
                    (f"blk.{i}.attn_output.weight", (hidden, heads * dim)),
-                   (f"blk.{i}.ffn_norm.weight", (hidden,)),
-                   (f"blk.{i}.ffn_gate.weight", (inter, hidden)),
-                   (f"blk.{i}.ffn_up.weight", (inter, hidden)),
-                   (f"blk.{i}.ffn_down.weight", (hidden, inter))]
+                   (f"blk.{i}.ffn_norm.weight", (hidden,))]
+        if experts:
+            width = config["moe_intermediate_size"]
+            shapes += [(f"blk.{i}.attn_q_norm.weight", (dim,)),
+                       (f"blk.{i}.attn_k_norm.weight", (dim,)),
+                       (f"blk.{i}.ffn_gate_inp.weight", (experts, hidden)),
+                       (f"blk.{i}.ffn_gate_exps.weight", (experts, width, hidden)),
+                       (f"blk.{i}.ffn_up_exps.weight", (experts, width, hidden)),
+                       (f"blk.{i}.ffn_down_exps.weight", (experts, hidden, width))]
+        else:
+            shapes += [(f"blk.{i}.ffn_gate.weight", (inter, hidden)),
+                       (f"blk.{i}.ffn_up.weight", (inter, hidden)),
+                       (f"blk.{i}.ffn_down.weight", (hidden, inter))]
     shapes.append(("output_norm.weight", (hidden,)))
     if not config.get("tie_word_embeddings", False):
         shapes.append(("output.weight", (config["vocab_size"], hidden)))
@@ -84,15 +98,17 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 def write_random_gguf(config_folder: Path, out: Path, seed: int = 0) -> None:
     config = json.loads((config_folder / "config.json").read_text())
-    if config.get("model_type") not in ("llama", "mistral"):
-        raise SystemExit(f"{config.get('model_type')!r}: only Llama-family shapes are written")
+    architecture = ARCHITECTURES.get(config.get("model_type"))
+    if architecture is None:
+        raise SystemExit(f"{config.get('model_type')!r}: only {', '.join(ARCHITECTURES)} "
+                         "shapes are written")
     tokenizer = gguf.GGUFReader(str(default_model_path()))
     tokens = tokenizer.fields["tokenizer.ggml.tokens"]
     if len(tokens.data) != config["vocab_size"]:
         raise SystemExit(f"vocab_size {config['vocab_size']} is not the default tokenizer's "
                          f"{len(tokens.data)}")
     factors = rope_freqs(config)
-    writer = gguf.GGUFWriter(str(out), "llama")
+    writer = gguf.GGUFWriter(str(out), architecture)
     writer.add_name(f"random {config_folder.name}")
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -106,6 +122,10 @@ def write_random_gguf(config_folder: Path, out: Path, seed: int = 0) -> None:
     writer.add_rope_freq_base(rope_theta(config))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
+    if config.get("num_experts"):
+        writer.add_expert_count(config["num_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
     for key, field in tokenizer.fields.items():
         if key.startswith("tokenizer."):
@@ -117,8 +137,8 @@ def write_random_gguf(config_folder: Path, out: Path, seed: int = 0) -> None:
     if factors is not None:
         writer.add_tensor_info("rope_freqs.weight", factors.shape, factors.dtype, factors.nbytes)
     for name, shape in shapes:
-        if len(shape) == 1:
-            writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * shape[0])
+        if len(shape) == 1 or name.endswith("ffn_gate_inp.weight"):  # float32, as converted
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * math.prod(shape))
         else:
             writer.add_tensor_info(name, shape, np.dtype(np.uint16), 2 * math.prod(shape),
                                    raw_dtype=gguf.GGMLQuantizationType.BF16)
@@ -128,9 +148,12 @@ def write_random_gguf(config_folder: Path, out: Path, seed: int = 0) -> None:
     if factors is not None:
         writer.write_tensor_data(factors)
     generator = torch.Generator().manual_seed(seed)
-    for _, shape in shapes:
+    for name, shape in shapes:
         if len(shape) == 1:
             writer.write_tensor_data(np.ones(shape, dtype=np.float32))
+        elif name.endswith("ffn_gate_inp.weight"):
+            writer.write_tensor_data(torch.empty(shape).normal_(0, INIT_STD, generator=generator)
+                                     .numpy())
         else:
             weights = torch.empty(shape, dtype=torch.bfloat16).normal_(0, INIT_STD,
                                                                        generator=generator)

@@ -14,11 +14,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from model_utils import ARCHITECTURES, TINY, build_tiny_model, greedy_decode, make_runner
 from safetensors.torch import load_file
+from test_quantized import random_blocks, reference_quant_linear
 
 from treadle.bench.roofline import DecodeCost
 from treadle.cli import main
@@ -27,8 +29,10 @@ from treadle.core.engine_core import EngineCore
 from treadle.core.engine_process import ready_message
 from treadle.core.sampling_params import SamplingParams
 from treadle.llm import LLM
+from treadle.model import experts as experts_module
 from treadle.model.batch import ModelInput, ScheduledSequence
 from treadle.model.experts import SparseMoE
+from treadle.model.kernels import quant_linear_kernels
 from treadle.model.layers import DecoderModel
 from treadle.model.linear import QuantizedLinear
 from treadle.model.loader import LoadedModel, read_gguf_weights, read_spec
@@ -93,6 +97,66 @@ def test_experts_quantized_at_load_run_the_integer_and_float_paths(tmp_path):
         ids[s:s + 2], s, table, all_logits=True)])) for s in range(0, len(ids), 2)])
     for got in (whole, chunks):
         assert typical_error(got, expected) <= 0.03
+
+
+def reference_experts(x: torch.Tensor, moe: SparseMoE, chosen: torch.Tensor,
+                      weights: torch.Tensor) -> torch.Tensor:
+    """The layer in float64 on the kernels' scheme (reference_quant_linear): each token's k
+    experts, weighted, in turn."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(chosen.shape[1]):
+            gate_up, down = moe.experts[chosen[t, j]]
+            h = torch.cat([reference_quant_linear(x[t:t + 1], p) for p in gate_up.parts], dim=1)
+            gate, up = h.chunk(2, dim=1)
+            act = (F.silu(gate) * up).float()  # the kernel's float32 activations
+            out[t] += weights[t, j].double() * reference_quant_linear(act, down.parts[0])[0]
+    return out
+
+
+@pytest.mark.parametrize("types", [(Q.Q4_1, Q.Q4_1, Q.Q8_0), (Q.Q4_K, Q.Q4_K, Q.Q6_K),
+                                   (Q.Q4_0, Q.Q5_K, Q.Q5_0)], ids=["q4_1", "k-quants", "mixed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_experts_equal_the_kernels_scheme_and_a_token_alone(types, dtype, monkeypatch):
+    """The native layer (every expert in GGUF blocks) against float64 on the kernels' scheme,
+    with the row kernels and with the GEMM for experts of more than one row; a token's output
+    alone equals its output in the step's batch wherever the GEMM gives the row kernels' bits."""
+    kernels = quant_linear_kernels()
+    if kernels is None:
+        pytest.skip("native quantized kernels unavailable")
+    hidden, inner, num_experts, k, tokens = 512, 256, 6, 3, 12
+    gate_type, up_type, down_type = types
+    experts = [(QuantizedLinear([random_blocks(gate_type, inner, hidden, seed=3 * e),
+                                 random_blocks(up_type, inner, hidden, seed=3 * e + 1)]),
+                QuantizedLinear(random_blocks(down_type, hidden, inner, seed=3 * e + 2)))
+               for e in range(num_experts)]
+    gen = torch.Generator().manual_seed(0)
+    moe = SparseMoE(torch.randn(num_experts, hidden, generator=gen).to(dtype), experts, k, True)
+    assert moe.native is not None
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    weights, chosen = moe.route(x)
+    expected = reference_experts(x, moe, chosen, weights)
+    same_bits = {gate_type, up_type, down_type} <= set(kernels.quant_gemm_same_bits_types())
+    for row_kernel_rows in (tokens, 1):
+        got, run = moe.native.forward(x, chosen, weights, row_kernel_rows, row_kernel_rows)
+        assert got.dtype == dtype and run == len(chosen.unique())
+        error = (got.double() - expected).norm() / expected.norm()
+        assert error < (1e-4 if dtype == torch.float32 else 4e-3)
+        alone = torch.cat([moe.native.forward(x[t:t + 1], chosen[t:t + 1], weights[t:t + 1],
+                                               row_kernel_rows, row_kernel_rows)[0]
+                           for t in range(tokens)])
+        if row_kernel_rows == tokens or same_bits:
+            assert torch.equal(alone, got)
+    moe.experts_run = 0
+    assert torch.equal(moe(x), moe.native.forward(x, chosen, weights, 4, 4)[0])
+    assert moe.experts_run == len(chosen.unique())
+    # A step of more tokens than the native layer takes groups its experts in torch.
+    monkeypatch.setattr(experts_module, "NATIVE_MAX_TOKENS", tokens - 1)
+    grouped = moe(x)
+    assert not torch.equal(grouped, got)
+    assert (grouped.double() - expected).norm() / expected.norm() < 1e-2
+    with pytest.raises(RuntimeError, match="out of range"):
+        moe.native.forward(x, torch.full_like(chosen, num_experts), weights, 4, 4)
 
 
 def write_moe_gguf(folder: Path, path: Path, qtype: Q) -> dict[str, np.ndarray]:

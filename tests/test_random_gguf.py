@@ -11,7 +11,7 @@ import gguf
 import pytest
 import torch
 from model_utils import TINY, greedy_decode, make_runner
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from treadle.model.source import default_model_path
@@ -85,8 +85,33 @@ def test_treadle_and_transformers_load_the_same_model_from_it(tmp_path):
 
 
 @pytest.mark.default_model
+def test_a_mixture_of_experts_shape_loads_in_treadle_and_transformers_alike(tmp_path):
+    """Experts stacked per matrix and the router in float32, as llama.cpp's converter writes a
+    Qwen3-MoE model."""
+    folder = write_config(tmp_path / "cfg", architectures=["Qwen3MoeForCausalLM"],
+                          model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=32, norm_topk_prob=True, head_dim=16,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    path = tmp_path / "tiny-moe.gguf"
+    random_gguf.write_random_gguf(folder, path, seed=3)
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    assert tensors["blk.0.ffn_gate_exps.weight"].shape.tolist() == [64, 32, 4]
+    assert tensors["blk.1.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    prompt = [1, 504, 3250, 314, 1345, 28, 6082]
+    ours = greedy_decode(make_runner(path, quantization="none"), [prompt], 8)[0]
+    config = AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name)
+    config.moe_intermediate_size = 32  # the expert width transformers' conversion misses
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, config=config,
+                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                             eos_token_id=None)[0, len(prompt):].tolist()
+    assert ours == theirs
+
+
+@pytest.mark.default_model
 @pytest.mark.parametrize("overrides, message", [
-    ({"model_type": "qwen3_moe"}, "only Llama-family"),
+    ({"model_type": "olmoe"}, "only llama, mistral, qwen3_moe"),
     ({"vocab_size": 1000}, "not the default tokenizer"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "only unscaled and llama3"),
 ])

@@ -1,6 +1,8 @@
 """A mixture-of-experts feed-forward layer: a router picks each token's top-k experts, and each
-expert chosen in the step runs its gated MLP once over all of its tokens (a GEMM per expert,
-quantized experts through the same integer or float paths as any linear layer).
+expert chosen in the step runs its gated MLP once over all of its tokens. Experts in GGUF blocks
+run in one native call a layer in steps of up to NATIVE_MAX_TOKENS tokens (`QuantMoE`: every
+chosen expert's weight tiles split among the threads at once); otherwise each expert runs through
+the paths of any linear layer.
 """
 
 from __future__ import annotations
@@ -10,6 +12,10 @@ import torch.nn.functional as F
 
 from treadle.model.layers import silu_and_mul
 from treadle.model.linear import Linear, QuantizedLinear
+
+# The most tokens a step runs through the native layer, whose float32 scratch per (token, expert)
+# pair costs more than it saves past this (docs/decisions.md); larger steps group in torch.
+NATIVE_MAX_TOKENS = 256
 
 
 class SparseMoE:
@@ -23,9 +29,16 @@ class SparseMoE:
         self.top_k = top_k
         self.normalize_top_k = normalize_top_k  # renormalize the k chosen probabilities to 1
         self.experts_run = 0  # experts run since the count was last taken (each read once)
+        self.native = native_experts(experts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)
+        if self.native is not None and x.shape[0] <= NATIVE_MAX_TOKENS:
+            gate_up, down = self.experts[0]
+            out, experts_run = self.native.forward(x, chosen, weights, gate_up.max_gemv_rows,
+                                                   down.max_gemv_rows)
+            self.experts_run += experts_run
+            return out
         if x.shape[0] == 1:  # one token (a lone decode): its experts in turn, nothing to group
             self.experts_run += self.top_k
             out = torch.zeros_like(x)
@@ -84,3 +97,15 @@ class SparseMoE:
         return self.router.nbytes + sum(getattr(p, "resident_bytes", p.nbytes)
                                         for p in self.parts())
 
+
+
+def native_experts(experts: list[tuple[Linear | QuantizedLinear, Linear | QuantizedLinear]]):
+    """The native layer over the experts where every one is in GGUF blocks with the integer
+    kernels loaded, else None."""
+    parts = [p for expert in experts for p in expert]
+    if not all(isinstance(p, QuantizedLinear) and p.kernels is not None and p.bias is None
+               for p in parts):
+        return None
+    return parts[0].kernels.QuantMoE([g.data for g, _ in experts], [g.qtypes for g, _ in experts],
+                                     [d.data[0] for _, d in experts],
+                                     [d.qtypes[0] for _, d in experts])

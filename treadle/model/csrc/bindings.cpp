@@ -25,4 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &LlamaDecoder::add_layer)
       .def("set_lora", &LlamaDecoder::set_lora)
       .def("forward", &LlamaDecoder::forward);
+  pybind11::class_<QuantMoE>(m, "QuantMoE")
+      .def(pybind11::init<std::vector<std::vector<at::Tensor>>, std::vector<std::vector<int64_t>>,
+                          std::vector<at::Tensor>, std::vector<int64_t>>())
+      .def("forward", &QuantMoE::forward);
 }

@@ -9,6 +9,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 
+#include <tuple>
 #include <vector>
 
 // elementwise.cpp
@@ -99,4 +100,32 @@ class LlamaDecoder {
   int64_t num_heads_, num_kv_heads_, head_dim_, lora_rank_ = 0;
   double eps_, scale_;
   std::vector<Layer> layers_;
+};
+
+// quant_moe.cpp: a mixture-of-experts feed-forward over GGUF-block experts, one call a layer:
+// y[t] = sum over j of weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = chosen[t, j].
+class QuantMoE {
+ public:
+  // Per expert: its gate and up matrices as parts (their rows concatenated: gate, then up),
+  // each part's blocks and type; its down matrix and type.
+  QuantMoE(std::vector<std::vector<at::Tensor>> gate_up,
+           std::vector<std::vector<int64_t>> gate_up_types, std::vector<at::Tensor> down,
+           std::vector<int64_t> down_types);
+  // x [tokens, hidden]; chosen [tokens, k] int64; weights [tokens, k] float32; *_rows: the most
+  // rows of one expert the row kernels take, above which the expert's projection takes the
+  // integer GEMM. Returns y in x's dtype and the number of experts the step read.
+  std::tuple<at::Tensor, int64_t> forward(at::Tensor x, at::Tensor chosen, at::Tensor weights,
+                                          int64_t gate_up_rows, int64_t down_rows) const;
+
+ private:
+  struct Projection {
+    std::vector<at::Tensor> weights;
+    std::vector<int64_t> types;
+    bool gemm = false;  // every part's type has the integer GEMM in this build
+  };
+  struct Expert {
+    Projection gate_up, down;
+  };
+  std::vector<Expert> experts_;
+  int64_t hidden_ = 0, gate_up_width_ = 0;
 };

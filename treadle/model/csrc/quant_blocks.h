@@ -230,6 +230,18 @@ Q8KRows quantize_rows_q8k(const at::Tensor& x);
 // the rows of `xq`; threads split the weight rows.
 void k_quant_rows(int64_t qtype, const uint8_t* w, int64_t n, const Q8KRows& xq, int64_t rows,
                   float* out, int64_t ldo);
+// k_quant_rows for weight rows [begin, end) and activation rows [r0, r0 + rows) (out at row
+// r0), run by the calling thread.
+void k_quant_rows_range(int64_t qtype, const uint8_t* w, int64_t begin, int64_t end,
+                        const Q8KRows& xq, int64_t r0, int64_t rows, float* out, int64_t ldo);
+
+// quant_linear.cpp: rows [rows, k] (float32 or bfloat16) quantized for the 32-wide types, and
+// the row kernels of any type over weight rows [begin, end) and activation rows [r0, r0 +
+// rows) (xq for the 32-wide types, xk for the K-quants), run by the calling thread.
+QuantizedRows quantize_rows_q8(const at::Tensor& x);
+void quant_rows_range(int64_t qtype, const uint8_t* w, int64_t begin, int64_t end,
+                      const QuantizedRows& xq, const Q8KRows& xk, int64_t r0, int64_t rows,
+                      float* out, int64_t ldo);
 
 // quant_gemm.cpp: the GEMM of many rows over panels of 16 (AVX2: 8) weight rows repacked per
 // call, for the types this build serves that way (panel_gemm_types).

@@ -212,37 +212,34 @@ void k_tile_any(int64_t rows, int64_t weights, const uint8_t* w, int64_t row_byt
   k_tile<QTYPE, R, W, PREFETCH>(w, row_bytes, xq, r0, out, ldo);
 }
 
+// Weight rows [begin, end) against activation rows [r0, r0 + rows): out[r * ldo + o] is
+// weight row o . activation row r0 + r, run by the calling thread.
 template <int64_t QTYPE>
-void rows_avx2(const uint8_t* w, int64_t n, const Q8KRows& xq, int64_t rows, float* out,
-               int64_t ldo) {
+void range_avx2(const uint8_t* w, int64_t begin, int64_t end, const Q8KRows& xq, int64_t r0,
+                int64_t rows, float* out, int64_t ldo) {
   const int64_t row_bytes = xq.nsb * sizeof(typename KBlock<QTYPE>::Block);
   if (rows == 1) {
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      int64_t o = begin;
-      for (; o + DECODE_WEIGHTS <= end; o += DECODE_WEIGHTS) {
-        k_tile<QTYPE, 1, DECODE_WEIGHTS, true>(w + o * row_bytes, row_bytes, xq, 0, out + o, ldo);
-      }
-      for (; o < end; ++o) k_tile<QTYPE, 1, 1, true>(w + o * row_bytes, row_bytes, xq, 0, out + o, ldo);
-    });
+    int64_t o = begin;
+    for (; o + DECODE_WEIGHTS <= end; o += DECODE_WEIGHTS) {
+      k_tile<QTYPE, 1, DECODE_WEIGHTS, true>(w + o * row_bytes, row_bytes, xq, r0, out + o, ldo);
+    }
+    for (; o < end; ++o) k_tile<QTYPE, 1, 1, true>(w + o * row_bytes, row_bytes, xq, r0, out + o, ldo);
     return;
   }
-  const int64_t tiles = (n + TILE_WEIGHTS - 1) / TILE_WEIGHTS;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t rb = 0; rb < rows; rb += ROW_BLOCK) {
-      const int64_t rb_end = std::min(rows, rb + ROW_BLOCK);
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t o = t * TILE_WEIGHTS, count = std::min<int64_t>(TILE_WEIGHTS, n - o);
-        // The first row tile brings the weight tile in from memory, prefetching ahead as a
-        // decode step does; the other row tiles find it in cache.
-        k_tile_any<QTYPE, true>(std::min<int64_t>(TILE_ROWS, rb_end - rb), count,
-                                w + o * row_bytes, row_bytes, xq, rb, out + rb * ldo + o, ldo);
-        for (int64_t r0 = rb + TILE_ROWS; r0 < rb_end; r0 += TILE_ROWS) {
-          k_tile_any<QTYPE, false>(std::min<int64_t>(TILE_ROWS, rb_end - r0), count,
-                                   w + o * row_bytes, row_bytes, xq, r0, out + r0 * ldo + o, ldo);
-        }
+  for (int64_t rb = 0; rb < rows; rb += ROW_BLOCK) {
+    const int64_t rb_end = std::min(rows, rb + ROW_BLOCK);
+    for (int64_t o = begin; o < end; o += TILE_WEIGHTS) {
+      const int64_t count = std::min<int64_t>(TILE_WEIGHTS, end - o);
+      // The first row tile brings the weight tile in from memory, prefetching ahead as a
+      // decode step does; the other row tiles find it in cache.
+      k_tile_any<QTYPE, true>(std::min<int64_t>(TILE_ROWS, rb_end - rb), count,
+                              w + o * row_bytes, row_bytes, xq, r0 + rb, out + rb * ldo + o, ldo);
+      for (int64_t r = rb + TILE_ROWS; r < rb_end; r += TILE_ROWS) {
+        k_tile_any<QTYPE, false>(std::min<int64_t>(TILE_ROWS, rb_end - r), count,
+                                 w + o * row_bytes, row_bytes, xq, r0 + r, out + r * ldo + o, ldo);
       }
     }
-  });
+  }
 }
 
 template <typename T>
@@ -371,25 +368,36 @@ Q8KRows quantize_rows_q8k(const at::Tensor& x) {
   return out;
 }
 
-void k_quant_rows(int64_t qtype, const uint8_t* w, int64_t n, const Q8KRows& xq, int64_t rows,
-                  float* out, int64_t ldo) {
+void k_quant_rows_range(int64_t qtype, const uint8_t* w, int64_t begin, int64_t end,
+                        const Q8KRows& xq, int64_t r0, int64_t rows, float* out, int64_t ldo) {
 #if defined(__AVX2__)
   switch (qtype) {
-    case Q4_K: return rows_avx2<Q4_K>(w, n, xq, rows, out, ldo);
-    case Q5_K: return rows_avx2<Q5_K>(w, n, xq, rows, out, ldo);
-    case Q6_K: return rows_avx2<Q6_K>(w, n, xq, rows, out, ldo);
+    case Q4_K: return range_avx2<Q4_K>(w, begin, end, xq, r0, rows, out, ldo);
+    case Q5_K: return range_avx2<Q5_K>(w, begin, end, xq, r0, rows, out, ldo);
+    case Q6_K: return range_avx2<Q6_K>(w, begin, end, xq, r0, rows, out, ldo);
   }
   TORCH_CHECK(false, "unsupported quantized type ", qtype);
 #else
   const int64_t row_bytes = xq.nsb * block_bytes(qtype);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o) {
-      for (int64_t r = 0; r < rows; ++r) {
-        out[r * ldo + o] = row_dot_portable(qtype, w + o * row_bytes, xq, r);
-      }
+  for (int64_t o = begin; o < end; ++o) {
+    for (int64_t r = 0; r < rows; ++r) {
+      out[r * ldo + o] = row_dot_portable(qtype, w + o * row_bytes, xq, r0 + r);
     }
-  });
+  }
 #endif
+}
+
+void k_quant_rows(int64_t qtype, const uint8_t* w, int64_t n, const Q8KRows& xq, int64_t rows,
+                  float* out, int64_t ldo) {
+  // A decode row streams pairs of weight rows; larger steps split weight tiles evenly.
+#if defined(__AVX2__)
+  const int64_t grain = rows == 1 ? 16 : TILE_WEIGHTS;
+#else
+  const int64_t grain = 16;
+#endif
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    k_quant_rows_range(qtype, w, begin, end, xq, 0, rows, out, ldo);
+  });
 }
 
 }  // namespace quant

@@ -308,38 +308,37 @@ void lane_tile_upto(int64_t left, const uint8_t* w, int64_t row_bytes, int count
   lane_tile<QTYPE, R>(w, row_bytes, count, xq, r0, out, ldo, prefetch);
 }
 
-// lane_tile for `count` weight rows and every activation row, ROW_TILE at a time while the
-// rows' blocks stay in L1; only the first pass prefetches.
+// lane_tile for `count` weight rows and activation rows [r0, r0 + rows), ROW_TILE at a time
+// while the weight rows' blocks stay in L1; only the first pass prefetches.
 template <int64_t QTYPE>
 void lane_rows(const uint8_t* w, int64_t row_bytes, int count, const QuantizedRows& xq,
-               int64_t rows, float* out, int64_t ldo) {
-  for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-    lane_tile_upto<QTYPE, ROW_TILE>(rows - r0, w, row_bytes, count, xq, r0, out + r0 * ldo, ldo,
-                                    r0 == 0);
+               int64_t r0, int64_t rows, float* out, int64_t ldo) {
+  for (int64_t r = 0; r < rows; r += ROW_TILE) {
+    lane_tile_upto<QTYPE, ROW_TILE>(rows - r, w, row_bytes, count, xq, r0 + r, out + r * ldo,
+                                    ldo, r == 0);
   }
 }
 #endif
 
-// out[r * ldo + o] for the n weight rows of a 32-wide type and every activation row.
+// Weight rows [begin, end) of a 32-wide type against activation rows [r0, r0 + rows):
+// out[r * ldo + o], run by the calling thread.
 template <int64_t QTYPE>
-void gemv_rows(const uint8_t* w, int64_t n, int64_t k, const QuantizedRows& xq, int64_t rows,
-               float* out, int64_t ldo) {
-  const int64_t row_bytes = k / QK * block_bytes(QTYPE);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+void rows32_range(const uint8_t* w, int64_t begin, int64_t end, const QuantizedRows& xq,
+                  int64_t r0, int64_t rows, float* out, int64_t ldo) {
+  const int64_t row_bytes = xq.nb * block_bytes(QTYPE);
 #if defined(__AVX2__)
-    for (int64_t o = begin; o < end; o += 8) {
-      const int count = static_cast<int>(std::min<int64_t>(8, end - o));
-      lane_rows<QTYPE>(w + o * row_bytes, row_bytes, count, xq, rows, out + o, ldo);
-    }
+  for (int64_t o = begin; o < end; o += 8) {
+    const int count = static_cast<int>(std::min<int64_t>(8, end - o));
+    lane_rows<QTYPE>(w + o * row_bytes, row_bytes, count, xq, r0, rows, out + o, ldo);
+  }
 #else
-    for (int64_t o = begin; o < end; ++o) {
-      for (int64_t r = 0; r < rows; ++r) {
-        out[r * ldo + o] = row_dot<QTYPE>(w + o * row_bytes, xq.q_row(r), xq.d_row(r),
-                                          xq.sum_row(r), xq.nb);
-      }
+  for (int64_t o = begin; o < end; ++o) {
+    for (int64_t r = 0; r < rows; ++r) {
+      out[r * ldo + o] = row_dot<QTYPE>(w + o * row_bytes, xq.q_row(r0 + r), xq.d_row(r0 + r),
+                                        xq.sum_row(r0 + r), xq.nb);
     }
+  }
 #endif
-  });
 }
 
 // y = x [W_0; W_1; ...]^T (+ bias) for x [rows, k] float32 or bfloat16; each W_i in GGUF
@@ -363,10 +362,7 @@ at::Tensor linear_parts(at::Tensor x, const std::vector<at::Tensor>& weights,
   }
   QuantizedRows xq;
   Q8KRows xk;
-  if (blocks32) {
-    xq = x.scalar_type() == at::kBFloat16 ? quantize_rows(x.data_ptr<at::BFloat16>(), rows, k)
-                                             : quantize_rows(x.data_ptr<float>(), rows, k);
-  }
+  if (blocks32) xq = quantize_rows_q8(x);
   if (blocks256) xk = quantize_rows_q8k(x);
   // The GEMM writes bfloat16 outputs itself where no bias is added after it (a pass less).
   const bool direct_bf16 = gemm && !bias.has_value() && x.scalar_type() == at::kBFloat16;
@@ -386,12 +382,12 @@ at::Tensor linear_parts(at::Tensor x, const std::vector<at::Tensor>& weights,
       run_gemm(out.data_ptr<float>() + column);
     } else {
       float* o = out.data_ptr<float>() + column;
-      switch (qtype) {
-        case Q4_0: gemv_rows<Q4_0>(w, n, k, xq, rows, o, total); break;
-        case Q4_1: gemv_rows<Q4_1>(w, n, k, xq, rows, o, total); break;
-        case Q5_0: gemv_rows<Q5_0>(w, n, k, xq, rows, o, total); break;
-        case Q8_0: gemv_rows<Q8_0>(w, n, k, xq, rows, o, total); break;
-        default: k_quant_rows(qtype, w, n, xk, rows, o, total);
+      if (is_k_quant(qtype)) {
+        k_quant_rows(qtype, w, n, xk, rows, o, total);
+      } else {
+        at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+          quant_rows_range(qtype, w, begin, end, xq, xk, 0, rows, o, total);
+        });
       }
     }
     column += n;
@@ -402,6 +398,28 @@ at::Tensor linear_parts(at::Tensor x, const std::vector<at::Tensor>& weights,
 }
 
 }  // namespace
+
+namespace quant {
+
+QuantizedRows quantize_rows_q8(const at::Tensor& x) {
+  const int64_t rows = x.size(0), k = x.size(1);
+  return x.scalar_type() == at::kBFloat16 ? quantize_rows(x.data_ptr<at::BFloat16>(), rows, k)
+                                          : quantize_rows(x.data_ptr<float>(), rows, k);
+}
+
+void quant_rows_range(int64_t qtype, const uint8_t* w, int64_t begin, int64_t end,
+                      const QuantizedRows& xq, const Q8KRows& xk, int64_t r0, int64_t rows,
+                      float* out, int64_t ldo) {
+  switch (qtype) {
+    case Q4_0: return rows32_range<Q4_0>(w, begin, end, xq, r0, rows, out, ldo);
+    case Q4_1: return rows32_range<Q4_1>(w, begin, end, xq, r0, rows, out, ldo);
+    case Q5_0: return rows32_range<Q5_0>(w, begin, end, xq, r0, rows, out, ldo);
+    case Q8_0: return rows32_range<Q8_0>(w, begin, end, xq, r0, rows, out, ldo);
+    default: k_quant_rows_range(qtype, w, begin, end, xk, r0, rows, out, ldo);
+  }
+}
+
+}  // namespace quant
 
 at::Tensor quant_linear_parts(at::Tensor x, const std::vector<at::Tensor>& weights,
                                  const std::vector<int64_t>& qtypes,
