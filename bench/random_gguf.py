@@ -6,7 +6,9 @@ download here.
     python bench/random_gguf.py bench/configs/llama-3.1-8b llama8b-bf16.gguf
     llama-quantize llama8b-bf16.gguf llama8b-q4km.gguf Q4_K_M
 
-Tensors are written one at a time: an 8B shape needs its 15 GB of disk, not of memory.
+Tensors are written one at a time: an 8B shape needs its 15 GB of disk, not of memory. Where
+the bfloat16 file would not fit the disk (Qwen3-30B-A3B's is 61 GB), `--q4-k-m` writes random
+blocks of Q4_K_M's types directly.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ import torch
 from treadle.model.source import default_model_path
 
 INIT_STD = 0.02  # Hugging Face's initializer_range for Llama
+Q = gguf.GGMLQuantizationType
+# --q4-k-m: each type's fp16 scale fields (byte offset, value) in a block of random bytes, the
+# weights then within about +-0.06: Q4_K's d and dmin, Q6_K's d.
+SCALE_FIELDS = {Q.Q4_K: ((0, 6.1e-5), (2, 6.1e-5)), Q.Q6_K: ((208, 7.4e-6),)}
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen3_moe": "qwen3moe"}  # -> GGUF's
 
 
@@ -96,7 +102,32 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     return shapes
 
 
-def write_random_gguf(config_folder: Path, out: Path, seed: int = 0) -> None:
+def q4_k_m_type(name: str, layers: int) -> gguf.GGMLQuantizationType:
+    """llama.cpp's Q4_K_M type for a matrix: Q6_K for the output, and for attn_v and ffn_down in
+    the layers its use_more_bits picks (the first and last eighth, every third between); Q4_K
+    elsewhere."""
+    if name == "output.weight":
+        return Q.Q6_K
+    if ".attn_v." in name or ".ffn_down" in name:
+        i, eighth = int(name.split(".")[1]), layers // 8
+        if i < eighth or i >= 7 * layers // 8 or (i - eighth) % 3 == 2:
+            return Q.Q6_K
+    return Q.Q4_K
+
+
+def random_blocks(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType,
+                  rng: np.random.Generator) -> np.ndarray:
+    """Random bytes in `qtype`'s blocks along the last dimension, the scales set."""
+    weights, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (*shape[:-1], shape[-1] // weights, block_bytes),
+                          dtype=np.uint8)
+    for offset, value in SCALE_FIELDS[qtype]:
+        blocks[..., offset:offset + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
+    return blocks.reshape(*shape[:-1], -1)
+
+
+def write_random_gguf(config_folder: Path, out: Path, seed: int = 0, q4_k_m: bool = False
+                      ) -> None:
     config = json.loads((config_folder / "config.json").read_text())
     architecture = ARCHITECTURES.get(config.get("model_type"))
     if architecture is None:
@@ -126,7 +157,8 @@ def write_random_gguf(config_folder: Path, out: Path, seed: int = 0) -> None:
         writer.add_expert_count(config["num_experts"])
         writer.add_expert_used_count(config["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if q4_k_m
+                         else gguf.LlamaFileType.MOSTLY_BF16)
     for key, field in tokenizer.fields.items():
         if key.startswith("tokenizer."):
             kinds = field.types
@@ -139,21 +171,31 @@ def write_random_gguf(config_folder: Path, out: Path, seed: int = 0) -> None:
     for name, shape in shapes:
         if len(shape) == 1 or name.endswith("ffn_gate_inp.weight"):  # float32, as converted
             writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * math.prod(shape))
+        elif q4_k_m:
+            qtype = q4_k_m_type(name, config["num_hidden_layers"])
+            weights, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            byte_shape = (*shape[:-1], shape[-1] // weights * block_bytes)
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape),
+                                   raw_dtype=qtype)
         else:
             writer.add_tensor_info(name, shape, np.dtype(np.uint16), 2 * math.prod(shape),
-                                   raw_dtype=gguf.GGMLQuantizationType.BF16)
+                                   raw_dtype=Q.BF16)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     if factors is not None:
         writer.write_tensor_data(factors)
     generator = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
     for name, shape in shapes:
         if len(shape) == 1:
             writer.write_tensor_data(np.ones(shape, dtype=np.float32))
         elif name.endswith("ffn_gate_inp.weight"):
             writer.write_tensor_data(torch.empty(shape).normal_(0, INIT_STD, generator=generator)
                                      .numpy())
+        elif q4_k_m:
+            writer.write_tensor_data(random_blocks(shape, q4_k_m_type(
+                name, config["num_hidden_layers"]), rng))
         else:
             weights = torch.empty(shape, dtype=torch.bfloat16).normal_(0, INIT_STD,
                                                                        generator=generator)
@@ -166,8 +208,10 @@ def main() -> None:
     parser.add_argument("config_folder", type=Path, help="a folder with a config.json")
     parser.add_argument("out", type=Path, help="the GGUF file to write")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--q4-k-m", action="store_true",
+                        help="random blocks of Q4_K_M's types instead of bfloat16 weights")
     args = parser.parse_args()
-    write_random_gguf(args.config_folder, args.out, args.seed)
+    write_random_gguf(args.config_folder, args.out, args.seed, args.q4_k_m)
 
 
 if __name__ == "__main__":

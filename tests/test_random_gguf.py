@@ -8,8 +8,11 @@ import json
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
 from model_utils import TINY, greedy_decode, make_runner
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -107,6 +110,35 @@ def test_a_mixture_of_experts_shape_loads_in_treadle_and_transformers_alike(tmp_
         theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
                              eos_token_id=None)[0, len(prompt):].tolist()
     assert ours == theirs
+
+
+MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 4,
+       "num_experts_per_tok": 2, "moe_intermediate_size": 256, "norm_topk_prob": True,
+       "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("moe", [False, True], ids=["llama", "qwen3-moe"])
+def test_q4_k_m_blocks_written_directly_follow_llama_cpp_s_mix_and_serve(tmp_path, moe):
+    folder = write_config(tmp_path / "cfg", hidden_size=256, intermediate_size=512,
+                          num_hidden_layers=8, head_dim=64, **(MOE if moe else {}))
+    path = tmp_path / "tiny-q4km.gguf"
+    random_gguf.write_random_gguf(folder, path, seed=1, q4_k_m=True)
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    down = "ffn_down_exps" if moe else "ffn_down"
+    q6_k = {name for name, t in tensors.items() if t.tensor_type == Q.Q6_K}
+    # use_more_bits over 8 layers: the first and last, and layer 3 ((3 - 1) % 3 == 2)
+    assert q6_k == {"output.weight"} | {f"blk.{i}.{m}.weight" for i in (0, 3, 6, 7)
+                                        for m in ("attn_v", down)}
+    assert {t.tensor_type for name, t in tensors.items() if name not in q6_k
+            and len(t.shape) > 1 and "ffn_gate_inp" not in name} == {Q.Q4_K}
+    for name in ("blk.0.attn_q.weight", f"blk.0.{down}.weight"):
+        weights = dequantize(tensors[name].data, tensors[name].tensor_type)
+        assert np.isfinite(weights).all() and 0.01 < np.abs(weights).max() < 0.07
+    runner = make_runner(path, quantization="auto")
+    assert {layer.type_name for layer in runner.model.quantized_layers()} >= {"Q4_K", "Q6_K"}
+    tokens = greedy_decode(runner, [[1, 504, 3250, 314]], 4)[0]
+    assert len(tokens) == 4
 
 
 @pytest.mark.default_model
