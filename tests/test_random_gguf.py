@@ -127,7 +127,7 @@ def test_q4_k_m_blocks_written_directly_follow_llama_cpp_s_mix_and_serve(tmp_pat
     tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
     down = "ffn_down_exps" if moe else "ffn_down"
     q6_k = {name for name, t in tensors.items() if t.tensor_type == Q.Q6_K}
-    # use_more_bits over 8 layers: the first and last, and layer 3 ((3 - 1) % 3 == 2)
+    # use_more_bits over 8 layers: the first and last eighth (0, 7), and (i - 1) % 3 == 2 (3, 6)
     assert q6_k == {"output.weight"} | {f"blk.{i}.{m}.weight" for i in (0, 3, 6, 7)
                                         for m in ("attn_v", down)}
     assert {t.tensor_type for name, t in tensors.items() if name not in q6_k

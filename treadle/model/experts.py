@@ -98,12 +98,12 @@ class SparseMoE:
                                         for p in self.parts())
 
 
-
-def native_experts(experts: list[tuple[Linear | QuantizedLinear, Linear | QuantizedLinear]]):
-    """The native layer over the experts where every one is in GGUF blocks with the integer
-    kernels loaded, else None."""
+def native_experts(experts: list[tuple[Linear | QuantizedLinear, Linear | QuantizedLinear]]
+                   ) -> object | None:
+    """The native layer over the experts where every one is in GGUF blocks whose batch path is
+    the integer GEMM (no dense copy, a type this build's GEMM takes), else None."""
     parts = [p for expert in experts for p in expert]
-    if not all(isinstance(p, QuantizedLinear) and p.kernels is not None and p.bias is None
+    if not all(isinstance(p, QuantizedLinear) and p.integer_gemm and p.bias is None
                for p in parts):
         return None
     return parts[0].kernels.QuantMoE([g.data for g, _ in experts], [g.qtypes for g, _ in experts],

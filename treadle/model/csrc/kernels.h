@@ -107,7 +107,8 @@ class LlamaDecoder {
 class QuantMoE {
  public:
   // Per expert: its gate and up matrices as parts (their rows concatenated: gate, then up),
-  // each part's blocks and type; its down matrix and type.
+  // each part's blocks and type; its down matrix and type. Every type must have this build's
+  // integer GEMM.
   QuantMoE(std::vector<std::vector<at::Tensor>> gate_up,
            std::vector<std::vector<int64_t>> gate_up_types, std::vector<at::Tensor> down,
            std::vector<int64_t> down_types);
@@ -121,7 +122,6 @@ class QuantMoE {
   struct Projection {
     std::vector<at::Tensor> weights;
     std::vector<int64_t> types;
-    bool gemm = false;  // every part's type has the integer GEMM in this build
   };
   struct Expert {
     Projection gate_up, down;

@@ -389,13 +389,17 @@ void k_quant_rows_range(int64_t qtype, const uint8_t* w, int64_t begin, int64_t 
 
 void k_quant_rows(int64_t qtype, const uint8_t* w, int64_t n, const Q8KRows& xq, int64_t rows,
                   float* out, int64_t ldo) {
-  // A decode row streams pairs of weight rows; larger steps split weight tiles evenly.
 #if defined(__AVX2__)
-  const int64_t grain = rows == 1 ? 16 : TILE_WEIGHTS;
-#else
-  const int64_t grain = 16;
+  if (rows > 1) {  // threads split whole weight tiles
+    const int64_t tiles = (n + TILE_WEIGHTS - 1) / TILE_WEIGHTS;
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      k_quant_rows_range(qtype, w, begin * TILE_WEIGHTS, std::min(n, end * TILE_WEIGHTS), xq, 0,
+                         rows, out, ldo);
+    });
+    return;
+  }
 #endif
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     k_quant_rows_range(qtype, w, begin, end, xq, 0, rows, out, ldo);
   });
 }

@@ -2,9 +2,10 @@
 // (token, expert) pairs are grouped by expert; the experts' gate/up rows, then their down rows,
 // are split among the threads in one parallel region per projection, each weight tile read once
 // for all of its expert's rows (the row kernels). An expert with more rows than its row-kernel
-// limit runs the integer GEMM instead. A pair's result is its row kernels' alone, so a token's
-// output does not depend on the other tokens of the step (the GEMM's 32-wide types give the same
-// bits; the K-quants' GEMM rounds otherwise), and a token sums its k experts in its own order.
+// limit runs the integer GEMM instead, before the region. A pair's result is its row kernels'
+// alone and a token sums its k experts in its own order, so a token's output does not depend on
+// the step's other tokens, except where an expert's rows cross the limit and its type's GEMM
+// rounds otherwise than its row kernels (the K-quants).
 #include "kernels.h"
 #include "quant_blocks.h"
 
@@ -69,8 +70,17 @@ QuantMoE::QuantMoE(std::vector<std::vector<at::Tensor>> gate_up,
   const size_t n = gate_up.size();
   TORCH_CHECK(n > 0 && gate_up_types.size() == n && down.size() == n && down_types.size() == n,
               "QuantMoE: gate/up parts, their types, down and its type for every expert");
+  const std::vector<int64_t> gemm = panel_gemm_types();
   for (size_t e = 0; e < n; ++e) {
+    TORCH_CHECK(!gate_up[e].empty() && gate_up_types[e].size() == gate_up[e].size(),
+                "QuantMoE: one type per gate/up part");
     experts_.push_back({{gate_up[e], gate_up_types[e]}, {{down[e]}, {down_types[e]}}});
+    for (const Projection& p : {experts_.back().gate_up, experts_.back().down}) {
+      for (int64_t type : p.types) {
+        TORCH_CHECK(std::find(gemm.begin(), gemm.end(), type) != gemm.end(),
+                    "QuantMoE: type ", type, " has no integer GEMM in this build");
+      }
+    }
   }
   const Projection& first = experts_[0].gate_up;
   hidden_ = first.weights[0].size(1) / block_bytes(first.types[0]) *
@@ -86,14 +96,6 @@ QuantMoE::QuantMoE(std::vector<std::vector<at::Tensor>> gate_up,
     gate_up_width_ = width;
     check_weight(expert.down.weights[0], expert.down.types[0], width / 2);
     TORCH_CHECK(expert.down.weights[0].size(0) == hidden_, "QuantMoE: down's rows != hidden");
-  }
-  const std::vector<int64_t> gemm = panel_gemm_types();
-  for (Expert& expert : experts_) {
-    for (Projection* p : {&expert.gate_up, &expert.down}) {
-      p->gemm = std::all_of(p->types.begin(), p->types.end(), [&](int64_t t) {
-        return std::find(gemm.begin(), gemm.end(), t) != gemm.end();
-      });
-    }
   }
 }
 
@@ -131,25 +133,27 @@ std::tuple<at::Tensor, int64_t> QuantMoE::forward(at::Tensor x, at::Tensor chose
   int64_t experts_run = 0;
   for (int64_t e = 0; e < num_experts; ++e) experts_run += first[e + 1] > first[e];
 
-  const auto quantized = [&](const at::Tensor& rows, bool gather_rows) {
+  // The activations in the forms the projection's types take: for gate/up the tokens' rows
+  // quantized and gathered into pair order, for down the pairs' rows as they are.
+  const auto quantized = [&](const at::Tensor& rows, bool for_gate_up) {
     bool q8 = false, q8k = false;
     for (const Expert& expert : experts_) {
-      const Projection& p = gather_rows ? expert.gate_up : expert.down;
+      const Projection& p = for_gate_up ? expert.gate_up : expert.down;
       for (int64_t t : p.types) (is_k_quant(t) ? q8k : q8) = true;
     }
     Activations a;
-    if (q8) a.q8 = gather_rows ? gather(quantize_rows_q8(rows), token_of) : quantize_rows_q8(rows);
+    if (q8) a.q8 = for_gate_up ? gather(quantize_rows_q8(rows), token_of) : quantize_rows_q8(rows);
     if (q8k) {
-      a.q8k = gather_rows ? gather(quantize_rows_q8k(rows), token_of) : quantize_rows_q8k(rows);
+      a.q8k = for_gate_up ? gather(quantize_rows_q8k(rows), token_of) : quantize_rows_q8k(rows);
     }
     return a;
   };
 
-  // out [pairs, width]: each pair's row of the projection `which` of its expert.
+  // out [pairs, width]: each pair's row of its expert's gate/up (or down) projection.
   const auto project = [&](const Activations& a, bool gate_up, int64_t row_limit, float* out,
                            int64_t width) {
     struct Item {
-      const at::Tensor* weight;
+      const uint8_t* weight;
       int64_t type, first_row, rows, begin, end, column;
     };
     std::vector<Item> items;
@@ -158,24 +162,26 @@ std::tuple<at::Tensor, int64_t> QuantMoE::forward(at::Tensor x, at::Tensor chose
       const int64_t rows = first[e + 1] - first[e];
       if (rows == 0) continue;
       const Projection& p = gate_up ? experts_[e].gate_up : experts_[e].down;
+      Activations own;  // the GEMM's: this expert's rows alone
+      if (rows > row_limit) {
+        const std::vector<int64_t> own_rows = consecutive(first[e], rows);
+        if (!a.q8.q.empty()) own.q8 = gather(a.q8, own_rows);
+        if (!a.q8k.q.empty()) own.q8k = gather(a.q8k, own_rows);
+      }
       int64_t column = 0;
       for (size_t i = 0; i < p.weights.size(); ++i) {
         const int64_t n = p.weights[i].size(0), type = p.types[i];
-        if (rows > row_limit && p.gemm) {
-          // The GEMM over this expert's rows alone (it splits its weight rows among threads).
+        const uint8_t* w = p.weights[i].data_ptr<uint8_t>();
+        if (rows > row_limit) {  // the GEMM splits its weight rows among the threads itself
           float* o = out + first[e] * width + column;
-          const uint8_t* w = p.weights[i].data_ptr<uint8_t>();
           if (is_k_quant(type)) {
-            panel_gemm(type, w, n, gather(a.q8k, consecutive(first[e], rows)), rows, o,
-                       width);
+            panel_gemm(type, w, n, own.q8k, rows, o, width);
           } else {
-            panel_gemm(type, w, n, gather(a.q8, consecutive(first[e], rows)), rows, o,
-                       width);
+            panel_gemm(type, w, n, own.q8, rows, o, width);
           }
         } else {
           for (int64_t o = 0; o < n; o += TILE) {
-            items.push_back({&p.weights[i], type, first[e], rows, o, std::min(n, o + TILE),
-                             column});
+            items.push_back({w, type, first[e], rows, o, std::min(n, o + TILE), column});
             // A tile's read from memory costs about two rows' products on it.
             cost_before.push_back(cost_before.back() + 2 + rows);
           }
@@ -195,7 +201,7 @@ std::tuple<at::Tensor, int64_t> QuantMoE::forward(at::Tensor x, at::Tensor chose
                                          total * (thread + 1) / threads);
         for (auto it = from; it != to; ++it) {
           const Item& item = items[it - cost_before.begin()];
-          quant_rows_range(item.type, item.weight->data_ptr<uint8_t>(), item.begin, item.end,
+          quant_rows_range(item.type, item.weight, item.begin, item.end,
                            a.q8, a.q8k, item.first_row, item.rows,
                            out + item.first_row * width + item.column, width);
         }
