@@ -126,6 +126,10 @@ class QuantMoE {
   struct Expert {
     Projection gate_up, down;
   };
+  struct Forms {  // the activation forms a projection's types take: 32-wide, K-quant
+    bool q8 = false, q8k = false;
+  };
   std::vector<Expert> experts_;
+  Forms gate_up_forms_, down_forms_;
   int64_t hidden_ = 0, gate_up_width_ = 0;
 };

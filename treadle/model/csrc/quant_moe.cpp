@@ -96,6 +96,10 @@ QuantMoE::QuantMoE(std::vector<std::vector<at::Tensor>> gate_up,
     gate_up_width_ = width;
     check_weight(expert.down.weights[0], expert.down.types[0], width / 2);
     TORCH_CHECK(expert.down.weights[0].size(0) == hidden_, "QuantMoE: down's rows != hidden");
+    for (const Projection* p : {&expert.gate_up, &expert.down}) {
+      Forms& forms = p == &expert.gate_up ? gate_up_forms_ : down_forms_;
+      for (int64_t type : p->types) (is_k_quant(type) ? forms.q8k : forms.q8) = true;
+    }
   }
 }
 
@@ -136,14 +140,10 @@ std::tuple<at::Tensor, int64_t> QuantMoE::forward(at::Tensor x, at::Tensor chose
   // The activations in the forms the projection's types take: for gate/up the tokens' rows
   // quantized and gathered into pair order, for down the pairs' rows as they are.
   const auto quantized = [&](const at::Tensor& rows, bool for_gate_up) {
-    bool q8 = false, q8k = false;
-    for (const Expert& expert : experts_) {
-      const Projection& p = for_gate_up ? expert.gate_up : expert.down;
-      for (int64_t t : p.types) (is_k_quant(t) ? q8k : q8) = true;
-    }
+    const Forms& forms = for_gate_up ? gate_up_forms_ : down_forms_;
     Activations a;
-    if (q8) a.q8 = for_gate_up ? gather(quantize_rows_q8(rows), token_of) : quantize_rows_q8(rows);
-    if (q8k) {
+    if (forms.q8) a.q8 = for_gate_up ? gather(quantize_rows_q8(rows), token_of) : quantize_rows_q8(rows);
+    if (forms.q8k) {
       a.q8k = for_gate_up ? gather(quantize_rows_q8k(rows), token_of) : quantize_rows_q8k(rows);
     }
     return a;
