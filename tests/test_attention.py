@@ -204,10 +204,12 @@ def naive_prefill(q, keys, values, scale, window=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, num_kv_heads", [(9, 3), (8, 2), (4, 4)])
 @pytest.mark.parametrize("head_dim", [16, 40])
-@pytest.mark.parametrize("num_keys, window", [(13, None), (30, None), (30, 5)])
+@pytest.mark.parametrize("num_keys, window", [(13, None), (30, None), (30, 5), (100, None),
+                                              (100, 20)])
 def test_prefill_attention_matches_naive(dtype, heads, num_kv_heads, head_dim, num_keys, window):
     """The native prefill kernel: a chunk of 13 queries over its own keys (13) or over a
-    context before it (30), causal, with and without a sliding window."""
+    context before it (30, 100: more key blocks than a tile's rows), causal, with and without a
+    sliding window; 13 queries of 1-4 heads a KV head fill tiles of 12 rows and part of one."""
     native = kernels.native_prefill_attention()
     if native is None:
         pytest.skip("native prefill attention unavailable")
@@ -222,20 +224,22 @@ def test_prefill_attention_matches_naive(dtype, heads, num_kv_heads, head_dim, n
     assert (out.double() - expected).abs().max().item() < tolerance
 
 
-@pytest.mark.parametrize("window", [None, 7])
-def test_prefill_chunks_agree_with_the_whole_prompt_to_the_bit(window):
+@pytest.mark.parametrize("length, start", [(40, 25), (133, 57)])
+@pytest.mark.parametrize("window", [None, 7, 33])
+def test_prefill_chunks_agree_with_the_whole_prompt_to_the_bit(length, start, window):
     """A prompt's last rows computed as a later chunk (over the keys before it) equal the same
-    rows of the whole prompt: each row is one pass over its own keys."""
+    rows of the whole prompt: each row's sums run over its own keys in order, whatever rows
+    share its tile (chunks starting off a tile's and a key block's edge)."""
     native = kernels.native_prefill_attention()
     if native is None:
         pytest.skip("native prefill attention unavailable")
     gen = torch.Generator().manual_seed(5)
-    q = torch.randn(40, 9, 64, generator=gen).to(torch.bfloat16)
-    keys = torch.randn(40, 3, 64, generator=gen).to(torch.bfloat16)
-    values = torch.randn(40, 3, 64, generator=gen).to(torch.bfloat16)
+    q = torch.randn(length, 9, 64, generator=gen).to(torch.bfloat16)
+    keys = torch.randn(length, 3, 64, generator=gen).to(torch.bfloat16)
+    values = torch.randn(length, 3, 64, generator=gen).to(torch.bfloat16)
     whole = native(q, keys, values, 0.125, window or 0)
-    later = native(q[25:], keys, values, 0.125, window or 0)
-    assert torch.equal(later, whole[25:])
+    later = native(q[start:], keys, values, 0.125, window or 0)
+    assert torch.equal(later, whole[start:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -42,6 +43,21 @@ inline float to_float(at::BFloat16 x) {
 // An int8 cache's lanes unscaled: each vector's scale multiplies its scores and weights instead
 // (one multiply per head and position, not per element).
 inline float to_float(int8_t x) { return static_cast<float>(x); }
+
+// The largest of `count` scores (std::max_element stays scalar).
+inline float max_of(const float* s, int64_t count) {
+  float max = -INFINITY;
+  int64_t pos = 0;
+#if defined(__AVX2__)
+  if (count >= 8) {
+    __m256 max8 = _mm256_loadu_ps(s);
+    for (pos = 8; pos + 8 <= count; pos += 8) max8 = _mm256_max_ps(max8, _mm256_loadu_ps(s + pos));
+    max = hmax(max8);
+  }
+#endif
+  for (; pos < count; ++pos) max = std::max(max, s[pos]);
+  return max;
+}
 
 // s[i] = exp(s[i] - max) for `count` scores; returns their sum.
 inline float exp_in_place(float* s, int64_t count, float max) {
@@ -370,7 +386,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
       }
       for (int64_t h = 0; h < num_heads; ++h) {
         float* s = scores.data() + h * PART;
-        const float max_score = *std::max_element(s, s + count);
+        const float max_score = max_of(s, count);
         const float total = exp_in_place(s, count, max_score);
         task_max[task * num_heads + h] = max_score;
         task_sum[task * num_heads + h] = total;
@@ -437,8 +453,186 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
 }
 
 #if defined(__AVX2__)
-// A chunk's queries q [T, H, D] over keys, values [N, Hkv, D] (query i at key N - T + i), each
-// row in one pass over its keys in order, all in float32.
+// Rows (a query and one of its KV head's query heads) a prefill tile takes at once: their
+// accumulators, the shared key or value vector and a broadcast fit AVX2's 16 registers.
+constexpr int64_t TILE_ROWS = 12;
+// Positions a tile's value pass takes per sweep of its dimensions: their value vectors stay in
+// L1 across the sweep.
+constexpr int64_t VALUE_SPAN = 64;
+
+// The 8x8 floats in r, transposed in place.
+inline void transpose8(__m256* r) {
+  __m256 t[8], s[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    s[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    s[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    s[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    s[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
+  }
+}
+
+// keys [N, Hkv, D] -> kt [Hkv][ceil(N / 8)][D][8] floats, positions past N zero: each block of 8
+// keys as one vector per dimension, which a tile's rows take with a broadcast each.
+template <typename T>
+void transpose_keys(const T* keys, int64_t num_keys, int64_t num_kv_heads, int64_t head_dim,
+                    float* kt) {
+  const int64_t num_blocks = (num_keys + 7) / 8, row = num_kv_heads * head_dim;
+  at::parallel_for(0, num_kv_heads * num_blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t kv = item / num_blocks, first = item % num_blocks * 8;
+      const int64_t count = std::min<int64_t>(8, num_keys - first);
+      float* dst = kt + item * head_dim * 8;
+      for (int64_t d = 0; d < head_dim; d += 8) {
+        __m256 r[8];
+        for (int j = 0; j < 8; ++j) {
+          r[j] = j < count ? load8(keys + (first + j) * row + kv * head_dim + d)
+                           : _mm256_setzero_ps();
+        }
+        transpose8(r);
+        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(dst + (d + j) * 8, r[j]);
+      }
+    }
+  });
+}
+
+// Scores of MR rows of one KV head, queries qs [MR][D] (scaled, float32), over the keys from
+// `lo` (a multiple of 8) to `hi` (exclusive) in kt (its KV head's blocks): scores [MR][span].
+template <int MR>
+void score_tile(const float* qs, const float* kt, int64_t head_dim, int64_t lo, int64_t hi,
+                float* scores, int64_t span) {
+  for (int64_t b = lo; b < hi; b += 8) {
+    const float* k = kt + b * head_dim;
+    __m256 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const __m256 key = _mm256_loadu_ps(k + d * 8);
+      for (int r = 0; r < MR; ++r) {
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(qs[r * head_dim + d]), key, acc[r]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(scores + r * span + (b - lo), acc[r]);
+  }
+}
+
+// Row r's softmax over its keys first[r] .. last[r] of the scores (from `lo`), zero weights
+// elsewhere up to `hi` (adding 0 * value leaves its sums as they are), then out [MR][D] the
+// weighted values (its KV head's first lane, rows `row` apart), normalized. Each row's sums run
+// over its own keys in order, whatever rows share its tile: chunks agree with the whole prompt
+// to the bit.
+template <int MR, typename T>
+void value_tile(const int64_t* first, const int64_t* last, const T* values, int64_t row,
+                int64_t head_dim, int64_t lo, int64_t hi, float* scores, int64_t span,
+                float* out) {
+  float totals[MR];
+  for (int r = 0; r < MR; ++r) {
+    float* s = scores + r * span;
+    const int64_t f = first[r] - lo, l = last[r] - lo;
+    totals[r] = exp_in_place(s + f, l - f + 1, max_of(s + f, l - f + 1));
+    std::fill(s, s + f, 0.f);
+    std::fill(s + l + 1, s + (hi - lo), 0.f);
+  }
+  for (int64_t p0 = 0; p0 < hi - lo; p0 += VALUE_SPAN) {
+    const int64_t p1 = std::min(hi - lo, p0 + VALUE_SPAN);
+    for (int64_t d = 0; d < head_dim; d += 8) {
+      __m256 acc[MR];
+      for (int r = 0; r < MR; ++r) {
+        acc[r] = p0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + r * head_dim + d);
+      }
+      for (int64_t p = p0; p < p1; ++p) {
+        const __m256 value = load8(values + (lo + p) * row + d);
+        for (int r = 0; r < MR; ++r) {
+          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scores[r * span + p]), value, acc[r]);
+        }
+      }
+      for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * head_dim + d, acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    const __m256 inv = _mm256_set1_ps(1.f / totals[r]);
+    for (int64_t d = 0; d < head_dim; d += 8) {
+      float* o = out + r * head_dim + d;
+      _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_loadu_ps(o), inv));
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// AVX-512 BF16's dot product of bfloat16 pairs (twice the multiplies of a float32 FMA a cycle on
+// a Zen 4) scores bfloat16 queries; picked at run time, so the variant still runs on AVX-512
+// CPUs without it.
+bool has_bf16_dot() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+// keys [N, Hkv, D] bfloat16 -> kp [Hkv][ceil(N / 16)][D / 2][16] pairs of dimensions (positions
+// past N zero): 16 keys' pairs side by side, one vector per pair of dimensions.
+void pair_keys(const at::BFloat16* keys, int64_t num_keys, int64_t num_kv_heads,
+               int64_t head_dim, uint32_t* kp) {
+  const int64_t num_blocks = (num_keys + 15) / 16, row = num_kv_heads * head_dim;
+  const int64_t half = head_dim / 2;
+  // Each of 16 keys' pair p in one gather: key j's pairs start j * row / 2 pairs on.
+  const __m512i rows = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(row / 2)));
+  at::parallel_for(0, num_kv_heads * num_blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t kv = item / num_blocks, first = item % num_blocks * 16;
+      const __mmask16 present = static_cast<__mmask16>(
+          (1u << std::min<int64_t>(16, num_keys - first)) - 1);
+      const int* key = reinterpret_cast<const int*>(keys + first * row + kv * head_dim);
+      uint32_t* dst = kp + item * half * 16;
+      for (int64_t p = 0; p < half; ++p) {
+        _mm512_storeu_si512(dst + p * 16, _mm512_mask_i32gather_epi32(
+                                              _mm512_setzero_si512(), present, rows, key + p, 4));
+      }
+    }
+  });
+}
+
+// score_tile over bfloat16 pairs: queries qp [MR][D / 2] (unscaled), keys kp (its KV head's
+// blocks of 16), `lo` a multiple of 16.
+template <int MR>
+__attribute__((target("avx512bf16"))) void score_tile_bf16(
+    const uint32_t* qp, const uint32_t* kp, int64_t half, float scale, int64_t lo, int64_t hi,
+    float* scores, int64_t span) {
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  for (int64_t b = lo; b < hi; b += 16) {
+    const uint32_t* k = kp + b * half;
+    __m512 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < half; ++p) {
+      const __m512bh key = (__m512bh)_mm512_loadu_si512(k + p * 16);
+      for (int r = 0; r < MR; ++r) {
+        acc[r] = _mm512_dpbf16_ps(
+            acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * half + p])), key);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      _mm512_storeu_ps(scores + r * span + (b - lo), _mm512_mul_ps(acc[r], scale16));
+    }
+  }
+}
+#endif
+
+// f(std::integral_constant<int, rows>) for rows in 1 .. sizeof...(MR).
+template <typename F, int... MR>
+void with_rows(int rows, std::integer_sequence<int, MR...>, F&& f) {
+  ((rows == MR + 1 ? f(std::integral_constant<int, MR + 1>{}) : void()), ...);
+}
+
+// A chunk's queries q [T, H, D] over keys, values [N, Hkv, D] (query i at key N - T + i): keys
+// rearranged once into blocks (8 keys as float32 vectors, or 16 as bfloat16 pairs), then tiles
+// of TILE_ROWS (query, head) rows of one KV head, each scoring every key block in one pass of
+// its rows, then summing the values in float32.
 template <typename T>
 void prefill_kernel(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                     double scale, int64_t window, at::Tensor& out) {
@@ -446,41 +640,81 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
   const int64_t num_keys = keys.size(0), num_kv_heads = keys.size(1);
   const int64_t group = num_heads / num_kv_heads, row = num_kv_heads * head_dim;
   const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = keys.data_ptr<T>();
   const T* v_ptr = values.data_ptr<T>();
   T* out_ptr = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
-  // Items are (query, KV head) pairs, so that a chunk of a few tokens over a long context
-  // still spreads over the threads. The last queries see the most keys: taken alternately from
-  // both ends, the two halves of a static split cost alike.
-  at::parallel_for(0, num_queries * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * head_dim), acc(group * head_dim), totals(group), scores;
+#if defined(__AVX512F__)
+  constexpr bool kBF16 = std::is_same_v<T, at::BFloat16>;
+  const bool pairs = kBF16 && has_bf16_dot();
+#else
+  constexpr bool pairs = false;
+#endif
+  const int64_t block = pairs ? 16 : 8, half = head_dim / 2;
+  const int64_t num_blocks = (num_keys + block - 1) / block;
+  // Reused across calls: a fresh buffer of this size is fresh pages every layer. Its pointer is
+  // taken here: a thread_local named in the parallel region is each worker's own.
+  static thread_local std::vector<float> key_buffer;
+  key_buffer.resize(num_kv_heads * num_blocks * block * head_dim);
+  float* kt = key_buffer.data();
+  const int64_t kv_stride = num_blocks * block * head_dim;  // floats
+#if defined(__AVX512F__)
+  uint32_t* kp = reinterpret_cast<uint32_t*>(kt);  // half the floats' room
+  if constexpr (kBF16) {
+    if (pairs) pair_keys(keys.data_ptr<at::BFloat16>(), num_keys, num_kv_heads, head_dim, kp);
+  }
+#endif
+  if (!pairs) transpose_keys(keys.data_ptr<T>(), num_keys, num_kv_heads, head_dim, kt);
+
+  const int64_t num_rows = num_queries * group;
+  const int64_t num_tiles = (num_rows + TILE_ROWS - 1) / TILE_ROWS;
+  // Later tiles see more keys: taken alternately from both ends, the halves of a static split
+  // cost alike.
+  at::parallel_for(0, num_kv_heads * num_tiles, 1, [&](int64_t begin, int64_t end) {
+    static thread_local std::vector<float> scores;
+    std::vector<float> qs(TILE_ROWS * head_dim), tile_out(TILE_ROWS * head_dim);
+    std::vector<uint32_t> qp(TILE_ROWS * half);
+    int64_t first[TILE_ROWS], last[TILE_ROWS];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t pair = item / num_kv_heads, kv = item % num_kv_heads;
-      const int64_t i = pair % 2 == 0 ? pair / 2 : num_queries - 1 - pair / 2;
-      const int64_t last = num_keys - num_queries + i;
-      const int64_t first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
-      const int64_t count = last - first + 1;
-      scores.resize(group * count);
-      // The KV head's query heads, and its keys and values from `first` (rows `row` apart).
-      const T* q_heads = q_ptr + (i * num_heads + kv * group) * head_dim;
-      for (int64_t j = 0; j < group * head_dim; ++j) query[j] = to_float(q_heads[j]) * fscale;
-      const int64_t offset = first * row + kv * head_dim;
-      all_heads<false>(query.data(), k_ptr + offset, row, count, head_dim, group, group,
-                       scores.data(), count);
-      for (int64_t h = 0; h < group; ++h) {
-        float* s = scores.data() + h * count;
-        totals[h] = exp_in_place(s, count, *std::max_element(s, s + count));
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      all_heads<true>(scores.data(), v_ptr + offset, row, count, head_dim, group, group,
-                      acc.data(), count);
-      T* dst = out_ptr + (i * num_heads + kv * group) * head_dim;
-      for (int64_t h = 0; h < group; ++h) {
-        const float inv = 1.f / totals[h];
-        for (int64_t d = 0; d < head_dim; ++d) {
-          dst[h * head_dim + d] = static_cast<T>(acc[h * head_dim + d] * inv);
+      const int64_t kv = item / num_tiles, k = item % num_tiles;
+      const int64_t tile = k % 2 == 0 ? k / 2 : num_tiles - 1 - k / 2;
+      const int64_t row0 = tile * TILE_ROWS;
+      const int rows = static_cast<int>(std::min(TILE_ROWS, num_rows - row0));
+      for (int r = 0; r < rows; ++r) {
+        const int64_t i = (row0 + r) / group, h = kv * group + (row0 + r) % group;
+        last[r] = num_keys - num_queries + i;
+        first[r] = window > 0 ? std::max<int64_t>(0, last[r] - window + 1) : 0;
+        const T* src = q_ptr + (i * num_heads + h) * head_dim;
+        if (pairs) {
+          std::memcpy(qp.data() + r * half, src, head_dim * sizeof(T));
+        } else {
+          for (int64_t d = 0; d < head_dim; ++d) {
+            qs[r * head_dim + d] = to_float(src[d]) * fscale;
+          }
         }
+      }
+      const int64_t lo = first[0] / block * block, hi = last[rows - 1] + 1;
+      // Rows a cache line past a multiple of 4 KiB apart: rows a multiple of 4 KiB apart share
+      // L1's sets, and a tile's 12 rows evicted each other (16-query chunks at 4k context: 1.5x).
+      const int64_t span = (hi - lo + 1023) / 1024 * 1024 + 16;
+      if (static_cast<int64_t>(scores.size()) < rows * span) scores.resize(rows * span);
+      with_rows(rows, std::make_integer_sequence<int, TILE_ROWS>{}, [&](auto mr) {
+        constexpr int MR = decltype(mr)::value;
+#if defined(__AVX512F__)
+        if (pairs) {
+          score_tile_bf16<MR>(qp.data(), kp + kv * kv_stride / 2, half, fscale, lo, hi,
+                              scores.data(), span);
+        }
+#endif
+        if (!pairs) {
+          score_tile<MR>(qs.data(), kt + kv * kv_stride, head_dim, lo, hi, scores.data(), span);
+        }
+        value_tile<MR, T>(first, last, v_ptr + kv * head_dim, row, head_dim, lo, hi,
+                          scores.data(), span, tile_out.data());
+      });
+      for (int r = 0; r < rows; ++r) {
+        const int64_t i = (row0 + r) / group, h = kv * group + (row0 + r) % group;
+        T* dst = out_ptr + (i * num_heads + h) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(tile_out[r * head_dim + d]);
       }
     }
   });
