@@ -19,8 +19,8 @@ MANIFEST = "manifest.json"
 EXTENSION = "treadle_kernels"
 X86_64 = ("x86_64", "AMD64")
 # Fixed levels, not -march=native, so that one build serves every CPU of its class.
-# avx512: VNNI's int8 dot products in the quantized kernels; AVX-512 BF16 adds no instruction
-# the kernels use (bfloat16 matmuls are oneDNN's), so a VNNI CPU without it runs this one too.
+# avx512: VNNI's int8 dot products in the quantized kernels; AVX-512 BF16's dot products (prefill
+# attention) are chosen at run time, so a VNNI CPU without them runs this one too.
 MARCH = {"avx512": ["-march=x86-64-v4", "-mavx512vnni"], "avx2": ["-march=x86-64-v3"]}
 PREBUILT = tuple(MARCH)  # what an x86-64 wheel carries; "generic" is built at first use only
 

@@ -621,6 +621,89 @@ __attribute__((target("avx512bf16"))) void score_tile_bf16(
     }
   }
 }
+
+// values [N, Hkv, D] bfloat16 -> vp [Hkv][ceil(N / 2)][D] pairs of positions (a position past
+// N zero): one dot product adds two positions' weighted values to 16 lanes.
+void pair_values(const at::BFloat16* values, int64_t num_keys, int64_t num_kv_heads,
+                 int64_t head_dim, uint32_t* vp) {
+  const int64_t num_pairs = (num_keys + 1) / 2, row = num_kv_heads * head_dim;
+  at::parallel_for(0, num_kv_heads * num_pairs, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t kv = item / num_pairs, pos = item % num_pairs * 2;
+      const at::BFloat16* even = values + pos * row + kv * head_dim;
+      const bool has_odd = pos + 1 < num_keys;
+      uint32_t* dst = vp + item * head_dim;
+      for (int64_t d = 0; d < head_dim; d += 16) {
+        const __m512i low = _mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + d)));
+        const __m512i high = has_odd ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + row + d))), 16)
+                                     : _mm512_setzero_si512();
+        _mm512_storeu_si512(dst + d, _mm512_or_si512(low, high));
+      }
+    }
+  });
+}
+
+// value_tile over bfloat16 pairs: each row's softmax weights rounded to bfloat16 in place of its
+// scores, summed as rounded (from its own first key, so the same whatever its tile), then two
+// positions a dot product with vp (its KV head's pairs; `lo` a multiple of 16). head_dim: a
+// multiple of 16.
+template <int MR>
+__attribute__((target("avx512bf16"))) void value_tile_bf16(
+    const int64_t* first, const int64_t* last, const uint32_t* vp, int64_t head_dim, int64_t lo,
+    int64_t hi, float* scores, int64_t span, float* out) {
+  const int64_t count = hi - lo, num_pairs = (count + 1) / 2;
+  const int64_t rounded = (count + 15) / 16 * 16;  // <= span - 16: the scores' padding
+  float totals[MR];
+  for (int r = 0; r < MR; ++r) {
+    float* s = scores + r * span;
+    const int64_t f = first[r] - lo, l = last[r] - lo;
+    exp_in_place(s + f, l - f + 1, max_of(s + f, l - f + 1));
+    std::fill(s, s + f, 0.f);
+    std::fill(s + l + 1, s + rounded, 0.f);
+    // In place: 16 floats are read before their 16 halves are written over the first 8.
+    uint16_t* w = reinterpret_cast<uint16_t*>(s);
+    for (int64_t p = 0; p < rounded; p += 16) {
+      const __m256bh half = _mm512_cvtneps_pbh(_mm512_loadu_ps(s + p));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + p), (__m256i)half);
+    }
+    __m512 sum = _mm512_setzero_ps();
+    int64_t p = f;
+    for (; p + 16 <= l + 1; p += 16) {
+      sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                   _mm256_loadu_si256(reinterpret_cast<__m256i*>(w + p))), 16)));
+    }
+    float total = _mm512_reduce_add_ps(sum);
+    for (; p <= l; ++p) total += to_float(c10::BFloat16(w[p], c10::BFloat16::from_bits()));
+    totals[r] = total;
+  }
+  for (int64_t q0 = 0; q0 < num_pairs; q0 += VALUE_SPAN / 2) {
+    const int64_t q1 = std::min(num_pairs, q0 + VALUE_SPAN / 2);
+    for (int64_t d = 0; d < head_dim; d += 16) {
+      __m512 acc[MR];
+      for (int r = 0; r < MR; ++r) {
+        acc[r] = q0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + r * head_dim + d);
+      }
+      for (int64_t q = q0; q < q1; ++q) {
+        const __m512bh value = (__m512bh)_mm512_loadu_si512(vp + (lo / 2 + q) * head_dim + d);
+        for (int r = 0; r < MR; ++r) {
+          const uint32_t* w = reinterpret_cast<const uint32_t*>(scores + r * span);
+          acc[r] = _mm512_dpbf16_ps(
+              acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(w[q])), value);
+        }
+      }
+      for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * head_dim + d, acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / totals[r]);
+    for (int64_t d = 0; d < head_dim; d += 16) {
+      float* o = out + r * head_dim + d;
+      _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), inv));
+    }
+  }
+}
 #endif
 
 // f(std::integral_constant<int, rows>) for rows in 1 .. sizeof...(MR).
@@ -664,6 +747,19 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
   }
 #endif
   if (!pairs) transpose_keys(keys.data_ptr<T>(), num_keys, num_kv_heads, head_dim, kt);
+  const bool value_pairs = pairs && head_dim % 16 == 0;
+#if defined(__AVX512F__)
+  static thread_local std::vector<uint32_t> value_buffer;
+  const int64_t vp_stride = (num_keys + 1) / 2 * head_dim;
+  if constexpr (kBF16) {
+    if (value_pairs) {
+      value_buffer.resize(num_kv_heads * vp_stride);
+      pair_values(values.data_ptr<at::BFloat16>(), num_keys, num_kv_heads, head_dim,
+                  value_buffer.data());
+    }
+  }
+  const uint32_t* vp = value_buffer.data();
+#endif
 
   const int64_t num_rows = num_queries * group;
   const int64_t num_tiles = (num_rows + TILE_ROWS - 1) / TILE_ROWS;
@@ -708,8 +804,16 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
         if (!pairs) {
           score_tile<MR>(qs.data(), kt + kv * kv_stride, head_dim, lo, hi, scores.data(), span);
         }
-        value_tile<MR, T>(first, last, v_ptr + kv * head_dim, row, head_dim, lo, hi,
-                          scores.data(), span, tile_out.data());
+#if defined(__AVX512F__)
+        if (value_pairs) {
+          value_tile_bf16<MR>(first, last, vp + kv * vp_stride, head_dim, lo, hi, scores.data(),
+                              span, tile_out.data());
+        }
+#endif
+        if (!value_pairs) {
+          value_tile<MR, T>(first, last, v_ptr + kv * head_dim, row, head_dim, lo, hi,
+                            scores.data(), span, tile_out.data());
+        }
       });
       for (int r = 0; r < rows; ++r) {
         const int64_t i = (row0 + r) / group, h = kv * group + (row0 + r) % group;
