@@ -224,22 +224,32 @@ def test_prefill_attention_matches_naive(dtype, heads, num_kv_heads, head_dim, n
     assert (out.double() - expected).abs().max().item() < tolerance
 
 
+@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 40),
+                                             (torch.bfloat16, 8), (torch.float32, 64)])
 @pytest.mark.parametrize("length, start", [(40, 25), (133, 57)])
 @pytest.mark.parametrize("window", [None, 7, 33])
-def test_prefill_chunks_agree_with_the_whole_prompt_to_the_bit(length, start, window):
+def test_prefill_chunks_agree_with_the_whole_prompt_to_the_bit(dtype, head_dim, length, start,
+                                                                window):
     """A prompt's last rows computed as a later chunk (over the keys before it) equal the same
     rows of the whole prompt: each row's sums run over its own keys in order, whatever rows
-    share its tile (chunks starting off a tile's and a key block's edge)."""
+    share its tile (chunks starting off a tile's and a key block's edge); with a window, also
+    over keys cut at an odd position before the chunk's first key, as the runner cuts them at a
+    block of an odd size."""
     native = kernels.native_prefill_attention()
     if native is None:
         pytest.skip("native prefill attention unavailable")
     gen = torch.Generator().manual_seed(5)
-    q = torch.randn(length, 9, 64, generator=gen).to(torch.bfloat16)
-    keys = torch.randn(length, 3, 64, generator=gen).to(torch.bfloat16)
-    values = torch.randn(length, 3, 64, generator=gen).to(torch.bfloat16)
-    whole = native(q, keys, values, 0.125, window or 0)
-    later = native(q[start:], keys, values, 0.125, window or 0)
+    q = torch.randn(length, 9, head_dim, generator=gen).to(dtype)
+    keys = torch.randn(length, 3, head_dim, generator=gen).to(dtype)
+    values = torch.randn(length, 3, head_dim, generator=gen).to(dtype)
+    whole = native(q, keys, values, 0.5, window or 0)
+    later = native(q[start:], keys, values, 0.5, window or 0)
     assert torch.equal(later, whole[start:])
+    first_key = start - window + 1 if window else 0
+    if first_key > 0:
+        cut = first_key if first_key % 2 else first_key - 1
+        later = native(q[start:], keys[cut:], values[cut:], 0.5, window)
+        assert torch.equal(later, whole[start:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -459,6 +459,8 @@ constexpr int64_t TILE_ROWS = 12;
 // Positions a tile's value pass takes per sweep of its dimensions: their value vectors stay in
 // L1 across the sweep.
 constexpr int64_t VALUE_SPAN = 64;
+// The most floats of rearranged keys and values a thread keeps between calls (16 MiB).
+constexpr int64_t REUSED_FLOATS = int64_t{4} << 20;
 
 // The 8x8 floats in r, transposed in place.
 inline void transpose8(__m256* r) {
@@ -523,7 +525,7 @@ void score_tile(const float* qs, const float* kt, int64_t head_dim, int64_t lo, 
 }
 
 // Row r's softmax over its keys first[r] .. last[r] of the scores (from `lo`), zero weights
-// elsewhere up to `hi` (adding 0 * value leaves its sums as they are), then out [MR][D] the
+// elsewhere up to `hi` (adding 0 * a finite value leaves its sums as they are), then out [MR][D] the
 // weighted values (its KV head's first lane, rows `row` apart), normalized. Each row's sums run
 // over its own keys in order, whatever rows share its tile: chunks agree with the whole prompt
 // to the bit.
@@ -675,7 +677,11 @@ __attribute__((target("avx512bf16"))) void value_tile_bf16(
                                    _mm256_loadu_si256(reinterpret_cast<__m256i*>(w + p))), 16)));
     }
     float total = _mm512_reduce_add_ps(sum);
-    for (; p <= l; ++p) total += to_float(c10::BFloat16(w[p], c10::BFloat16::from_bits()));
+    for (; p <= l; ++p) {
+      uint16_t bits;
+      std::memcpy(&bits, w + p, sizeof(bits));
+      total += to_float(c10::BFloat16(bits, c10::BFloat16::from_bits()));
+    }
     totals[r] = total;
   }
   for (int64_t q0 = 0; q0 < num_pairs; q0 += VALUE_SPAN / 2) {
@@ -688,9 +694,9 @@ __attribute__((target("avx512bf16"))) void value_tile_bf16(
       for (int64_t q = q0; q < q1; ++q) {
         const __m512bh value = (__m512bh)_mm512_loadu_si512(vp + (lo / 2 + q) * head_dim + d);
         for (int r = 0; r < MR; ++r) {
-          const uint32_t* w = reinterpret_cast<const uint32_t*>(scores + r * span);
-          acc[r] = _mm512_dpbf16_ps(
-              acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(w[q])), value);
+          int pair;  // the row's weights q * 2 and q * 2 + 1, read past the float type
+          std::memcpy(&pair, reinterpret_cast<const char*>(scores + r * span) + 4 * q, 4);
+          acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), value);
         }
       }
       for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * head_dim + d, acc[r]);
@@ -734,32 +740,32 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
 #endif
   const int64_t block = pairs ? 16 : 8, half = head_dim / 2;
   const int64_t num_blocks = (num_keys + block - 1) / block;
-  // Reused across calls: a fresh buffer of this size is fresh pages every layer. Its pointer is
-  // taken here: a thread_local named in the parallel region is each worker's own.
-  static thread_local std::vector<float> key_buffer;
-  key_buffer.resize(num_kv_heads * num_blocks * block * head_dim);
-  float* kt = key_buffer.data();
-  const int64_t kv_stride = num_blocks * block * head_dim;  // floats
+  // Values paired by position count pairs from the keys' first, which a windowed chunk's first
+  // block moves (by an odd count with an odd block size): windows sum in float32.
+  const bool value_pairs = pairs && head_dim % 16 == 0 && window == 0;
+  const int64_t kv_stride = num_blocks * block * head_dim / (pairs ? 2 : 1);  // floats
+  const int64_t vp_stride = (num_keys + 1) / 2 * head_dim;
+  const int64_t total = num_kv_heads * (kv_stride + (value_pairs ? vp_stride : 0));
+  // The thread keeps its buffer across calls up to REUSED_FLOATS (fresh pages every layer cost
+  // short chunks more than their work); a longer context's is freed after the call. Its
+  // pointer is taken here: a thread_local named in the parallel region is each worker's own.
+  static thread_local std::vector<float> reused;
+  std::vector<float> once;
+  std::vector<float>& buffer = total <= REUSED_FLOATS ? reused : once;
+  if (static_cast<int64_t>(buffer.size()) < total) buffer.resize(total);
+  float* kt = buffer.data();
 #if defined(__AVX512F__)
-  uint32_t* kp = reinterpret_cast<uint32_t*>(kt);  // half the floats' room
+  uint32_t* kp = reinterpret_cast<uint32_t*>(kt);
+  const uint32_t* vp = kp + num_kv_heads * kv_stride;
   if constexpr (kBF16) {
     if (pairs) pair_keys(keys.data_ptr<at::BFloat16>(), num_keys, num_kv_heads, head_dim, kp);
+    if (value_pairs) {
+      pair_values(values.data_ptr<at::BFloat16>(), num_keys, num_kv_heads, head_dim,
+                  kp + num_kv_heads * kv_stride);
+    }
   }
 #endif
   if (!pairs) transpose_keys(keys.data_ptr<T>(), num_keys, num_kv_heads, head_dim, kt);
-  const bool value_pairs = pairs && head_dim % 16 == 0;
-#if defined(__AVX512F__)
-  static thread_local std::vector<uint32_t> value_buffer;
-  const int64_t vp_stride = (num_keys + 1) / 2 * head_dim;
-  if constexpr (kBF16) {
-    if (value_pairs) {
-      value_buffer.resize(num_kv_heads * vp_stride);
-      pair_values(values.data_ptr<at::BFloat16>(), num_keys, num_kv_heads, head_dim,
-                  value_buffer.data());
-    }
-  }
-  const uint32_t* vp = value_buffer.data();
-#endif
 
   const int64_t num_rows = num_queries * group;
   const int64_t num_tiles = (num_rows + TILE_ROWS - 1) / TILE_ROWS;
@@ -797,7 +803,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
         constexpr int MR = decltype(mr)::value;
 #if defined(__AVX512F__)
         if (pairs) {
-          score_tile_bf16<MR>(qp.data(), kp + kv * kv_stride / 2, half, fscale, lo, hi,
+          score_tile_bf16<MR>(qp.data(), kp + kv * kv_stride, half, fscale, lo, hi,
                               scores.data(), span);
         }
 #endif
