@@ -524,6 +524,17 @@ void score_tile(const float* qs, const float* kt, int64_t head_dim, int64_t lo, 
   }
 }
 
+// out [rows][D] divided row by row by totals.
+inline void normalize_rows(float* out, const float* totals, int rows, int64_t head_dim) {
+  for (int r = 0; r < rows; ++r) {
+    const __m256 inv = _mm256_set1_ps(1.f / totals[r]);
+    for (int64_t d = 0; d < head_dim; d += 8) {
+      float* o = out + r * head_dim + d;
+      _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_loadu_ps(o), inv));
+    }
+  }
+}
+
 // Row r's softmax over its keys first[r] .. last[r] of the scores (from `lo`), zero weights
 // elsewhere up to `hi` (adding 0 * a finite value leaves its sums as they are), then out [MR][D] the
 // weighted values (its KV head's first lane, rows `row` apart), normalized. Each row's sums run
@@ -557,13 +568,7 @@ void value_tile(const int64_t* first, const int64_t* last, const T* values, int6
       for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * head_dim + d, acc[r]);
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    const __m256 inv = _mm256_set1_ps(1.f / totals[r]);
-    for (int64_t d = 0; d < head_dim; d += 8) {
-      float* o = out + r * head_dim + d;
-      _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_loadu_ps(o), inv));
-    }
-  }
+  normalize_rows(out, totals, MR, head_dim);
 }
 
 #if defined(__AVX512F__)
@@ -702,13 +707,7 @@ __attribute__((target("avx512bf16"))) void value_tile_bf16(
       for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * head_dim + d, acc[r]);
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / totals[r]);
-    for (int64_t d = 0; d < head_dim; d += 16) {
-      float* o = out + r * head_dim + d;
-      _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), inv));
-    }
-  }
+  normalize_rows(out, totals, MR, head_dim);
 }
 #endif
 
