@@ -222,7 +222,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
                              value_buffer).flatten(0, 1)[:num_keys]
     native = (native_prefill_attention() if q.is_cpu and q.shape[-1] % 8 == 0
               and q.dtype in (torch.float32, torch.bfloat16) else None)
-    if native is not None:  # each query over its keys in one pass: chunks agree with the whole
+    if native is not None:  # each row summed over its own keys in order: chunks equal the whole
         return native(q, keys, values, scale, window or 0)
     # [batch, heads, tokens, dim]: SDPA's fused kernels (CPU and CUDA) take only that; 3-D
     # inputs run its unfused path.

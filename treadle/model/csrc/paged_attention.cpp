@@ -8,8 +8,8 @@
 // their blocks (a block's slots are contiguous), then the query heads that share a KV head take
 // each key and value vector in one load for all of them, scores four positions at a time,
 // weighted values kept in registers over the task's positions (docs/decisions.md). A prefill
-// chunk's attention (prefill_attention, AVX2 builds) runs the same loops over keys that are
-// contiguous already, each query over its own keys in one pass.
+// chunk's attention (prefill_attention, AVX2 builds) takes tiles of (query, head) rows over
+// keys rearranged once a call, each row's sums over its own keys in order.
 #include "kernels.h"
 #include "vec_math.h"
 #include <ATen/Parallel.h>
