@@ -536,8 +536,8 @@ inline void normalize_rows(float* out, const float* totals, int rows, int64_t he
 }
 
 // Row r's softmax over its keys first[r] .. last[r] of the scores (from `lo`), zero weights
-// elsewhere up to `hi` (adding 0 * a finite value leaves its sums as they are), then out [MR][D] the
-// weighted values (its KV head's first lane, rows `row` apart), normalized. Each row's sums run
+// elsewhere up to `hi` (adding 0 * a finite value leaves its sums as they are), then out [MR][D]
+// the weighted values (its KV head's first lane, rows `row` apart), normalized. Each row's sums run
 // over its own keys in order, whatever rows share its tile: chunks agree with the whole prompt
 // to the bit.
 template <int MR, typename T>
@@ -572,9 +572,8 @@ void value_tile(const int64_t* first, const int64_t* last, const T* values, int6
 }
 
 #if defined(__AVX512F__)
-// AVX-512 BF16's dot product of bfloat16 pairs (twice the multiplies of a float32 FMA a cycle on
-// a Zen 4) scores bfloat16 queries; picked at run time, so the variant still runs on AVX-512
-// CPUs without it.
+// AVX-512 BF16's dot product of bfloat16 pairs (more multiplies a cycle than float32 FMAs) for
+// bfloat16 inputs; picked at run time, so the variant still runs on AVX-512 CPUs without it.
 bool has_bf16_dot() {
   static const bool has = __builtin_cpu_supports("avx512bf16");
   return has;
@@ -720,7 +719,7 @@ void with_rows(int rows, std::integer_sequence<int, MR...>, F&& f) {
 // A chunk's queries q [T, H, D] over keys, values [N, Hkv, D] (query i at key N - T + i): keys
 // rearranged once into blocks (8 keys as float32 vectors, or 16 as bfloat16 pairs), then tiles
 // of TILE_ROWS (query, head) rows of one KV head, each scoring every key block in one pass of
-// its rows, then summing the values in float32.
+// its rows, then summing the values (float32, or bfloat16 pairs).
 template <typename T>
 void prefill_kernel(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                     double scale, int64_t window, at::Tensor& out) {
@@ -795,7 +794,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
       }
       const int64_t lo = first[0] / block * block, hi = last[rows - 1] + 1;
       // Rows a cache line past a multiple of 4 KiB apart: rows a multiple of 4 KiB apart share
-      // L1's sets, and a tile's 12 rows evicted each other (16-query chunks at 4k context: 1.5x).
+      // L1's sets and a tile's rows evict each other.
       const int64_t span = (hi - lo + 1023) / 1024 * 1024 + 16;
       if (static_cast<int64_t>(scores.size()) < rows * span) scores.resize(rows * span);
       with_rows(rows, std::make_integer_sequence<int, TILE_ROWS>{}, [&](auto mr) {
