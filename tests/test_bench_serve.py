@@ -51,9 +51,21 @@ class ScriptedHandler(BaseHTTPRequestHandler):
             s.bodies.append(body)
             s.in_flight += 1
             s.most_in_flight = max(s.most_in_flight, s.in_flight)
+        counted = True
+
+        def count_out() -> None:
+            # Before the response's last bytes: the client starts its next request as it reads
+            # them, which can reach another handler before this thread runs on.
+            nonlocal counted
+            if counted:
+                with s.lock:
+                    s.in_flight -= 1
+                counted = False
+
         try:
             if body["max_tokens"] == 13:
                 error = json.dumps({"error": {"message": "too many tokens"}}).encode()
+                count_out()
                 self.send_response(400)
                 self.send_header("Content-Length", str(len(error)))
                 self.end_headers()
@@ -70,11 +82,11 @@ class ScriptedHandler(BaseHTTPRequestHandler):
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 self.wfile.flush()
             usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
+            count_out()
             self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
                              "data: [DONE]\n\n".encode())
         finally:
-            with s.lock:
-                s.in_flight -= 1
+            count_out()
 
 
 @pytest.fixture
