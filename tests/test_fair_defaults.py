@@ -109,17 +109,20 @@ def test_an_explicit_cap_overrides_the_derived_share():
     assert s.policy.tenant_kv_cap("a") == 7
 
 
-def test_derived_cut_prices_a_step_s_long_prompts_at_half_a_bare_step():
+def test_derived_cut_prices_a_step_s_long_prompts_at_half_a_bare_step_from_16_to_64():
     s = make_scheduler(num_blocks=200, block_size=4, policy="fair")
     long = request("a0", "a", 600, 4)
     s.add_request(long)
     s.add_request(request("b0", "b", 8, 4))
     assert s.policy.chunk_tokens(long, 256) == 16  # nothing measured yet: the least chunk
-    s.step_time.fit = StepFit(0.04, 0.0002)
-    assert s.policy.chunk_tokens(long, 256) == 100
+    s.step_time.fit = StepFit(0.04, 0.0004)
+    assert s.policy.chunk_tokens(long, 256) == 50
     assert s.policy.chunk_tokens(request("x", "a", 100, 4), 256) == 256  # fits one chunk
-    s.step_time.fit = StepFit(2.0, 0.0001)
-    assert s.policy.chunk_tokens(long, 256) == 256  # never above the engine's threshold
+    s.step_time.fit = StepFit(0.04, 0.004)
+    assert s.policy.chunk_tokens(long, 256) == 16
+    s.step_time.fit = StepFit(2.0, 0.0001)  # a small slope: decode rows priced as tokens
+    assert s.policy.chunk_tokens(long, 256) == 64
+    assert s.policy.chunk_tokens(long, 40) == 40  # never above the engine's threshold
 
 
 def test_long_prompts_share_one_cut_per_step_while_another_tenant_is_present():
@@ -353,4 +356,56 @@ def test_derived_rules_finish_every_request_and_leak_no_block(arrivals, num_bloc
             step(s, model)
     run_until_done(s, model, max_steps=5_000)
     assert not s.tenants
+    assert_scheduler_empty(s)
+
+
+def test_a_newly_backlogged_tenant_is_lifted_to_the_service_the_others_received():
+    """The heavy tenant was charged its whole prompts at admission and has computed a quarter
+    of each: a light tenant arriving is lifted to the heavy counter less the part not yet
+    computed, whether the heavy tenant has a request waiting or was only the last one served
+    (then to the least of that and its counter when it was served)."""
+    s = make_scheduler(num_blocks=400, block_size=4, max_num_batched_tokens=100,
+                       long_prefill_token_threshold=100, policy="fair")
+    s.add_request(request("h0", "heavy", 400, 4, t=0))
+    step(s, model_for(s))  # h0 admitted: charged 400, 100 computed
+    s.add_request(request("h1", "heavy", 400, 4, t=1))  # waits: the step's budget is h0's
+    s.add_request(request("l0", "light", 8, 4, t=2))
+    assert s.policy.counter("light") == 400 - 300
+    assert s.waiting.peek().request_id == "l0"
+
+    s = make_scheduler(num_blocks=400, block_size=4, max_num_batched_tokens=200,
+                       long_prefill_token_threshold=100, policy="fair")
+    s.add_request(request("h0", "heavy", 400, 4, t=0))
+    s.add_request(request("h1", "heavy", 400, 4, t=1))
+    step(s, model_for(s))  # both admitted (h1 served at counter 400), 100 computed each
+    assert s.num_waiting == 0 and s.policy.counter("heavy") == 800
+    s.add_request(request("l0", "light", 8, 4, t=2))
+    assert s.policy.counter("light") == 800 - 2 * 300
+
+
+def test_a_light_tenant_decoding_stays_below_a_heavy_one_prefilling_and_gets_short_steps():
+    """Issue 34's shape in small: heavy long prompts keep the cache full with one waiting, a
+    light tenant's requests come one at a time while its earlier ones decode. The light
+    tenant's outputs must not carry its counter past the heavy tenant's prepaid prompts: while
+    a heavy prompt is mid-prefill, every light admission step holds no heavy work. (Lifted to
+    the heavy counter itself, the light tenant passed it after a few outputs; its requests
+    were then admitted beside the heavy chunks and decodes.)"""
+    s = make_scheduler(num_blocks=120, block_size=16, max_num_batched_tokens=256,
+                       long_prefill_token_threshold=64, policy="fair")
+    model = model_for(s)
+    for i in range(4):
+        s.add_request(request(f"h{i}", "heavy", 600, 64, t=i))
+    admissions = mixed = 0
+    for n in range(200):
+        if n % 6 == 0 and n < 150:
+            s.add_request(request(f"l{n}", "light", 16, 24, t=10 + n))
+        prefilling = any(r.tenant == "heavy" and r.num_computed_tokens < r.num_prompt_tokens
+                         for r in s.running)
+        output, _ = step(s, model)
+        if prefilling and any(x.request.tenant == "light" and x.num_computed_tokens == 0
+                              for x in output.scheduled):
+            admissions += 1
+            mixed += any(x.request.tenant == "heavy" for x in output.scheduled)
+    assert admissions >= 10 and mixed == 0
+    run_until_done(s, model)
     assert_scheduler_empty(s)

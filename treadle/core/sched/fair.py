@@ -18,8 +18,11 @@ from treadle.core.sched.policy import (
     register_policy,
 )
 
-# The least derived cut (the tenants issue measured light tenants protected at 16).
+# The least derived cut (the tenants issue measured light tenants protected at 16), and the
+# most: the fitted slope prices a long-context decode row like a prompt token, so decode-heavy
+# steps made it small and the cut reached the whole threshold (issue 34, docs/decisions.md).
 MIN_DERIVED_CHUNK = 16
+MAX_DERIVED_CHUNK = 64
 # A step's cut prompts together cost at most 1 / this of a bare step's fixed cost.
 CHUNK_SHARE_OF_STEP = 2
 # A tenant counts as present this long after it last had a request: one whose requests come
@@ -39,8 +42,8 @@ class FairSettings:
     fair_chunk_tokens: int | None = setting(
         None, "under --policy fair, while more than one tenant is present, the most prompt "
         "tokens per step of long prompts, so steps stay short for the others' arrivals",
-        none="the tokens the fitted step time prices at half a bare step's fixed cost (at "
-        "least 16)")
+        none="the tokens the fitted step time prices at half a bare step's fixed cost (16 to "
+        "64)")
 
     def __post_init__(self) -> None:
         if not (self.fair_prompt_token_weight >= 0 and self.fair_output_token_weight >= 0):
@@ -57,9 +60,12 @@ class FairPolicy(SchedulingPolicy):
     output token, divided by the tenant's weight. The backlogged tenant with the least counter
     goes first, its requests in arrival order. A tenant that becomes backlogged has its counter
     lifted to the least of the other backlogged tenants (or, with none, to the counter of the
-    last tenant served), so idle time banks no credit. The paper's bound: between two
-    continuously backlogged tenants, service differs by at most 2 * max(w_p * L_in, w_q * M),
-    L_in the longest prompt, M the most tokens the KV cache holds.
+    last tenant served), so idle time banks no credit: to the service those tenants have
+    received, their counters less the prompt tokens they were charged for and have not yet
+    computed (a heavy tenant's long prompts charged at admission otherwise lifted a light
+    tenant past it for the whole prefill, and the heavy tenant stopped giving way to it).
+    The paper's bound: between two continuously backlogged tenants, service differs by at most
+    2 * max(w_p * L_in, w_q * M), L_in the longest prompt, M the most tokens the KV cache holds.
 
     When blocks or batch slots bind, the head (its tenant least served) may preempt the newest
     running request of the most served tenant, while either that tenant's counter exceeds the
@@ -84,6 +90,7 @@ class FairPolicy(SchedulingPolicy):
         self.chunk_tokens_shared = settings.fair_chunk_tokens
         self.counters: dict[str, float] = {}
         self.virtual_time = 0.0  # counter of the last tenant served from the queue
+        self.last_served: str | None = None  # that tenant
         self.queue = FairQueue(self)  # the scheduler's waiting queue, once bound (new_queue)
         # Derived KV caps, by tenant, until the demands change (a step starts, a request is
         # queued or removed): admitting a request moves its demand from waiting to running.
@@ -108,6 +115,24 @@ class FairPolicy(SchedulingPolicy):
             return 0.0
         weight = self.weights.get(request.tenant, 1.0)
         return self.prompt_token_weight * request.num_prompt_tokens / weight
+
+    def delivered(self, tenant: str) -> float:
+        """The tenant's counter less the prompt tokens it was charged for and has not yet
+        computed (a readmission's recomputation was charged once, at its first admission)."""
+        running = [] if self.scheduler is None else self.scheduler.running
+        prepaid = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in running
+                      if r.tenant == tenant and not r.num_preemptions)
+        return self.counter(tenant) - \
+            self.prompt_token_weight * prepaid / self.weights.get(tenant, 1.0)
+
+    def lift_floor(self, top: str | None) -> float:
+        """What a newly backlogged tenant's counter is lifted to: the service received by the
+        least served backlogged tenant `top`, or with none, by the last tenant served."""
+        if top is not None:
+            return self.delivered(top)
+        if self.last_served is None:
+            return self.virtual_time
+        return min(self.virtual_time, self.delivered(self.last_served))
 
     def on_admitted(self, request: Request) -> None:
         self.counters[request.tenant] = self.counter(request.tenant) + \
@@ -200,12 +225,14 @@ class FairPolicy(SchedulingPolicy):
         """The tokens a step's cut prompts share: they add to a step at most half of what a
         bare step costs (the fitted fixed cost, over the per-token cost), since a light
         request's first token waits for the step in flight and its own (the measurements
-        behind half: docs/decisions.md, issue 34); at least MIN_DERIVED_CHUNK; before any step
-        is measured, MIN_DERIVED_CHUNK (short steps until the engine knows better)."""
+        behind half: docs/decisions.md, issue 34); from MIN_DERIVED_CHUNK to MAX_DERIVED_CHUNK;
+        before any step is measured, MIN_DERIVED_CHUNK (short steps until the engine knows
+        better)."""
         fit = None if self.scheduler is None else self.scheduler.step_time.fit
         if fit is None or fit.per_token <= 0:
             return MIN_DERIVED_CHUNK
-        return max(MIN_DERIVED_CHUNK, int(fit.fixed / (CHUNK_SHARE_OF_STEP * fit.per_token)))
+        chunk = int(fit.fixed / (CHUNK_SHARE_OF_STEP * fit.per_token))
+        return min(MAX_DERIVED_CHUNK, max(MIN_DERIVED_CHUNK, chunk))
 
     def tenant_kv_cap(self, tenant: str) -> int | None:
         # max_kv_blocks_per_tenant when given; else, while another tenant has requests waiting
@@ -369,7 +396,7 @@ class FairQueue:
         tenant = request.tenant
         if not self.lanes.get(tenant):  # newly backlogged: no credit for the time away
             top = self._top()
-            floor = self.policy.counter(top) if top is not None else self.policy.virtual_time
+            floor = self.policy.lift_floor(top)
             lifted = self.policy.counter(tenant) < floor
             self.policy.counters[tenant] = max(self.policy.counter(tenant), floor)
             if tenant in self.in_heap:  # a stale entry (nothing waiting): the rank changes
@@ -405,6 +432,7 @@ class FairQueue:
         tenant = self._top()
         assert tenant is not None, "pop from an empty queue"
         self.policy.virtual_time = max(self.policy.virtual_time, self.policy.counter(tenant))
+        self.policy.last_served = tenant
         self.size -= 1
         return self.lanes[tenant].pop()
 
