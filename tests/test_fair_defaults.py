@@ -109,16 +109,16 @@ def test_an_explicit_cap_overrides_the_derived_share():
     assert s.policy.tenant_kv_cap("a") == 7
 
 
-def test_derived_cut_prices_a_step_s_long_prompts_at_half_a_bare_step_from_16_to_64():
+def test_derived_cut_prices_a_step_s_long_prompts_at_a_bare_step_from_16_to_64():
     s = make_scheduler(num_blocks=200, block_size=4, policy="fair")
     long = request("a0", "a", 600, 4)
     s.add_request(long)
     s.add_request(request("b0", "b", 8, 4))
     assert s.policy.chunk_tokens(long, 256) == 16  # nothing measured yet: the least chunk
-    s.step_time.fit = StepFit(0.04, 0.0004)
+    s.step_time.fit = StepFit(0.02, 0.0004)
     assert s.policy.chunk_tokens(long, 256) == 50
     assert s.policy.chunk_tokens(request("x", "a", 100, 4), 256) == 256  # fits one chunk
-    s.step_time.fit = StepFit(0.04, 0.004)
+    s.step_time.fit = StepFit(0.02, 0.004)
     assert s.policy.chunk_tokens(long, 256) == 16
     s.step_time.fit = StepFit(2.0, 0.0001)  # a small slope: decode rows priced as tokens
     assert s.policy.chunk_tokens(long, 256) == 64

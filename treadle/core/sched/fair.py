@@ -23,8 +23,6 @@ from treadle.core.sched.policy import (
 # steps made it small and the cut reached the whole threshold (issue 34, docs/decisions.md).
 MIN_DERIVED_CHUNK = 16
 MAX_DERIVED_CHUNK = 64
-# A step's cut prompts together cost at most 1 / this of a bare step's fixed cost.
-CHUNK_SHARE_OF_STEP = 2
 # A tenant counts as present this long after it last had a request: one whose requests come
 # one at a time is still there when the next arrives (seconds).
 PRESENCE_SECONDS = 10.0
@@ -42,8 +40,7 @@ class FairSettings:
     fair_chunk_tokens: int | None = setting(
         None, "under --policy fair, while more than one tenant is present, the most prompt "
         "tokens per step of long prompts, so steps stay short for the others' arrivals",
-        none="the tokens the fitted step time prices at half a bare step's fixed cost (16 to "
-        "64)")
+        none="the tokens the fitted step time prices at a bare step's fixed cost (16 to 64)")
 
     def __post_init__(self) -> None:
         if not (self.fair_prompt_token_weight >= 0 and self.fair_output_token_weight >= 0):
@@ -222,16 +219,16 @@ class FairPolicy(SchedulingPolicy):
         return min(chunk, threshold)
 
     def derived_chunk_tokens(self) -> int:
-        """The tokens a step's cut prompts share: they add to a step at most half of what a
-        bare step costs (the fitted fixed cost, over the per-token cost), since a light
-        request's first token waits for the step in flight and its own (the measurements
-        behind half: docs/decisions.md, issue 34); from MIN_DERIVED_CHUNK to MAX_DERIVED_CHUNK;
-        before any step is measured, MIN_DERIVED_CHUNK (short steps until the engine knows
-        better)."""
+        """The tokens a step's cut prompts share: they add to a step at most what a bare step
+        costs (the fitted fixed cost, over the per-token cost), since a light request's first
+        token waits for the step in flight and its own; half of it, before light admissions
+        got steps of their own, cost the heavy tenant more than it gave the light one
+        (docs/decisions.md, issue 34). From MIN_DERIVED_CHUNK to MAX_DERIVED_CHUNK; before any
+        step is measured, MIN_DERIVED_CHUNK (short steps until the engine knows better)."""
         fit = None if self.scheduler is None else self.scheduler.step_time.fit
         if fit is None or fit.per_token <= 0:
             return MIN_DERIVED_CHUNK
-        chunk = int(fit.fixed / (CHUNK_SHARE_OF_STEP * fit.per_token))
+        chunk = int(fit.fixed / fit.per_token)
         return min(MAX_DERIVED_CHUNK, max(MIN_DERIVED_CHUNK, chunk))
 
     def tenant_kv_cap(self, tenant: str) -> int | None:
