@@ -191,11 +191,12 @@ def test_nobody_yields_to_a_head_whose_cut_a_running_prompt_takes():
 
 
 def test_a_tenant_prefilling_a_long_prompt_sits_out_a_short_head_s_step():
-    """A light tenant with requests decoding, lifted to the heavy tenant's counter as its next
-    request arrives: the heavy tenant, prefilling a long prompt, sits out that request's
-    admission step, so its first token waits for a step of light work only; the step after,
-    everyone runs. Once the long prompt decodes, nobody sits out for a light arrival (tenants
-    of long chat prompts would sit out each other's every admission)."""
+    """A light tenant with requests decoding, at the heavy tenant's counter as its next request
+    arrives (the most the lift gives it, late in the heavy prompt): the heavy tenant,
+    prefilling a long prompt, sits out that request's admission step, so its first token waits
+    for a step of light work only; the step after, everyone runs. Once the long prompt decodes,
+    nobody sits out for a light arrival (tenants of long chat prompts would sit out each other's
+    every admission)."""
     s = make_scheduler(num_blocks=800, block_size=4, max_num_batched_tokens=256,
                        long_prefill_token_threshold=128, policy="fair")
     model = model_for(s)
@@ -210,7 +211,7 @@ def test_a_tenant_prefilling_a_long_prompt_sits_out_a_short_head_s_step():
             while any(r.num_output_tokens == 0 for r in s.running):
                 step(s, model)
         s.add_request(request(f"l{i}", "light", 8, 20, t=2 + i))
-        s.policy.counters["light"] = s.policy.counter("heavy")  # the lift at its arrival
+        s.policy.counters["light"] = s.policy.counter("heavy")  # the most the lift gives
         output, _ = step(s, model)
         scheduled = {x.request.request_id for x in output.scheduled}
         assert f"l{i}" in scheduled and ("h0" in scheduled) == (i == 4)
@@ -362,16 +363,19 @@ def test_derived_rules_finish_every_request_and_leak_no_block(arrivals, num_bloc
 def test_a_newly_backlogged_tenant_is_lifted_to_the_service_the_others_received():
     """The heavy tenant was charged its whole prompts at admission and has computed a quarter
     of each: a light tenant arriving is lifted to the heavy counter less the part not yet
-    computed, whether the heavy tenant has a request waiting or was only the last one served
-    (then to the least of that and its counter when it was served)."""
-    s = make_scheduler(num_blocks=400, block_size=4, max_num_batched_tokens=100,
-                       long_prefill_token_threshold=100, policy="fair")
-    s.add_request(request("h0", "heavy", 400, 4, t=0))
-    step(s, model_for(s))  # h0 admitted: charged 400, 100 computed
-    s.add_request(request("h1", "heavy", 400, 4, t=1))  # waits: the step's budget is h0's
-    s.add_request(request("l0", "light", 8, 4, t=2))
-    assert s.policy.counter("light") == 400 - 300
-    assert s.waiting.peek().request_id == "l0"
+    computed (by the heavy tenant's weight), whether the heavy tenant has a request waiting or
+    was only the last one admitted (then to the least of that and the counter the queue last
+    served at)."""
+    for weight in (1.0, 2.0):
+        s = make_scheduler(num_blocks=400, block_size=4, max_num_batched_tokens=100,
+                           long_prefill_token_threshold=100, policy="fair",
+                           tenant_weights={"heavy": weight})
+        s.add_request(request("h0", "heavy", 400, 4, t=0))
+        step(s, model_for(s))  # h0 admitted: charged 400, 100 computed
+        s.add_request(request("h1", "heavy", 400, 4, t=1))  # waits: the step's budget is h0's
+        s.add_request(request("l0", "light", 8, 4, t=2))
+        assert s.policy.counter("light") == (400 - 300) / weight
+        assert s.waiting.peek().request_id == "l0"
 
     s = make_scheduler(num_blocks=400, block_size=4, max_num_batched_tokens=200,
                        long_prefill_token_threshold=100, policy="fair")
@@ -381,6 +385,13 @@ def test_a_newly_backlogged_tenant_is_lifted_to_the_service_the_others_received(
     assert s.num_waiting == 0 and s.policy.counter("heavy") == 800
     s.add_request(request("l0", "light", 8, 4, t=2))
     assert s.policy.counter("light") == 800 - 2 * 300
+
+    s = make_scheduler(num_blocks=400, block_size=4, max_num_batched_tokens=400,
+                       long_prefill_token_threshold=400, policy="fair")
+    s.add_request(request("h0", "heavy", 400, 4, t=0))
+    step(s, model_for(s))  # admitted at counter 0, its prompt computed: 400 received
+    s.add_request(request("l0", "light", 8, 4, t=2))
+    assert s.policy.counter("light") == 0  # the counter the queue served at is less
 
 
 def test_a_light_tenant_decoding_stays_below_a_heavy_one_prefilling_and_gets_short_steps():

@@ -558,11 +558,11 @@ def test_fair_a_dominant_tenant_sits_out_the_step_that_admits_a_light_one():
 @pytest.mark.parametrize("light_tenant", ["a-light", "z-light"])
 def test_fair_a_tenant_with_nothing_running_gets_its_step_from_one_long_prompt(light_tenant):
     """One heavy request mid-prefill fills every step's budget with its chunks, another waits
-    on the heavy tenant's KV cap; a light tenant's request (its counter lifted to the backlogged
-    heavy tenant's) is admitted alone in the next step rather than sharing it with the chunks,
-    and the heavy prompt resumes after it. Lifted to the heavy tenant's counter, the light
-    tenant ties with it and the tie goes by name: "z-light" queues behind the capped heavy
-    request, which must not be what the running ones yield to."""
+    on the heavy tenant's KV cap; a light tenant's request is admitted alone in the next step
+    rather than sharing it with the chunks, and the heavy prompt resumes after it. At the heavy
+    tenant's counter (set so: the lift goes only to the service received, which leaves the
+    light tenant below), it ties with the heavy tenant and the tie goes by name: "z-light"
+    queues behind the capped heavy request, which must not be what the running ones yield to."""
     s = make_scheduler(num_blocks=256, block_size=4, max_num_seqs=8, policy="fair",
                        max_num_batched_tokens=24, long_prefill_token_threshold=24,
                        max_kv_blocks_per_tenant=60)
@@ -572,6 +572,7 @@ def test_fair_a_tenant_with_nothing_running_gets_its_step_from_one_long_prompt(l
     output, _ = step(s, model)
     assert scheduled_ids(output) == ["heavy-long"] and output.num_batched_tokens == 24
     s.add_request(req("light", 20, max_tokens=3, arrival=1, tenant=light_tenant))
+    s.policy.counters[light_tenant] = s.policy.counter("heavy")  # lifted to the counter itself
     output, _ = step(s, model)
     assert {x.request.request_id: x.num_new_tokens for x in output.scheduled} == {"light": 20}
     output, _ = step(s, model)

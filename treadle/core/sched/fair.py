@@ -56,11 +56,12 @@ class FairPolicy(SchedulingPolicy):
     Each tenant's counter grows by w_p per prompt token (charged at first admission) and w_q per
     output token, divided by the tenant's weight. The backlogged tenant with the least counter
     goes first, its requests in arrival order. A tenant that becomes backlogged has its counter
-    lifted to the least of the other backlogged tenants (or, with none, to the counter of the
-    last tenant served), so idle time banks no credit: to the service those tenants have
-    received, their counters less the prompt tokens they were charged for and have not yet
-    computed (a heavy tenant's long prompts charged at admission otherwise lifted a light
-    tenant past it for the whole prefill, and the heavy tenant stopped giving way to it).
+    lifted, so idle time banks no credit, to the service the least served backlogged tenant has
+    received: its counter less the prompt tokens it was charged for and has not yet computed
+    (with nobody backlogged, the least of that for the last tenant admitted and the counter
+    the queue last served at). Lifted to the counter itself, a light tenant passed a heavy one
+    whose long prompts were charged at admission, for the whole prefill, and the heavy tenant
+    stopped giving way to it.
     The paper's bound: between two continuously backlogged tenants, service differs by at most
     2 * max(w_p * L_in, w_q * M), L_in the longest prompt, M the most tokens the KV cache holds.
 
@@ -70,8 +71,9 @@ class FairPolicy(SchedulingPolicy):
     is served at least as much and holds at least two more running requests (admitting one
     cannot flip that either): so two requests cannot preempt each other back and forth; over
     time, max_policy_preemptions bounds how often one request is displaced. The second rule is
-    what lets a light tenant in at once: a newcomer's counter is lifted to the heavy tenant's,
-    so the first rule alone made it wait for a slot to free.
+    what lets a light tenant in at once when the heavy tenant's prompts are computed: a
+    newcomer's counter is then lifted to the heavy tenant's, so the first rule alone made it
+    wait for a slot to free.
     """
 
     name = "fair"
@@ -87,7 +89,7 @@ class FairPolicy(SchedulingPolicy):
         self.chunk_tokens_shared = settings.fair_chunk_tokens
         self.counters: dict[str, float] = {}
         self.virtual_time = 0.0  # counter of the last tenant served from the queue
-        self.last_served: str | None = None  # that tenant
+        self.last_admitted: str | None = None  # tenant of the last request admitted
         self.queue = FairQueue(self)  # the scheduler's waiting queue, once bound (new_queue)
         # Derived KV caps, by tenant, until the demands change (a step starts, a request is
         # queued or removed): admitting a request moves its demand from waiting to running.
@@ -114,24 +116,28 @@ class FairPolicy(SchedulingPolicy):
         return self.prompt_token_weight * request.num_prompt_tokens / weight
 
     def delivered(self, tenant: str) -> float:
-        """The tenant's counter less the prompt tokens it was charged for and has not yet
-        computed (a readmission's recomputation was charged once, at its first admission)."""
+        """The tenant's counter less the prompt tokens its running requests were charged for
+        and have not yet computed (a readmission's, past what it had computed before its
+        preemption; one waiting to be readmitted is left out)."""
         running = [] if self.scheduler is None else self.scheduler.running
-        prepaid = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in running
-                      if r.tenant == tenant and not r.num_preemptions)
+        prepaid = sum(max(0, r.num_prompt_tokens - max(r.num_computed_tokens,
+                                                       r.stats.recompute_until))
+                      for r in running if r.tenant == tenant)
         return self.counter(tenant) - \
             self.prompt_token_weight * prepaid / self.weights.get(tenant, 1.0)
 
     def lift_floor(self, top: str | None) -> float:
         """What a newly backlogged tenant's counter is lifted to: the service received by the
-        least served backlogged tenant `top`, or with none, by the last tenant served."""
+        least served backlogged tenant `top`; with none, by the last tenant admitted, or the
+        counter the queue last served at if that is less."""
         if top is not None:
             return self.delivered(top)
-        if self.last_served is None:
+        if self.last_admitted is None:
             return self.virtual_time
-        return min(self.virtual_time, self.delivered(self.last_served))
+        return min(self.virtual_time, self.delivered(self.last_admitted))
 
     def on_admitted(self, request: Request) -> None:
+        self.last_admitted = request.tenant
         self.counters[request.tenant] = self.counter(request.tenant) + \
             self.admission_charge(request)
 
@@ -171,8 +177,9 @@ class FairPolicy(SchedulingPolicy):
         # long prompt of a heavy tenant capped to one request's worth of KV
         # (max_kv_blocks_per_tenant) put its chunk in every light admission step.
         # A tenant prefilling a long prompt also sits out a short head's step, whatever the
-        # head's tenant holds: a light tenant still decoding is lifted to the heavy one's
-        # counter at each arrival, so no rule above holds for it (docs/decisions.md, issue 34).
+        # head's tenant holds: a light tenant still decoding, late in a heavy prompt (little of
+        # its charge left uncomputed, so the light tenant was lifted near the heavy counter),
+        # meets no rule above (docs/decisions.md, issue 34).
         # Only while prefilling: tenants of long prompts all decoding (chat with history) would
         # sit out each other's every admission.
         if head.num_preemptions:  # nobody yields to a readmission (yield cycles livelocked)
@@ -346,7 +353,7 @@ class FairPolicy(SchedulingPolicy):
 
 class FairQueue:
     """Per-tenant queues in arrival order, and a heap of backlogged tenants by counter; at
-    equal counters, a tenant lifted to the least counter as it became backlogged goes first
+    equal counters, a tenant lifted as it became backlogged (FairPolicy.lift_floor) goes first
     (it was served less), the others in the order they became backlogged.
 
     Counters only grow, so a heap entry is never too large: one found stale at the top is
@@ -429,7 +436,6 @@ class FairQueue:
         tenant = self._top()
         assert tenant is not None, "pop from an empty queue"
         self.policy.virtual_time = max(self.policy.virtual_time, self.policy.counter(tenant))
-        self.policy.last_served = tenant
         self.size -= 1
         return self.lanes[tenant].pop()
 
