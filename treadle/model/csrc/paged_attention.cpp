@@ -7,9 +7,11 @@
 // With AVX2 and heads a whole number of 8-float vectors, a task first copies its slots out of
 // their blocks (a block's slots are contiguous), then the query heads that share a KV head take
 // each key and value vector in one load for all of them, scores four positions at a time,
-// weighted values kept in registers over the task's positions (docs/decisions.md). A prefill
-// chunk's attention (prefill_attention, AVX2 builds) takes tiles of (query, head) rows over
-// keys rearranged once a call, each row's sums over its own keys in order.
+// weighted values kept in registers over the task's positions (docs/decisions.md); where the
+// CPU has AVX-512 BF16 and the cache is bfloat16, scores and weighted values are dot products
+// of bfloat16 pairs, the softmax weights rounded to bfloat16 as the prefill tiles round them.
+// A prefill chunk's attention (prefill_attention, AVX2 builds) takes tiles of (query, head)
+// rows over keys rearranged once a call, each row's sums over its own keys in order.
 #include "kernels.h"
 #include "vec_math.h"
 #include <ATen/Parallel.h>
@@ -31,6 +33,8 @@ namespace {
 // Positions a task attends to: a lone long sequence spreads over the threads, and smaller
 // parts cost more merging than they gained (docs/decisions.md).
 constexpr int64_t PART = 128;
+// A head's scores in a task: PART and room past them (a bfloat16 pair's zero partner).
+constexpr int64_t SPAN = PART + 16;
 
 // Widening loads the compiler can vectorize: bfloat16 is the top half of a float32.
 inline float to_float(float x) { return x; }
@@ -242,6 +246,137 @@ void all_heads(const float* in, const C* rows, int64_t row, int64_t count, int64
 }
 #endif
 
+#if defined(__AVX512F__)
+// AVX-512 BF16's dot product of bfloat16 pairs (more multiplies a cycle than float32 FMAs) for
+// bfloat16 inputs; picked at run time, so the variant still runs on AVX-512 CPUs without it.
+bool has_bf16_dot() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+// group_scores over bfloat16 pairs: the G query heads' (unscaled bfloat16) dot products with
+// `count` keys, times `scale`; head_dim a multiple of 16.
+template <int G>
+__attribute__((target("avx512bf16,avx512vl"))) void group_scores_bf16(
+    const at::BFloat16* query, const at::BFloat16* keys, int64_t row, int64_t count,
+    int64_t head_dim, float scale, float* scores, int64_t stride) {
+  const __m128 scale4 = _mm_set1_ps(scale);
+  const auto pairs = [](const at::BFloat16* p) {
+    return (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  };
+  int64_t pos = 0;
+  for (; pos + 4 <= count; pos += 4) {
+    __m256 acc[G][4];
+    for (int h = 0; h < G; ++h) {
+      for (int p = 0; p < 4; ++p) acc[h][p] = _mm256_setzero_ps();
+    }
+    for (int64_t d = 0; d < head_dim; d += 16) {
+      __m256bh q[G];
+      for (int h = 0; h < G; ++h) q[h] = pairs(query + h * head_dim + d);
+      for (int p = 0; p < 4; ++p) {
+        const __m256bh key = pairs(keys + (pos + p) * row + d);
+        for (int h = 0; h < G; ++h) acc[h][p] = _mm256_dpbf16_ps(acc[h][p], q[h], key);
+      }
+    }
+    for (int h = 0; h < G; ++h) {
+      _mm_storeu_ps(scores + h * stride + pos,
+                    _mm_mul_ps(hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), scale4));
+    }
+  }
+  for (; pos < count; ++pos) {
+    __m256 acc[G];
+    for (int h = 0; h < G; ++h) acc[h] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 16) {
+      const __m256bh key = pairs(keys + pos * row + d);
+      for (int h = 0; h < G; ++h) {
+        acc[h] = _mm256_dpbf16_ps(acc[h], pairs(query + h * head_dim + d), key);
+      }
+    }
+    for (int h = 0; h < G; ++h) scores[h * stride + pos] = hsum(acc[h]) * scale;
+  }
+}
+
+// Each of `count` softmax weights rounded to bfloat16, packed over the first half of `s`'s
+// bytes (16 floats are read before their 16 halves are written over the first 8), a zero after
+// them; returns the sum of the rounded weights, so that they normalize exactly what they weigh.
+__attribute__((target("avx512bf16,avx512vl"))) float round_weights_bf16(float* s,
+                                                                       int64_t count) {
+  s[count] = 0.f;  // an odd count's pair partner (a head's scores hold SPAN floats)
+  uint16_t* w = reinterpret_cast<uint16_t*>(s);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t p = 0; p < count + 1; p += 16) {
+    const __mmask16 present = static_cast<__mmask16>(
+        (1u << std::min<int64_t>(16, count + 1 - p)) - 1);
+    const __m256bh half = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(present, s + p));
+    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(
+                                 _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)half), 16)));
+    _mm256_mask_storeu_epi16(w + p, present, (__m256i)half);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// group_values over bfloat16 pairs of positions: each dot product adds two positions' weighted
+// values (their rows' lanes interleaved) to 8 lanes of a head; `weights` as round_weights_bf16
+// leaves them, a head's `stride` floats apart. acc [G][head_dim] (head_dim a multiple of 16) is
+// overwritten.
+template <int G>
+__attribute__((target("avx512bf16,avx512vl"))) void group_values_bf16(
+    const float* weights, const at::BFloat16* values, int64_t row, int64_t count,
+    int64_t head_dim, float* acc, int64_t stride) {
+  for (int64_t d = 0; d < head_dim; d += 16) {
+    // Interleaving 16 lanes of two rows gives dims 0-3, 8-11 (lo) and 4-7, 12-15 (hi).
+    __m256 lo[G], hi[G];
+    for (int h = 0; h < G; ++h) lo[h] = hi[h] = _mm256_setzero_ps();
+    for (int64_t pos = 0; pos < count; pos += 2) {
+      const __m256i even = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(values + pos * row + d));
+      const __m256i odd = pos + 1 < count ? _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(values + (pos + 1) * row + d)) : even;
+      const __m256bh v_lo = (__m256bh)_mm256_unpacklo_epi16(even, odd);
+      const __m256bh v_hi = (__m256bh)_mm256_unpackhi_epi16(even, odd);
+      for (int h = 0; h < G; ++h) {
+        int pair;  // the head's weights pos and pos + 1, read past the float type
+        std::memcpy(&pair, reinterpret_cast<const char*>(weights + h * stride) + 2 * pos, 4);
+        const __m256bh w = (__m256bh)_mm256_set1_epi32(pair);
+        lo[h] = _mm256_dpbf16_ps(lo[h], w, v_lo);
+        hi[h] = _mm256_dpbf16_ps(hi[h], w, v_hi);
+      }
+    }
+    for (int h = 0; h < G; ++h) {
+      float* a = acc + h * head_dim + d;
+      _mm256_storeu_ps(a, _mm256_permute2f128_ps(lo[h], hi[h], 0x20));
+      _mm256_storeu_ps(a + 8, _mm256_permute2f128_ps(lo[h], hi[h], 0x31));
+    }
+  }
+}
+
+// all_heads over bfloat16 pairs: scores (scaled) or weighted values of every query head.
+template <bool FOR_VALUES>
+void all_heads_bf16(const void* in, const at::BFloat16* rows, int64_t row, int64_t count,
+                    int64_t head_dim, int64_t num_heads, int64_t group, float scale, float* out,
+                    int64_t stride) {
+  const int64_t pass = group % 3 != 0 && group % 2 == 0 ? 2 : 3;
+  for (int64_t h0 = 0; h0 < num_heads;) {
+    const int64_t kv = h0 / group, g = std::min<int64_t>(pass, (kv + 1) * group - h0);
+    const at::BFloat16* kv_rows = rows + kv * head_dim;
+    if constexpr (FOR_VALUES) {
+      const float* w = static_cast<const float*>(in) + h0 * stride;
+      float* dst = out + h0 * head_dim;
+      if (g == 3) group_values_bf16<3>(w, kv_rows, row, count, head_dim, dst, stride);
+      else if (g == 2) group_values_bf16<2>(w, kv_rows, row, count, head_dim, dst, stride);
+      else group_values_bf16<1>(w, kv_rows, row, count, head_dim, dst, stride);
+    } else {
+      const at::BFloat16* q = static_cast<const at::BFloat16*>(in) + h0 * head_dim;
+      float* dst = out + h0 * stride;
+      if (g == 3) group_scores_bf16<3>(q, kv_rows, row, count, head_dim, scale, dst, stride);
+      else if (g == 2) group_scores_bf16<2>(q, kv_rows, row, count, head_dim, scale, dst, stride);
+      else group_scores_bf16<1>(q, kv_rows, row, count, head_dim, scale, dst, stride);
+    }
+    h0 += g;
+  }
+}
+#endif
+
 // T: the queries' and output's type; C: the cache's (T, or int8_t with `k_scale_ptr`,
 // `v_scale_ptr` [blocks, block_size, kv_heads]; else those are null and unread).
 template <typename T, typename C>
@@ -265,6 +400,9 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
   const float fscale = static_cast<float>(scale);
 #if defined(__AVX2__)
   const bool vector_heads = head_dim % 8 == 0;  // every head a whole number of vectors
+#endif
+#if defined(__AVX512F__)
+  const bool bf16_dot = std::is_same_v<C, at::BFloat16> && head_dim % 16 == 0 && has_bf16_dot();
 #endif
 
   // Tasks of at most PART positions of one sequence, all its heads: a lone long sequence (one
@@ -310,7 +448,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
       task_acc(num_tasks * num_heads * head_dim);
 
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(num_heads * head_dim), scores(num_heads * PART), slot_row(row);
+    std::vector<float> query(num_heads * head_dim), scores(num_heads * SPAN), slot_row(row);
     std::vector<int64_t> slot_of(PART);  // the cache slot of each of the task's positions
 #if defined(__AVX2__)
     std::vector<int64_t> copied(PART);   // the slots in keys and values, by position
@@ -359,12 +497,20 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
                       run * row * sizeof(C));
           pos += run;
         }
+#if defined(__AVX512F__)
+        if (bf16_dot) {
+          if constexpr (std::is_same_v<C, at::BFloat16>) {
+            all_heads_bf16<false>(q_seq, keys.data(), row, count, head_dim, num_heads, group,
+                                  fscale, scores.data(), SPAN);
+          }
+        } else
+#endif
         all_heads<false>(query.data(), keys.data(), row, count, head_dim, num_heads, group,
-                         scores.data(), PART);
+                         scores.data(), SPAN);
         if constexpr (kInt8) {
           for (int64_t h = 0; h < num_heads; ++h) {
             for (int64_t pos = 0; pos < count; ++pos) {
-              scores[h * PART + pos] *= k_scale_ptr[slot_of[pos] * num_kv_heads + kv_head[h]];
+              scores[h * SPAN + pos] *= k_scale_ptr[slot_of[pos] * num_kv_heads + kv_head[h]];
             }
           }
         }
@@ -380,14 +526,17 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
             float score = dot(query.data() + h * head_dim, slot_row.data() + kv_offset[h],
                               head_dim);
             if constexpr (kInt8) score *= k_scale_ptr[slot * num_kv_heads + kv_head[h]];
-            scores[h * PART + pos] = score;
+            scores[h * SPAN + pos] = score;
           }
         }
       }
       for (int64_t h = 0; h < num_heads; ++h) {
-        float* s = scores.data() + h * PART;
+        float* s = scores.data() + h * SPAN;
         const float max_score = max_of(s, count);
-        const float total = exp_in_place(s, count, max_score);
+        float total = exp_in_place(s, count, max_score);
+#if defined(__AVX512F__)
+        if (bf16_dot) total = round_weights_bf16(s, count);
+#endif
         task_max[task * num_heads + h] = max_score;
         task_sum[task * num_heads + h] = total;
       }
@@ -398,12 +547,21 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
         if constexpr (kInt8) {  // the sums are taken: the weights take the values' scales
           for (int64_t h = 0; h < num_heads; ++h) {
             for (int64_t pos = 0; pos < count; ++pos) {
-              scores[h * PART + pos] *= v_scale_ptr[slot_of[pos] * num_kv_heads + kv_head[h]];
+              scores[h * SPAN + pos] *= v_scale_ptr[slot_of[pos] * num_kv_heads + kv_head[h]];
             }
           }
         }
+#if defined(__AVX512F__)
+        if (bf16_dot) {
+          if constexpr (std::is_same_v<C, at::BFloat16>) {
+            all_heads_bf16<true>(scores.data(), values.data(), row, count, head_dim, num_heads,
+                                 group, fscale, acc, SPAN);
+          }
+          continue;
+        }
+#endif
         all_heads<true>(scores.data(), values.data(), row, count, head_dim, num_heads, group,
-                        acc, PART);
+                        acc, SPAN);
         continue;
       }
 #endif
@@ -413,7 +571,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
 #pragma omp simd
         for (int64_t i = 0; i < row; ++i) slot_row[i] = to_float(value[i]);
         for (int64_t h = 0; h < num_heads; ++h) {
-          float p = scores[h * PART + pos];
+          float p = scores[h * SPAN + pos];
           if constexpr (kInt8) p *= v_scale_ptr[slot * num_kv_heads + kv_head[h]];
           const float* vh = slot_row.data() + kv_offset[h];
           float* a = acc + h * head_dim;
@@ -572,13 +730,6 @@ void value_tile(const int64_t* first, const int64_t* last, const T* values, int6
 }
 
 #if defined(__AVX512F__)
-// AVX-512 BF16's dot product of bfloat16 pairs (more multiplies a cycle than float32 FMAs) for
-// bfloat16 inputs; picked at run time, so the variant still runs on AVX-512 CPUs without it.
-bool has_bf16_dot() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-}
-
 // keys [N, Hkv, D] bfloat16 -> kp [Hkv][ceil(N / 16)][D / 2][16] pairs of dimensions (positions
 // past N zero): 16 keys' pairs side by side, one vector per pair of dimensions.
 void pair_keys(const at::BFloat16* keys, int64_t num_keys, int64_t num_kv_heads,
