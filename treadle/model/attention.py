@@ -25,9 +25,9 @@ stay allocated: freeing them is the KV cache manager's business, not done yet.
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -126,12 +126,20 @@ def read_blocks(cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Zeros whose pages the OS commits only when written: numpy's zeros is calloc, fresh
-    zero pages for large sizes (torch.zeros writes every byte: 0.43 s and 1 GiB resident for a
-    1 GiB cache, measured, against 0.3 ms and nothing). Zeros, not torch.empty: the torch decode
-    path reads padding slots under a mask, and garbage NaNs there would poison the sums."""
+    """Zeros whose pages the OS commits only when written: a private anonymous mapping is fresh
+    zero pages (torch.zeros writes every byte: 0.43 s and 1 GiB resident for a 1 GiB cache,
+    measured, against 0.3 ms and nothing). Zeros, not torch.empty: the torch decode path reads
+    padding slots under a mask, and garbage NaNs there would poison the sums. Huge pages where
+    the OS grants them on request (transparent_hugepage "madvise"): decode attention reads a
+    sequence's blocks scattered over the cache, and with 4 KiB pages most block reads begin
+    with a TLB miss (docs/decisions.md)."""
     nbytes = math.prod(shape) * dtype.itemsize
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def write_slots(cache: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor,
