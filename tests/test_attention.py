@@ -67,7 +67,8 @@ def test_decode_attention_matches_naive(dtype, path, head_dim, window, monkeypat
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, num_kv_heads", [(4, 4), (8, 4), (8, 2), (10, 2), (14, 2),
                                                  (8, 1)])
-@pytest.mark.parametrize("head_dim", [16, 40])
+# 16 and 64: AVX-512 BF16's pairs where the CPU has them (one and four 16-lane chunks a head)
+@pytest.mark.parametrize("head_dim", [16, 40, 64])
 @pytest.mark.parametrize("tables_of", ["scattered", "consecutive"])
 def test_query_heads_sharing_a_kv_head_in_any_number(dtype, heads, num_kv_heads, head_dim,
                                                      tables_of):
