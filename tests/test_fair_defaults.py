@@ -420,3 +420,38 @@ def test_a_light_tenant_decoding_stays_below_a_heavy_one_prefilling_and_gets_sho
     assert admissions >= 10 and mixed == 0
     run_until_done(s, model)
     assert_scheduler_empty(s)
+
+
+def test_a_cut_chunk_sits_out_a_step_admitting_another_tenant_s_short_prompt():
+    """Two heavy tenants prefill long prompts (cut while the light tenant is present); the light
+    tenant, served more than both (no yield rule applies to it), sends a short request. Its
+    admission step holds no heavy chunk, whatever the counters: its first token waits for that
+    step alone. The step after, a held chunk runs even if another short request comes, so a
+    stream of short requests cannot stall a long prompt: it goes at least every other step."""
+    s = make_scheduler(num_blocks=800, block_size=4, max_num_batched_tokens=256,
+                       long_prefill_token_threshold=128, policy="fair")
+    model = model_for(s)
+    s.add_request(request("l0", "light", 8, 400, t=0))
+    step(s, model)
+    s.add_request(request("h0", "heavy", 1200, 20, t=1))
+    s.add_request(request("g0", "heavy2", 1200, 20, t=1))
+    while s.num_waiting:  # both admitted (the step's cut goes to one of them at a time)
+        step(s, model)
+
+    def heavy_chunks(output) -> int:
+        return sum(x.num_new_tokens for x in output.scheduled
+                   if x.request.tenant != "light" and x.num_new_tokens > 1)
+
+    assert s.policy.chunk_tokens(s.running[-1], 128) < 128  # the heavy prompts are cut
+    for i in range(1, 13):
+        s.add_request(request(f"l{i}", "light", 8, 4, t=1 + i))
+        s.policy.counters["light"] = max(s.policy.counters.values()) + 1000
+        output, _ = step(s, model)
+        admitted = {x.request.request_id for x in output.scheduled if x.num_computed_tokens == 0}
+        assert f"l{i}" in admitted
+        # Every other step: the one after a held chunk lets it run, the next holds it again.
+        assert (heavy_chunks(output) > 0) == (i % 2 == 0)
+    assert any(r.tenant == "heavy" and r.num_computed_tokens < r.num_prompt_tokens
+               for r in s.running)  # still mid-prefill: every check above met a cut prompt
+    run_until_done(s, model)
+    assert_scheduler_empty(s)

@@ -24,6 +24,7 @@ from bisect import insort
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 from treadle.config import SchedulerConfig
 from treadle.core.kv_cache import KVCacheManager, cdiv
@@ -110,6 +111,9 @@ class Scheduler:
         # The clock at the last step that began with more than one tenant's requests unfinished,
         # a short one among them.
         self.last_shared = -float("inf")
+        # Cut prompts whose chunk sat out the last step for a short prompt's admission: they
+        # do not sit out the next one, so a stream of short requests cannot stall them.
+        self.cuts_held: set[str] = set()
         policy.bind(self)
 
     @property
@@ -214,11 +218,25 @@ class Scheduler:
         num_displaced = len(output.preempted)
         yielding = self._yielding_tenants(head)
         deferred: list[Request] = []
-        budget = self._schedule_running(output, head, deferred, yielding)
+        short_waiting = self._short_waiting_tenants()
+        budget = self._schedule_running(output, head, deferred, yielding, short_waiting)
+        num_running = len(output.scheduled)
         if len(output.preempted) == num_displaced:  # blocks ran short: admit nobody this step
             budget = self._schedule_waiting(output, budget, yielding)
-        self._schedule_deferred(output, deferred, budget)
+        short_admitted = {x.request.tenant for x in output.scheduled[num_running:]
+                          if self.is_short(x.request)}
+        self._schedule_deferred(output, deferred, budget, short_admitted)
         return output
+
+    def _short_waiting_tenants(self) -> frozenset[str]:
+        """Tenants with a short prompt among the first waiting requests, while the policy cuts
+        a running prompt: such a chunk waits for the step's admissions, and sits the step out
+        if another tenant's short prompt is admitted in it (_schedule_deferred)."""
+        if not any(is_prefill(r) and self._cut(r) for r in self.running):
+            self.cuts_held.clear()
+            return frozenset()
+        return frozenset(r.tenant for r in islice(self.waiting, MAX_LOOKAHEAD)
+                         if self.is_short(r))
 
     def _admissible_head(self) -> Request | None:
         """The first waiting request in policy order that its tenant's KV cap lets in: one over
@@ -338,7 +356,8 @@ class Scheduler:
         return need <= kv.num_free_blocks - reserve
 
     def _schedule_running(self, output: SchedulerOutput, head: Request | None,
-                          deferred: list[Request], yielding: frozenset[str]) -> int:
+                          deferred: list[Request], yielding: frozenset[str],
+                          short_waiting: frozenset[str]) -> int:
         """Running requests first, in the policy's step order: one decode token each, or a
         prefill chunk; none for the `yielding` tenants, nor for a cut prompt once the step's cut
         is spent. A prefill chunk the policy ranks below the waiting queue's head is deferred
@@ -367,7 +386,10 @@ class Scheduler:
                     budget -= scheduled.num_new_tokens
                     i += 1
                     continue
-            if head is not None and num_new > 1 and self.policy.defers_prefill(request, head):
+            if num_new > 1 and (
+                    head is not None and self.policy.defers_prefill(request, head)
+                    or short_waiting - {request.tenant} and self._cut(request)
+                    and request.request_id not in self.cuts_held):
                 deferred.append(request)
                 i += 1
                 continue
@@ -501,18 +523,26 @@ class Scheduler:
         return budget
 
     def _schedule_deferred(self, output: SchedulerOutput, deferred: list[Request],
-                           budget: int) -> None:
+                           budget: int, short_admitted: set[str]) -> None:
         """Deferred prefill chunks, in step order, from the budget admission left; one short
-        of blocks waits for the next step (no preemption for a chunk that yielded)."""
+        of blocks waits for the next step (no preemption for a chunk that yielded). A cut
+        prompt's chunk sits out a step that admits another tenant's short prompt: that prompt's
+        first token waits for this step alone, not for a chunk deep into a long context."""
+        held = set()
         for request in deferred:
             if budget <= 0:
                 break
+            if short_admitted - {request.tenant} and self._cut(request) and \
+                    request.request_id not in self.cuts_held:
+                held.add(request.request_id)
+                continue
             num_new = min(uncomputed_tokens(request), self._chunk_tokens(request), budget)
             block_ids = self.kv_cache_manager.allocate_slots(request, num_new) if num_new else None
             if block_ids is None:
                 continue
             output.scheduled.append(self._scheduled(request, num_new, block_ids))
             budget -= num_new
+        self.cuts_held = held
 
     def _prefix_hit(self, request: Request) -> tuple[list, int]:
         # Prompt logprobs need logits at every prompt position, mean pooling hidden states at
