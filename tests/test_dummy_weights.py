@@ -85,3 +85,13 @@ def test_the_shipped_configs_have_their_models_shapes(name, billions):
     parameters = sum(torch.Size(s).numel() for s in spec.expected_shapes().values())
     # The default model's 49,152-token vocabulary, not the real one: a little smaller.
     assert abs(parameters / 1e9 - billions) < 0.3, parameters
+
+
+def test_attention_break_even_is_the_matmul_flops_over_attention_s_per_position():
+    """Llama-3.2-1B's shape, by hand: a token's matmuls are 2 FLOPs a weight of q, k, v, o and
+    the MLP's three in 16 layers; its attention 4 a position, head and dimension."""
+    spec = read_spec(CONFIGS / "llama-3.2-1b")
+    hidden, kv, mlp = 2048, 8 * 64, 8192
+    weights = 16 * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * mlp)
+    expected = 2 * weights / (4 * 16 * 32 * 64)
+    assert abs(spec.attention_break_even() - expected) / expected < 0.001  # norms: a little

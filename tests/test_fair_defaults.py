@@ -455,3 +455,37 @@ def test_a_cut_chunk_sits_out_a_step_admitting_another_tenant_s_short_prompt():
                for r in s.running)  # still mid-prefill: every check above met a cut prompt
     run_until_done(s, model)
     assert_scheduler_empty(s)
+
+
+def test_long_prompts_share_a_step_s_budget_weighted_by_their_context():
+    """Alone (no cut), the step's long prompts compute at most the token budget, each token
+    counting (b + its context) / b, b the context at which a token's attention costs its
+    matmuls: a step late in long prompts costs about a full step at their start, so a
+    newcomer's first request does not wait behind a step of seconds. The budget is used up
+    (work conserving), and fcfs does not weigh context."""
+    b, budget = 1000, 512
+    for policy in ("fair", "fcfs"):
+        s = make_scheduler(num_blocks=2000, block_size=16, max_num_batched_tokens=budget,
+                           long_prefill_token_threshold=256, policy=policy, max_model_len=8192)
+        s.attention_break_even = b
+        model = model_for(s)
+        for rid in ("a", "b"):
+            s.add_request(request(rid, "heavy", 6000, 4))
+        deep = 0
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in s.running) \
+                or s.num_waiting:
+            output, _ = step(s, model)
+            chunks = [(x.num_computed_tokens, x.num_new_tokens) for x in output.scheduled
+                      if x.num_new_tokens > 1]
+            weighted = sum(n * (b + c) / b for c, n in chunks)
+            if policy == "fcfs":
+                assert all(n == 256 or c + n == 6000 for c, n in chunks)  # or a prompt's tail
+                continue
+            assert weighted <= budget + 1e-9
+            if len(chunks) == 2 and all(c + n < 6000 for c, n in chunks):
+                assert weighted > budget - 2 * max((b + c) / b for c, _ in chunks)
+                deep += chunks[0][0] > 3000
+        if policy == "fair":
+            assert deep > 5  # the rule met contexts where a full step would cost 4x
+        run_until_done(s, model)
+        assert_scheduler_empty(s)

@@ -21,6 +21,8 @@ from treadle.cli import main
 from treadle.config import CacheConfig, EngineConfig, ModelConfig
 from treadle.core.engine_core import EngineCore
 from treadle.core.sampling_params import SamplingParams
+from treadle.model.loader import read_spec
+from treadle.model.source import resolve_model
 from treadle.sim.profile import (
     DEFAULT_PROFILE,
     FEATURES,
@@ -104,7 +106,8 @@ def test_sim_forms_the_engines_batches(tiny_model, policy):
     requests = engine_requests()
     settings = SimSettings(policy=policy, max_num_batched_tokens=24, max_num_seqs=6,
                            long_prefill_token_threshold=16, max_num_partial_prefills=2,
-                           block_size=4, num_blocks=40, max_model_len=256)
+                           block_size=4, num_blocks=40, max_model_len=256,
+                           attention_break_even=read_spec(tiny_model).attention_break_even())
     engine = EngineCore(EngineConfig(ModelConfig(model=str(tiny_model), dtype="float32"),
                                      CacheConfig(block_size=4, num_blocks=40),
                                      settings.engine.scheduler, policy=policy))
@@ -442,3 +445,8 @@ def test_bench_steps_adds_the_engines_own_work_to_the_model_pass(tiny_folder):
             row["predicted"] + overhead["per_step"] + overhead["per_decode"]
             * row["decode_seqs"])
     assert "the engine's work beside the model pass" in format_steps(report)
+
+
+def test_the_sim_s_attention_break_even_is_the_default_model_s():
+    assert SimSettings().options.attention_break_even == \
+        read_spec(resolve_model(None).folder).attention_break_even()

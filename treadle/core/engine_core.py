@@ -81,7 +81,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler, self.kv_cache_manager, scheduling_policy, facts.max_model_len,
             facts.eos_token_ids, adapter_ready=lambda lora: self.executor.lora_ready(
-                lora.lora_int_id, lora.lora_path))
+                lora.lora_int_id, lora.lora_path),
+            attention_break_even=facts.spec.attention_break_even())
         self.sampler = Sampler()
         self.structured_output = StructuredOutputManager(
             resolve_model(config.model.model).folder / "tokenizer.json", facts.vocab_size,

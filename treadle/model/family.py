@@ -73,6 +73,17 @@ class ModelSpec:
         """Parameters one token runs through (a mixture of experts: only its chosen ones)."""
         return self.num_parameters()
 
+    def attention_break_even(self) -> int:
+        """The context (positions) at which a prompt token's attention, 4 FLOPs a position,
+        query head and head dimension (scores and weighted values), costs as many as its
+        matmuls, 2 a parameter it runs through less the embedding table; 0 where that leaves
+        none (a toy model of a large vocabulary)."""
+        matmul_parameters = self.active_parameters() - self.vocab_size * self.hidden_size
+        if matmul_parameters <= 0:
+            return 0
+        return max(1, 2 * matmul_parameters // (4 * self.num_layers * self.num_heads
+                                                * self.head_dim))
+
 
 def common_spec_fields(cfg: dict, generation_config: dict | None) -> dict[str, Any]:
     """ModelSpec's own fields from config.json (and generation_config.json), checked."""

@@ -107,7 +107,8 @@ class SimReplica:
         policy = make_policy(engine.policy, engine.scheduler, engine.policy_settings)
         self.scheduler = Scheduler(engine.scheduler, self.kv, policy,
                                    engine.model.max_model_len, eos_token_ids=(),
-                                   clock=self.clock.monotonic)
+                                   clock=self.clock.monotonic,
+                                   attention_break_even=settings.options.attention_break_even)
         self.loop = StepLoop(self.scheduler, self.kv, self.clock)
         self.requests: dict[str, Request] = {}
         self.timelines: dict[str, Timeline] = {}

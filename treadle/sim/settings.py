@@ -25,6 +25,8 @@ DEFAULT_KV_BYTES_PER_TOKEN = {"auto": 30 * 2 * 3 * 64 * 2, "int8": 30 * 2 * 3 * 
 # The engine's max_model_len None reads the model's own; the sim's model is the profile's, by
 # default SmolLM2-135M, whose context this is.
 DEFAULT_MAX_MODEL_LEN = 8192
+# SmolLM2-135M's ModelSpec.attention_break_even (which needs the model's files).
+DEFAULT_ATTENTION_BREAK_EVEN = 3073
 
 
 @dataclass(frozen=True)
@@ -40,12 +42,18 @@ class SimOptions:
                                           "--kv-cache-dtype says")
     spec_acceptance: float = setting(0.7, "with --speculative-config: the chance that each "
                                      "proposed token is accepted, until the first rejection")
+    attention_break_even: int = setting(
+        DEFAULT_ATTENTION_BREAK_EVEN, "the model's context (positions) at which a prompt "
+        "token's attention costs as many FLOPs as its matmuls: fair share weighs long prompts' "
+        "chunks by it (0: not at all; the default model's)")
     replicas: int = setting(1, "engine replicas, each with its own KV cache")
     # Not the server's prefix: an even split, whatever the prompts.
     router: str = setting("round-robin", "how a request's replica is picked",
                           choices=ROUTER_NAMES)
 
     def __post_init__(self) -> None:
+        if self.attention_break_even < 0:
+            raise ValueError(f"attention_break_even must be >= 0, got {self.attention_break_even}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if self.router not in ROUTER_NAMES:

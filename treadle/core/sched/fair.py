@@ -79,6 +79,10 @@ class FairPolicy(SchedulingPolicy):
     name = "fair"
     summary = "fair share between tenants"
     settings_class = FairSettings
+    # A step in flight holds up whoever arrives, a newcomer's first request too: full steps of
+    # chunks late in 4k-token prompts took 0.5-1.8 s (issue 34's scenario, before the light
+    # tenant came).
+    weighs_context = True
 
     def __init__(self, weights: Mapping[str, float] | None = None,
                  settings: FairSettings | None = None) -> None:

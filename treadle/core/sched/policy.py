@@ -193,6 +193,10 @@ class SchedulingPolicy:
     name: ClassVar[str] = "base"
     summary: ClassVar[str] = ""
     settings_class: ClassVar[type | None] = None
+    # Whether long prompts' chunks share the step's token budget weighted by their context
+    # (the scheduler's `_context_allowance`), so that no step costs much more than a full
+    # budget of prompt tokens at a prompt's start.
+    weighs_context: ClassVar[bool] = False
     scheduler: SchedulerView | None = None  # set by bind(): the scheduler it serves
 
     def bind(self, scheduler: SchedulerView) -> None:

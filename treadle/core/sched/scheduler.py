@@ -47,6 +47,8 @@ MAX_SKIPS = 8
 # Waiting requests one step passes over (they do not fit) before it stops looking: a step's
 # admission work stays bounded however long the queue.
 MAX_LOOKAHEAD = 32
+# The least a step's first long prompt computes however deep its context (tokens).
+MIN_CONTEXT_ALLOWANCE = 16
 
 
 @dataclass
@@ -85,12 +87,14 @@ class Scheduler:
                  policy: SchedulingPolicy, max_model_len: int,
                  eos_token_ids: Iterable[int] = (),
                  clock: Callable[[], float] = time.monotonic,
-                 adapter_ready: Callable[[LoRARequest], bool] = lambda lora: True) -> None:
+                 adapter_ready: Callable[[LoRARequest], bool] = lambda lora: True,
+                 attention_break_even: int = 0) -> None:
         self.config = scheduler_config
         self.kv_cache_manager = kv_cache_manager
         self.policy = policy
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.attention_break_even = attention_break_even  # ModelFacts'; 0: unknown
         self.clock = clock  # the clock of requests' arrival times (deadlines, slack)
         # Whether an adapter is in memory (its load starts if not): a request waits for its
         # adapter's load off the step, never in one.
@@ -106,6 +110,9 @@ class Scheduler:
         self.unscheduled: list[tuple[float, int, Request]] = []
         self.tenants: Counter[str] = Counter()  # unfinished requests per tenant
         self.cut_tokens_scheduled = 0  # this step's tokens of prompts the policy cuts
+        # The step's token budget left to long prompts, each token weighted by its context
+        # (_context_allowance).
+        self.context_tokens_left = float(scheduler_config.max_num_batched_tokens)
         # Unfinished requests whose prompt fits one chunk: those long prompts' chunks hold up.
         self.num_short = 0
         # The clock at the last step that began with more than one tenant's requests unfinished,
@@ -208,6 +215,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         self.cut_tokens_scheduled = 0
+        self.context_tokens_left = float(self.config.max_num_batched_tokens)
         now = self.clock()
         if self.shared_with_short():
             self.last_shared = now
@@ -294,6 +302,24 @@ class Scheduler:
         """The policy cuts the request's prompt below the engine's threshold this step."""
         threshold = self.config.long_prefill_token_threshold
         return self.policy.chunk_tokens(request, threshold) < threshold
+
+    def _context_allowance(self, request: Request) -> int:
+        """Where the policy weighs context, the prompt tokens of `request` (a long prompt) the
+        step's weighted budget still takes: each counts (b + its context) / b, b the context
+        at which a token's attention costs its matmuls' FLOPs, so that the step's long prompts
+        together cost about a full budget at a prompt's start (at least MIN_CONTEXT_ALLOWANCE
+        for the step's first). Else the token budget's."""
+        budget = self.config.max_num_batched_tokens
+        if not self._weighs_context(request):
+            return budget
+        b = self.attention_break_even
+        weight = (b + request.num_computed_tokens) / b
+        floor = MIN_CONTEXT_ALLOWANCE if self.context_tokens_left == budget else 0
+        return max(floor, int(self.context_tokens_left / weight))
+
+    def _weighs_context(self, request: Request) -> bool:
+        return bool(self.attention_break_even and self.policy.weighs_context
+                    and not self.is_short(request))
 
     def _displace_for_waiting_head(self, head: Request | None, output: SchedulerOutput) -> None:
         """Under priority and fair share, the waiting queue's head may take the batch slot and
@@ -410,10 +436,13 @@ class Scheduler:
     def _chunk_tokens(self, request: Request) -> int:
         """The most prompt tokens the request computes this step: the engine's threshold, or
         less where the policy cuts the prompt; the prompts it cuts share one cut's tokens per
-        step, so several long prompts do not make the step several cuts long."""
+        step, so several long prompts do not make the step several cuts long. At most what
+        the step's context allowance leaves it."""
         threshold = self.config.long_prefill_token_threshold
         chunk = self.policy.chunk_tokens(request, threshold)
-        return chunk if chunk >= threshold else max(0, chunk - self.cut_tokens_scheduled)
+        if chunk < threshold:
+            chunk = max(0, chunk - self.cut_tokens_scheduled)
+        return min(chunk, self._context_allowance(request))
 
     def _adapter_loading(self, request: Request) -> bool:
         return request.lora_request is not None and not self.adapter_ready(request.lora_request)
@@ -664,6 +693,9 @@ class Scheduler:
         start = request.num_computed_tokens
         if is_prefill(request) and self._cut(request):
             self.cut_tokens_scheduled += num_new
+        if is_prefill(request) and self._weighs_context(request):
+            b = self.attention_break_even
+            self.context_tokens_left -= num_new * (b + start) / b
         return ScheduledRequest(request, start, num_new, block_ids,
                                 produces_token=start + num_new == request.num_tokens
                                 and not request.pooling)
