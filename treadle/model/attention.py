@@ -24,6 +24,7 @@ stay allocated: freeing them is the KV cache manager's business, not done yet.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 from dataclasses import dataclass
@@ -137,8 +138,10 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buffer.madvise(mmap.MADV_HUGEPAGE)
+    # A kernel without transparent huge pages refuses the advice: 4 KiB pages then.
+    with contextlib.suppress(OSError):
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux's
+            buffer.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 

@@ -76,9 +76,12 @@ class ModelSpec:
     def attention_break_even(self) -> int:
         """The context (positions) at which a prompt token's attention, 4 FLOPs a position,
         query head and head dimension (scores and weighted values), costs as many as its
-        matmuls, 2 a parameter it runs through less the embedding table; 0 where that leaves
-        none (a toy model of a large vocabulary)."""
-        matmul_parameters = self.active_parameters() - self.vocab_size * self.hidden_size
+        matmuls, 2 a parameter it runs through less the embedding table and output head (a
+        prompt token needs no logits); 0 where that leaves none (a toy model of a large
+        vocabulary). Sliding-window layers attend less than this counts."""
+        vocabulary_tables = 1 if self.tie_word_embeddings else 2
+        matmul_parameters = self.active_parameters() \
+            - vocabulary_tables * self.vocab_size * self.hidden_size
         if matmul_parameters <= 0:
             return 0
         return max(1, 2 * matmul_parameters // (4 * self.num_layers * self.num_heads

@@ -24,7 +24,6 @@ from bisect import insort
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 
 from treadle.config import SchedulerConfig
 from treadle.core.kv_cache import KVCacheManager, cdiv
@@ -94,7 +93,8 @@ class Scheduler:
         self.policy = policy
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.attention_break_even = attention_break_even  # ModelFacts'; 0: unknown
+        # ModelSpec.attention_break_even (positions); 0: context is not weighed.
+        self.attention_break_even = attention_break_even
         self.clock = clock  # the clock of requests' arrival times (deadlines, slack)
         # Whether an adapter is in memory (its load starts if not): a request waits for its
         # adapter's load off the step, never in one.
@@ -110,11 +110,12 @@ class Scheduler:
         self.unscheduled: list[tuple[float, int, Request]] = []
         self.tenants: Counter[str] = Counter()  # unfinished requests per tenant
         self.cut_tokens_scheduled = 0  # this step's tokens of prompts the policy cuts
-        # The step's token budget left to long prompts, each token weighted by its context
-        # (_context_allowance).
+        # The step's token budget left to long prompts, each token weighted by its context, and
+        # whether one has been charged (_context_allowance).
         self.context_tokens_left = float(scheduler_config.max_num_batched_tokens)
+        self.context_charged = False
         # Unfinished requests whose prompt fits one chunk: those long prompts' chunks hold up.
-        self.num_short = 0
+        self.short_requests: dict[str, Request] = {}
         # The clock at the last step that began with more than one tenant's requests unfinished,
         # a short one among them.
         self.last_shared = -float("inf")
@@ -164,7 +165,7 @@ class Scheduler:
 
     def shared_with_short(self) -> bool:
         """More than one tenant has requests unfinished, a short one among them."""
-        return len(self.tenants) > 1 and self.num_short > 0
+        return len(self.tenants) > 1 and bool(self.short_requests)
 
     @property
     def num_waiting(self) -> int:
@@ -199,7 +200,8 @@ class Scheduler:
                                f"the whole cache has {kv.num_blocks}")
         self.requests[request.request_id] = request
         self.tenants[request.tenant] += 1
-        self.num_short += self.is_short(request)
+        if self.is_short(request):
+            self.short_requests[request.request_id] = request
         stats = request.stats  # who is ahead of it, for `explain`
         stats.waiting_ahead, stats.running_ahead = len(self.waiting), len(self.running)
         _, stats.tokens_ahead = self.waiting.ahead(request)
@@ -216,6 +218,7 @@ class Scheduler:
         output = SchedulerOutput()
         self.cut_tokens_scheduled = 0
         self.context_tokens_left = float(self.config.max_num_batched_tokens)
+        self.context_charged = False
         now = self.clock()
         if self.shared_with_short():
             self.last_shared = now
@@ -228,23 +231,28 @@ class Scheduler:
         deferred: list[Request] = []
         short_waiting = self._short_waiting_tenants()
         budget = self._schedule_running(output, head, deferred, yielding, short_waiting)
-        num_running = len(output.scheduled)
+        num_from_running = len(output.scheduled)
         if len(output.preempted) == num_displaced:  # blocks ran short: admit nobody this step
             budget = self._schedule_waiting(output, budget, yielding)
-        short_admitted = {x.request.tenant for x in output.scheduled[num_running:]
-                          if self.is_short(x.request)}
+        short_admitted = {x.request.tenant for x in output.scheduled[num_from_running:]
+                          if self._short_arrival(x.request)}
         self._schedule_deferred(output, deferred, budget, short_admitted)
         return output
 
     def _short_waiting_tenants(self) -> frozenset[str]:
-        """Tenants with a short prompt among the first waiting requests, while the policy cuts
-        a running prompt: such a chunk waits for the step's admissions, and sits the step out
-        if another tenant's short prompt is admitted in it (_schedule_deferred)."""
+        """Tenants with a short request waiting (not a readmission), while the policy cuts a
+        running prompt: such a chunk waits for the step's admissions, and sits the step out if
+        another tenant's short prompt is admitted in it (_schedule_deferred)."""
         if not any(is_prefill(r) and self._cut(r) for r in self.running):
             self.cuts_held.clear()
             return frozenset()
-        return frozenset(r.tenant for r in islice(self.waiting, MAX_LOOKAHEAD)
-                         if self.is_short(r))
+        return frozenset(r.tenant for r in self.short_requests.values()
+                         if r.status is not RequestStatus.RUNNING and self._short_arrival(r))
+
+    def _short_arrival(self, request: Request) -> bool:
+        """A short prompt on its first admission (a readmission recomputes its outputs too, and
+        nobody gives way to one)."""
+        return self.is_short(request) and not request.num_preemptions
 
     def _admissible_head(self) -> Request | None:
         """The first waiting request in policy order that its tenant's KV cap lets in: one over
@@ -303,23 +311,26 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         return self.policy.chunk_tokens(request, threshold) < threshold
 
-    def _context_allowance(self, request: Request) -> int:
-        """Where the policy weighs context, the prompt tokens of `request` (a long prompt) the
-        step's weighted budget still takes: each counts (b + its context) / b, b the context
-        at which a token's attention costs its matmuls' FLOPs, so that the step's long prompts
-        together cost about a full budget at a prompt's start (at least MIN_CONTEXT_ALLOWANCE
-        for the step's first). Else the token budget's."""
+    def _context_allowance(self, request: Request, context: int) -> int:
+        """Where the policy weighs context, the tokens of `request` (more than the threshold
+        to compute) from `context` on that the step's weighted budget still takes: each counts
+        (b + the chunk's first context) / b, b the context at which a token's attention costs
+        its matmuls' FLOPs, so that the step's long prompts together cost about a full budget
+        at a prompt's start. The step's first gets at least MIN_CONTEXT_ALLOWANCE; a later one
+        gets none rather than less (a sliver is a pass over a deep context for a few tokens).
+        Else the token budget."""
         budget = self.config.max_num_batched_tokens
         if not self._weighs_context(request):
             return budget
         b = self.attention_break_even
-        weight = (b + request.num_computed_tokens) / b
-        floor = MIN_CONTEXT_ALLOWANCE if self.context_tokens_left == budget else 0
-        return max(floor, int(self.context_tokens_left / weight))
+        tokens = int(self.context_tokens_left / ((b + context) / b))
+        if not self.context_charged:
+            return max(MIN_CONTEXT_ALLOWANCE, tokens)
+        return tokens if tokens >= MIN_CONTEXT_ALLOWANCE else 0
 
     def _weighs_context(self, request: Request) -> bool:
         return bool(self.attention_break_even and self.policy.weighs_context
-                    and not self.is_short(request))
+                    and request.num_tokens > self.config.long_prefill_token_threshold)
 
     def _displace_for_waiting_head(self, head: Request | None, output: SchedulerOutput) -> None:
         """Under priority and fair share, the waiting queue's head may take the batch slot and
@@ -402,7 +413,7 @@ class Scheduler:
             num_new = uncomputed_tokens(request)
             if num_new > 1:
                 num_new = min(num_new, self._chunk_tokens(request), budget)
-                if num_new == 0:  # the step's cut tokens went to a prompt before it
+                if num_new == 0:  # the step's cut or context allowance went before it
                     i += 1
                     continue
             elif request.spec_token_ids:
@@ -442,7 +453,7 @@ class Scheduler:
         chunk = self.policy.chunk_tokens(request, threshold)
         if chunk < threshold:
             chunk = max(0, chunk - self.cut_tokens_scheduled)
-        return min(chunk, self._context_allowance(request))
+        return min(chunk, self._context_allowance(request, request.num_computed_tokens))
 
     def _adapter_loading(self, request: Request) -> bool:
         return request.lora_request is not None and not self.adapter_ready(request.lora_request)
@@ -510,13 +521,20 @@ class Scheduler:
                 passed_over.append(self.waiting.pop())
                 continue
             chunk = self._chunk_tokens(request)
-            if chunk == 0:  # the step's cut is spent (before hashing the prompt)
+            if chunk == 0:  # the step's cut or context allowance is spent (before hashing)
                 if len(passed_over) >= MAX_LOOKAHEAD:
                     break
                 passed_over.append(self.waiting.pop())
                 continue
             hit_blocks, num_hit = self._prefix_hit(request)
-            num_new = min(request.num_tokens - num_hit, chunk, budget)
+            # The allowance from its cached prefix's end, not from 0.
+            num_new = min(request.num_tokens - num_hit, chunk, budget,
+                          self._context_allowance(request, num_hit))
+            if num_new == 0:
+                if len(passed_over) >= MAX_LOOKAHEAD:
+                    break
+                passed_over.append(self.waiting.pop())
+                continue
             if request.num_tokens - num_hit - num_new > 1 and \
                     num_prefills >= self.config.max_num_partial_prefills:
                 # It would stay mid-prefill and every prefill slot is taken: pass it over, so a
@@ -571,7 +589,11 @@ class Scheduler:
                 continue
             output.scheduled.append(self._scheduled(request, num_new, block_ids))
             budget -= num_new
-        self.cuts_held = held
+        # A held prompt stays exempt until it has had a chunk (another cut prompt may take the
+        # step's cut first).
+        scheduled = {x.request.request_id for x in output.scheduled}
+        self.cuts_held = held | {rid for rid in self.cuts_held
+                                 if rid not in scheduled and rid in self.requests}
 
     def _prefix_hit(self, request: Request) -> tuple[list, int]:
         # Prompt logprobs need logits at every prompt position, mean pooling hidden states at
@@ -696,6 +718,7 @@ class Scheduler:
         if is_prefill(request) and self._weighs_context(request):
             b = self.attention_break_even
             self.context_tokens_left -= num_new * (b + start) / b
+            self.context_charged = True
         return ScheduledRequest(request, start, num_new, block_ids,
                                 produces_token=start + num_new == request.num_tokens
                                 and not request.pooling)
@@ -727,7 +750,7 @@ class Scheduler:
 
     def _end(self, request: Request, status: RequestStatus) -> None:
         del self.requests[request.request_id]
-        self.num_short -= self.is_short(request)
+        self.short_requests.pop(request.request_id, None)
         self.tenants[request.tenant] -= 1
         if not self.tenants[request.tenant]:
             del self.tenants[request.tenant]

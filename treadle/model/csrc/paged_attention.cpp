@@ -33,7 +33,8 @@ namespace {
 // Positions a task attends to: a lone long sequence spreads over the threads, and smaller
 // parts cost more merging than they gained (docs/decisions.md).
 constexpr int64_t PART = 128;
-// A head's scores in a task: PART and room past them (a bfloat16 pair's zero partner).
+// A head's scores in a task: PART and room past them (a bfloat16 pair's zero partner; 16
+// keeps each head's row whole 64-byte lines).
 constexpr int64_t SPAN = PART + 16;
 
 // Widening loads the compiler can vectorize: bfloat16 is the top half of a float32.
@@ -292,7 +293,11 @@ __attribute__((target("avx512bf16,avx512vl"))) void group_scores_bf16(
         acc[h] = _mm256_dpbf16_ps(acc[h], pairs(query + h * head_dim + d), key);
       }
     }
-    for (int h = 0; h < G; ++h) scores[h * stride + pos] = hsum(acc[h]) * scale;
+    // hsum4's order, as the 4-position groups sum.
+    const __m256 z = _mm256_setzero_ps();
+    for (int h = 0; h < G; ++h) {
+      scores[h * stride + pos] = _mm_cvtss_f32(hsum4(acc[h], z, z, z)) * scale;
+    }
   }
 }
 
@@ -476,6 +481,9 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
       const int64_t p0 = task_part[task] * PART, count = std::min(PART, len - p0);
       const int64_t* table = tables + seq * max_blocks;
       const T* q_seq = q_ptr + seq * num_heads * head_dim;
+#if defined(__AVX512F__)
+      if (!bf16_dot)  // the pairs' path reads q_seq as it is
+#endif
       for (int64_t i = 0; i < num_heads * head_dim; ++i) query[i] = to_float(q_seq[i]) * fscale;
       for (int64_t pos = 0; pos < count; ++pos) {
         const int64_t abs_pos = first + p0 + pos;
