@@ -119,8 +119,8 @@ class Scheduler:
         # The clock at the last step that began with more than one tenant's requests unfinished,
         # a short one among them.
         self.last_shared = -float("inf")
-        # Cut prompts whose chunk sat out the last step for a short prompt's admission: they
-        # do not sit out the next one, so a stream of short requests cannot stall them.
+        # Cut prompts whose chunk sat out a step for a short prompt's admission and has not run
+        # since: they sit out no other until it has, so short requests cannot stall them.
         self.cuts_held: set[str] = set()
         policy.bind(self)
 
