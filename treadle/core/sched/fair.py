@@ -79,9 +79,7 @@ class FairPolicy(SchedulingPolicy):
     name = "fair"
     summary = "fair share between tenants"
     settings_class = FairSettings
-    # A step in flight holds up whoever arrives, a newcomer's first request too: full steps of
-    # chunks late in 4k-token prompts took 0.5-1.8 s (issue 34's scenario, before the light
-    # tenant came).
+    # A step in flight holds up whoever arrives, a newcomer's first request too (issue 34).
     weighs_context = True
 
     def __init__(self, weights: Mapping[str, float] | None = None,
@@ -232,10 +230,9 @@ class FairPolicy(SchedulingPolicy):
     def derived_chunk_tokens(self) -> int:
         """The tokens a step's cut prompts share: they add to a step at most what a bare step
         costs (the fitted fixed cost, over the per-token cost), since a light request's first
-        token waits for the step in flight and its own; half of it, before light admissions
-        got steps of their own, cost the heavy tenant more than it gave the light one
-        (docs/decisions.md, issue 34). From MIN_DERIVED_CHUNK to MAX_DERIVED_CHUNK; before any
-        step is measured, MIN_DERIVED_CHUNK (short steps until the engine knows better)."""
+        token waits for the step in flight and its own (docs/decisions.md, issue 34). From
+        MIN_DERIVED_CHUNK to MAX_DERIVED_CHUNK; before any step is measured, MIN_DERIVED_CHUNK
+        (short steps until the engine knows better)."""
         fit = None if self.scheduler is None else self.scheduler.step_time.fit
         if fit is None or fit.per_token <= 0:
             return MIN_DERIVED_CHUNK
