@@ -99,7 +99,7 @@ def test_a_heavy_tenant_beside_a_light_one_holding_little_runs_several_requests(
     for i in range(4):
         s.add_request(request(f"h{i}", "heavy", 120, 4, t=1 + i))
     step(s, model)
-    assert s.policy.tenant_kv_cap("heavy") == 100 - 3
+    assert s.policy.tenant_kv_cap("heavy") == 100 - 2  # the light prompt's 8 tokens' blocks
     assert sum(r.tenant == "heavy" for r in s.running) == 3
     run_until_done(s, model)
     assert_scheduler_empty(s)
@@ -512,5 +512,33 @@ def test_a_long_prompt_admitted_on_a_cached_prefix_is_weighed_from_the_prefix_s_
     output, _ = step(s, model)
     [chunk] = output.scheduled
     assert (chunk.num_computed_tokens, chunk.num_new_tokens) == (2992, 512 * 1000 // 3992)
+    run_until_done(s, model)
+    assert_scheduler_empty(s)
+
+
+def test_requests_sharing_a_cached_prompt_count_its_blocks_once_against_their_share():
+    """`n: 4`'s siblings share their prompt's blocks: the tenant holds them once. Counted per
+    request, the heavy tenant below held four copies of its 38-block prompt in a 100-block
+    cache, and its siblings waited behind its share while the light tenant was present."""
+    s = make_scheduler(num_blocks=100, block_size=16, max_num_batched_tokens=512,
+                       long_prefill_token_threshold=256, policy="fair")
+    model = model_for(s)
+    prompt = [7] + [2] * 599  # 38 blocks
+    s.add_request(request("l0", "light", 16, 200))
+    s.add_request(Request("h0", prompt, SamplingParams(max_tokens=60, ignore_eos=True),
+                          tenant="heavy"))
+    while s.requests["h0"].num_computed_tokens < len(prompt):
+        step(s, model)
+    for i in range(1, 4):
+        s.add_request(Request(f"h{i}", prompt, SamplingParams(max_tokens=8, ignore_eos=True),
+                              tenant="heavy"))
+    for _ in range(4):  # the siblings' last prompt tokens share the step's cut
+        step(s, model)
+    heavy = [r for r in s.running if r.tenant == "heavy"]
+    assert len(heavy) == 4
+    tables = s.kv_cache_manager.block_tables
+    distinct = {block.block_id for r in heavy for block in tables[r.request_id]}
+    to_finish = sum(s._blocks_to_finish(r) for r in heavy)
+    assert s.committed_blocks("heavy") == len(distinct) + to_finish < 2 * 38
     run_until_done(s, model)
     assert_scheduler_empty(s)

@@ -117,6 +117,9 @@ class BlockPool:
         # Blocks held by more than one table (prefix hits): while none are, no two requests read
         # the same KV, which `treadle sim` checks each step before counting shared context.
         self.num_shared_blocks = 0
+        # Counts the changes to any table's blocks: what is derived from the tables (each
+        # tenant's blocks) holds until it moves.
+        self.version = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -142,10 +145,12 @@ class BlockPool:
                 block.block_hash = None
             block.ref_cnt = 1
             blocks.append(block)
+        self.version += 1
         return blocks
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Share blocks with one more table, reviving free ones (prefix hits)."""
+        self.version += 1
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
@@ -156,6 +161,7 @@ class BlockPool:
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one table's hold on each block. Callers pass a table in reverse, so a request's
         tail blocks, the least likely to be shared, are evicted before its head blocks."""
+        self.version += 1
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 1:

@@ -260,13 +260,11 @@ class FairPolicy(SchedulingPolicy):
 
     def _max_min_share(self, tenant: str, present: Mapping[str, int]) -> int:
         """`tenant`'s blocks when the cache is filled level by level by weight, each other
-        present tenant up to its demand (its running requests' blocks, whole, and its waiting
-        requests' as of the step's start), `tenant` without bound."""
+        present tenant up to its demand (its committed_blocks, and its waiting requests' as of
+        the step's start), `tenant` without bound."""
         assert self.scheduler is not None
         block_size = self.scheduler.block_size
-        demand: Counter[str] = Counter()
-        for request in self.scheduler.running:
-            demand[request.tenant] += -(-request.num_tokens // block_size)
+        demand = Counter({t: self.scheduler.committed_blocks(t) for t in present})
         for other, tokens in self.queue.demand_tokens.items():
             demand[other] += -(-tokens // block_size)
         weight = self.weights.get
@@ -288,9 +286,8 @@ class FairPolicy(SchedulingPolicy):
         """Admitting `head` would take its tenant past its share."""
         assert self.scheduler is not None
         cap = self.tenant_kv_cap(head.tenant)
-        block_size = self.scheduler.block_size
-        return cap is not None and \
-            self.scheduler.committed_blocks(head.tenant) + -(-head.num_tokens // block_size) > cap
+        return cap is not None and self.scheduler.committed_blocks(head.tenant) + \
+            self.scheduler.admission_blocks(head) > cap
 
     def _over_share(self, candidates: Sequence[Request], exclude: str) -> Request | None:
         """The newest candidate of the tenant whose running requests' blocks exceed its share

@@ -93,7 +93,8 @@ class SchedulerView(Protocol):
     def num_blocks(self) -> int: ...  # the KV cache's blocks
     @property
     def block_size(self) -> int: ...
-    def committed_blocks(self, tenant: str) -> int: ...  # its running requests' blocks, whole
+    def committed_blocks(self, tenant: str) -> int: ...  # its running requests' blocks, each once
+    def admission_blocks(self, request: Request) -> int: ...  # what admitting it adds to those
     def shared_with_short(self) -> bool: ...  # several tenants' requests, a one-chunk prompt
     def is_short(self, request: Request) -> bool: ...  # a prompt of one chunk
 

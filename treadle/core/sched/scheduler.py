@@ -122,6 +122,8 @@ class Scheduler:
         # Cut prompts whose chunk sat out a step for a short prompt's admission and has not run
         # since: they sit out no other until it has, so short requests cannot stall them.
         self.cuts_held: set[str] = set()
+        # committed_blocks by tenant, as of the block pool's version.
+        self.committed: tuple[int, Counter[str]] = (-1, Counter())
         policy.bind(self)
 
     @property
@@ -133,10 +135,24 @@ class Scheduler:
         return self.kv_cache_manager.block_size
 
     def committed_blocks(self, tenant: str) -> int:
-        """The blocks of `tenant`'s running requests' tokens so far (a prompt mid-prefill counts
-        whole)."""
-        block_size = self.kv_cache_manager.block_size
-        return sum(cdiv(r.num_tokens, block_size) for r in self.running if r.tenant == tenant)
+        """The KV blocks `tenant`'s running requests hold, each once however many of them
+        share it (a prefix), plus those their prompts mid-prefill still need (a prompt counts
+        whole). A block shared with another tenant counts for neither."""
+        pool = self.kv_cache_manager.block_pool
+        if self.committed[0] != pool.version:
+            held, _ = self.kv_blocks_by_tenant()
+            for request in self.running:
+                if is_prefill(request):
+                    held[request.tenant] += self._blocks_to_finish(request)
+            self.committed = (pool.version, held)
+        return self.committed[1][tenant]
+
+    def admission_blocks(self, request: Request) -> int:
+        """The blocks admitting `request` adds to its tenant's committed_blocks: its whole
+        prompt's, less a cached prefix some running request holds already."""
+        hit_blocks, _ = self._prefix_hit(request)
+        return cdiv(request.num_tokens, self.kv_cache_manager.block_size) - \
+            sum(1 for block in hit_blocks if block.ref_cnt)
 
     def kv_blocks_by_tenant(self) -> tuple[Counter[str], int]:
         """The KV blocks held by each tenant's running requests alone, and those held by more
@@ -604,9 +620,11 @@ class Scheduler:
 
     def _over_tenant_cap(self, request: Request) -> bool:
         """Admitting it would take its tenant past its KV cap (the policy's tenant_kv_cap): the
-        blocks of its running requests' tokens so far (a prompt mid-prefill counts whole: with
-        its chunks counted as held, a second long prompt was admitted beside the first and both
-        held the prefill slots) plus those of this request's. Decode growth after admission is not
+        tenant's committed_blocks (a prompt mid-prefill counts whole: with its chunks counted as
+        held, a second long prompt was admitted beside the first and both held the prefill
+        slots) plus admission_blocks (a prefix its running requests hold counts once: counted
+        per request, `n: 4`'s siblings sharing a 4k prompt made a heavy tenant four times over
+        its share). Decode growth after admission is not
         capped. A tenant holding nothing is never over, or a request larger than the cap could
         never run."""
         cap = self.policy.tenant_kv_cap(request.tenant)
@@ -614,7 +632,7 @@ class Scheduler:
             return False
         committed = self.committed_blocks(request.tenant)
         return committed > 0 and \
-            committed + cdiv(request.num_tokens, self.kv_cache_manager.block_size) > cap
+            committed + self.admission_blocks(request) > cap
 
     def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, int],
                            accepted: Mapping[str, Sequence[int]] | None = None
