@@ -159,25 +159,24 @@ class Scheduler:
         than one tenant's (a prefix shared across tenants): each block in use counted once."""
         kv = self.kv_cache_manager
         held: Counter[str] = Counter()
-        # Blocks in several tables (prefix hits): their tenants, so each is counted once.
-        holders: dict[int, set[str]] = {}
+        if not kv.block_pool.num_shared_blocks:  # no block is in two tables: count tables
+            for request in self.running:
+                held[request.tenant] += len(kv.block_id_tables.get(request.request_id, ()))
+            return held, 0
+        # Sets of block ids: the union and intersections run in C, where a loop over blocks
+        # cost a millisecond a call with `n: 4`'s siblings at 4k tokens.
+        by_tenant: dict[str, set[int]] = {}
         for request in self.running:
-            table = kv.block_tables.get(request.request_id, ())
-            if not kv.block_pool.num_shared_blocks:  # no block is in two tables: count tables
-                held[request.tenant] += len(table)
-                continue
-            for block in table:
-                if block.ref_cnt == 1:
-                    held[request.tenant] += 1
-                else:
-                    holders.setdefault(block.block_id, set()).add(request.tenant)
-        num_shared = 0
-        for tenants in holders.values():
-            if len(tenants) == 1:
-                held[next(iter(tenants))] += 1
-            else:
-                num_shared += 1
-        return held, num_shared
+            by_tenant.setdefault(request.tenant, set()).update(
+                kv.block_id_tables.get(request.request_id, ()))
+        seen: set[int] = set()
+        across: set[int] = set()  # blocks in more than one tenant's tables
+        for ids in by_tenant.values():
+            across |= seen & ids
+            seen |= ids
+        for tenant, ids in by_tenant.items():
+            held[tenant] = len(ids - across) if across else len(ids)
+        return held, len(across)
 
     def shared_with_short(self) -> bool:
         """More than one tenant has requests unfinished, a short one among them."""
