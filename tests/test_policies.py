@@ -791,6 +791,36 @@ def test_engine_process_refuses_an_unreachable_tpot_with_reason_deadline(tiny_mo
     assert_engine_empty(engine)
 
 
+def test_a_sample_held_for_sample_0_s_prefill_keeps_its_request_s_place(tiny_model):
+    """The frontend sends a long prompt's later samples once sample 0 has prefilled, saying how
+    long it held them: they queue as of then, ahead of a request that came between (sent as
+    they arrive, `n: 4`'s samples queued behind a heavy tenant's next prompts, whose own
+    prefill evicted their cached prompt)."""
+    engine = EngineCore(EngineConfig(
+        ModelConfig(model=str(tiny_model), dtype="float32"),
+        CacheConfig(block_size=4, num_blocks=64), SchedulerConfig(max_num_seqs=1)))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    receiving, sending = multiprocessing.Pipe(duplex=False)
+
+    def message(request_id: str, held: float) -> AddRequest:
+        return AddRequest(request_id, [3, 4, 5, 6, 7], params, priority=0, tenant="t",
+                          cache_salt=None, ttft=None, tpot=None, held=held)
+
+    add_request(engine, message("a/0", 0.0), sending)
+    engine.step()
+    add_request(engine, message("b", 0.0), sending)
+    before = time.monotonic()
+    add_request(engine, message("a/1", 30.0), sending)
+    assert engine.scheduler.requests["a/1"].arrival_time <= before - 30.0 + 1.0
+    order = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        order += [r.request_id for r in engine.scheduler.running if r.request_id not in order]
+    assert not receiving.poll()
+    assert order.index("a/1") < order.index("b")
+    assert_engine_empty(engine)
+
+
 # Cost
 
 

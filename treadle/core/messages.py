@@ -67,6 +67,9 @@ class AddRequest:
     tpot: float | None
     pooling: bool = False  # an embedding: prefill only, pooled as the engine's `pooling` says
     lora_request: LoRARequest | None = None  # its adapter; None: the base model
+    # Seconds the frontend held it after sending its request's sample 0 (the other samples of
+    # a long prompt go once sample 0 has prefilled): it keeps sample 0's place in the queue.
+    held: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

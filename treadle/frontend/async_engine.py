@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from treadle.config import AsyncEngineConfig
@@ -121,7 +121,9 @@ class AsyncEngine:
         # prompt: asking for prompt logprobs, only it computes them, and it shares no prefix; a
         # prompt longer than one step's chunk, else each sample computes it again (samples in
         # one step hit only the blocks of sample 0's first chunk).
-        self.after_prefill: dict[str, list[AddRequest]] = {}
+        # Samples held until their request's sample 0 has prefilled, by sample 0's engine id,
+        # with when it was sent.
+        self.after_prefill: dict[str, tuple[float, list[AddRequest]]] = {}
         engine = config.engine
         self.one_chunk = min(engine.scheduler.long_prefill_token_threshold,
                              engine.scheduler.max_num_batched_tokens) \
@@ -416,7 +418,8 @@ class AsyncEngine:
                         self.one_chunk is not None and len(prompt) > self.one_chunk)):
                     # The other samples go once sample 0 has prefilled: they find its whole
                     # prompt in the prefix cache, and its prompt logprobs come first.
-                    self.after_prefill[messages[0].request_id] = messages[1:]
+                    self.after_prefill[messages[0].request_id] = (time.monotonic(),
+                                                                  messages[1:])
                     messages = messages[:1]
                 # To a dead engine they are dropped: the reader has seen its end, or is about
                 # to, and then fails this stream with the others.
@@ -517,11 +520,12 @@ class AsyncEngine:
             deltas, to_abort = self.processor.process(message.outputs)
             for engine_id in to_abort:
                 self._send(AbortRequest(engine_id))
-            for out in message.outputs:  # a sample 0 that prefilled: its request's other samples
-                for held in self.after_prefill.pop(out.request_id, ()):
-                    self._send(held)
-            updates: dict[str, list[SampleDelta]] = {}
             now = time.monotonic()
+            for out in message.outputs:  # a sample 0 that prefilled: its request's other samples
+                sent, held = self.after_prefill.pop(out.request_id, (now, []))
+                for sample in held:
+                    self._send(replace(sample, held=now - sent))
+            updates: dict[str, list[SampleDelta]] = {}
             for delta in deltas:
                 updates.setdefault(delta.request_id, []).append(delta)
                 self.observer.observe(delta, self.processor.requests[delta.request_id])
