@@ -542,3 +542,28 @@ def test_requests_sharing_a_cached_prompt_count_its_blocks_once_against_their_sh
     assert s.committed_blocks("heavy") == len(distinct) + to_finish < 2 * 38
     run_until_done(s, model)
     assert_scheduler_empty(s)
+
+
+def test_a_light_request_is_not_preempted_for_a_tenant_growing_past_its_share():
+    """`n: 4`-like: a heavy tenant's samples share their prompts and decode, taking a block
+    each now and then; it is admitted up to its share, so its decodes take it past the share
+    within a step. The victims for those blocks are its own: the light tenant's requests,
+    last by their lifted counters, were preempted for the heavy tenant's growth."""
+    s = make_scheduler(num_blocks=100, block_size=4, max_num_batched_tokens=128,
+                       long_prefill_token_threshold=64, policy="fair")
+    model = model_for(s)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for g in range(4):
+        prompt = [50 + g] + [2] * 39
+        for i in range(4):
+            s.add_request(Request(f"h{g}/{i}", prompt, params, arrival_time=g, tenant="heavy"))
+    lights = []
+    for n in range(200):
+        if n % 3 == 0 and len(lights) < 30:
+            lights.append(request(f"l{len(lights)}", "light", 8, 8, t=10 + n))
+            s.add_request(lights[-1])
+        step(s, model)
+    run_until_done(s, model)
+    assert s.num_preemptions > 0  # the cache binds: the heavy tenant's growth preempted some
+    assert [r.request_id for r in lights if r.num_preemptions] == []
+    assert_scheduler_empty(s)

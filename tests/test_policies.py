@@ -795,10 +795,11 @@ def test_a_sample_held_for_sample_0_s_prefill_keeps_its_request_s_place(tiny_mod
     """The frontend sends a long prompt's later samples once sample 0 has prefilled, saying how
     long it held them: they queue as of then, ahead of a request that came between (sent as
     they arrive, `n: 4`'s samples queued behind a heavy tenant's next prompts, whose own
-    prefill evicted their cached prompt)."""
+    prefill evicted their cached prompt). Its time limit in the queue starts as it arrives."""
     engine = EngineCore(EngineConfig(
         ModelConfig(model=str(tiny_model), dtype="float32"),
-        CacheConfig(block_size=4, num_blocks=64), SchedulerConfig(max_num_seqs=1)))
+        CacheConfig(block_size=4, num_blocks=64),
+        SchedulerConfig(max_num_seqs=1, max_queue_wait=10.0)))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     receiving, sending = multiprocessing.Pipe(duplex=False)
 

@@ -136,13 +136,13 @@ class EngineCore:
                     cache_salt: str | None = None, *, tenant: str | None = None,
                     ttft: float | None = None, tpot: float | None = None,
                     pooling: bool = False, lora_request: LoRARequest | None = None,
-                    arrival_time: float | None = None) -> None:
+                    held: float = 0.0) -> None:
         """Queue a request; InvalidField (the client's fault) if it can never run. `tenant`: whose
         share it uses under the fair policy (None: "default"); `ttft`, `tpot`: objectives in
         seconds, for the policies that read them (None: none). `pooling`: an embedding request,
         prefill only, whose finishing output carries the prompt's pooled hidden states (sampling
         parameters unused). `lora_request`: the adapter it runs with (None: the base model).
-        `arrival_time`: on the engine's clock (time.monotonic); None: now."""
+        `held`: seconds the frontend held it before sending (Request.held)."""
         if lora_request is not None:
             self._check_lora(lora_request)
         check_max_logprobs(sampling_params, self.max_logprobs)
@@ -157,7 +157,7 @@ class EngineCore:
         request = Request(request_id, prompt_token_ids, sampling_params, priority=priority,
                           cache_salt=cache_salt, tenant=tenant or DEFAULT_TENANT, ttft=ttft,
                           tpot=tpot, pooling=self.pooling if pooling else None,
-                          lora_request=lora_request, arrival_time=arrival_time)
+                          lora_request=lora_request, held=held)
         if pooling:
             request.pooled_hidden = PooledHidden(self.pooling, len(prompt_token_ids))
         if sampling_params.structured_outputs is None:

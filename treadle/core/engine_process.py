@@ -169,8 +169,7 @@ def add_request(core: EngineCore, message: AddRequest, outputs: Connection) -> N
         core.add_request(message.request_id, message.prompt_token_ids, message.params,
                          message.priority, message.cache_salt, tenant=message.tenant,
                          ttft=message.ttft, tpot=message.tpot, pooling=message.pooling,
-                         lora_request=message.lora_request,
-                         arrival_time=time.monotonic() - message.held if message.held else None)
+                         lora_request=message.lora_request, held=message.held)
     except InvalidField as e:
         outputs.send(RequestRejected(message.request_id, str(e), INVALID_REQUEST, e.param))
     except ValueError as e:

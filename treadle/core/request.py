@@ -122,14 +122,18 @@ class Request:
                  arrival_time: float | None = None, cache_salt: str | None = None,
                  tenant: str = DEFAULT_TENANT, ttft: float | None = None,
                  tpot: float | None = None, pooling: str | None = None,
-                 lora_request: LoRARequest | None = None) -> None:
+                 lora_request: LoRARequest | None = None, held: float = 0.0) -> None:
         for name, objective in (("ttft", ttft), ("tpot", tpot)):
             if objective is not None and not objective > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {objective}")
         self.request_id = request_id
         self.sampling_params = sampling_params or SamplingParams()
         self.priority = priority  # lower runs first under the priority policy
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # Seconds the frontend held it (a sample sent once sample 0 has prefilled): its arrival
+        # is that much earlier, its place in the queue and deadline its request's; its time
+        # limit in the queue (max_queue_wait) starts as it reaches the engine.
+        self.held = held
+        self.arrival_time = (time.monotonic() if arrival_time is None else arrival_time) - held
         self.cache_salt = cache_salt  # requests share cached blocks only under the same salt
         self.lora_request = lora_request  # its adapter (None: the base); keys its cached blocks
         self.tenant = tenant  # whose share of the server it uses, under the fair policy

@@ -311,14 +311,17 @@ class FairPolicy(SchedulingPolicy):
         # whatever the counters (a light tenant's counter, lifted to a heavy one's, made it the
         # victim of the heavy tenant's growth), while its requests have been preempted fewer
         # than max_policy_preemptions times: past that they keep their place, so the order
-        # cannot swap back and forth for ever.
+        # cannot swap back and forth for ever. Over with the blocks its decodes take this step:
+        # a tenant at its share grows past it in the step (`n: 4`'s 24 decodes), and the light
+        # tenant's requests, last by their lifted counters, were preempted for that growth.
         over: set[str] = set()
         limit = 0
         if self.scheduler is not None and self.config_cap_unset():
             limit = self.scheduler.config.max_policy_preemptions
             for tenant in {r.tenant for r in running}:
                 cap = self.tenant_kv_cap(tenant)
-                if cap is not None and self.scheduler.committed_blocks(tenant) > cap:
+                if cap is not None and self.scheduler.committed_blocks(tenant) + \
+                        self.scheduler.decode_growth(tenant) > cap:
                     over.add(tenant)
         return sorted(running, key=lambda r: (r.tenant in over and r.num_preemptions < limit,
                                               self.counter(r.tenant), r.arrival_time))

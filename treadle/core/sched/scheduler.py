@@ -105,8 +105,8 @@ class Scheduler:
         self.step_time = StepTimeModel()  # the engine feeds it each step's measured time
         self.num_preemptions = 0
         self.num_queue_timeouts = 0
-        # With max_queue_wait: (arrival, id, request) of each request queued, oldest on top;
-        # those scheduled or ended meanwhile are dropped as they surface.
+        # With max_queue_wait: (when it reached the engine, id, request) of each request queued,
+        # oldest on top; those scheduled or ended meanwhile are dropped as they surface.
         self.unscheduled: list[tuple[float, int, Request]] = []
         self.tenants: Counter[str] = Counter()  # unfinished requests per tenant
         self.cut_tokens_scheduled = 0  # this step's tokens of prompts the policy cuts
@@ -146,6 +146,14 @@ class Scheduler:
                     held[request.tenant] += self._blocks_to_finish(request)
             self.committed = (pool.version, held)
         return self.committed[1][tenant]
+
+    def decode_growth(self, tenant: str) -> int:
+        """The blocks `tenant`'s running decodes take this step: those whose next token starts
+        a block."""
+        tables = self.kv_cache_manager.block_id_tables
+        block_size = self.kv_cache_manager.block_size
+        return sum(1 for r in self.running if r.tenant == tenant and not is_prefill(r)
+                   and cdiv(r.num_tokens, block_size) > len(tables.get(r.request_id, ())))
 
     def admission_blocks(self, request: Request) -> int:
         """The blocks admitting `request` adds to its tenant's committed_blocks: its whole
@@ -227,7 +235,8 @@ class Scheduler:
             stats.top_tenant_kv_share = blocks / kv.num_blocks
         self.waiting.add(request)
         if self.config.max_queue_wait is not None:
-            heapq.heappush(self.unscheduled, (request.arrival_time, id(request), request))
+            heapq.heappush(self.unscheduled, (request.arrival_time + request.held, id(request),
+                                              request))
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
@@ -690,7 +699,8 @@ class Scheduler:
 
     def expire_waiting(self, now: float) -> list[Request]:
         """End with FINISHED_QUEUE_TIMEOUT each request never scheduled max_queue_wait seconds
-        after it arrived (on the clock of its arrival_time); returns them."""
+        after it reached the engine (on the clock of its arrival_time: its arrival plus the
+        time the frontend held it); returns them."""
         expired = []
         while self.unscheduled:
             arrival, _, request = self.unscheduled[0]
