@@ -169,8 +169,13 @@ class Request:
         self.first_token_time: float | None = None
         # The timeline for debugging: (time.monotonic(), event, tokens) for queued, each
         # scheduled chunk (its token count), preempted, first_token, finished.
-        self.events: list[tuple[float, str, int]] = [(self.arrival_time, "queued", 0)]
+        self.events: list[tuple[float, str, int]] = [(self.queued_time, "queued", 0)]
         self.stats = RequestStats()
+
+    @property
+    def queued_time(self) -> float:
+        """When it reached the engine (its arrival, but for the time the frontend held it)."""
+        return self.arrival_time + self.held
 
     @property
     def prompt_token_ids(self) -> list[int]:

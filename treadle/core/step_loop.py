@@ -153,15 +153,16 @@ class StepLoop:
         now = self.clock.monotonic()
         request.events.append((now, "finished", 0))
         return EngineCoreOutput(request.request_id, [], True, request.finish_reason,
-                                timings=(now - request.arrival_time, 0.0, 0.0),
+                                timings=(now - request.queued_time, 0.0, 0.0),
                                 events=request.events, stats=request.stats)
 
 
 def latency_breakdown(request: Request, now: float) -> tuple[float, float, float]:
-    """Seconds queued, in prefill (first schedule to first token) and in decode."""
-    scheduled = request.scheduled_time or request.arrival_time
+    """Seconds queued (from when it reached the engine), in prefill (first schedule to first
+    token) and in decode."""
+    scheduled = request.scheduled_time or request.queued_time
     first_token = request.first_token_time or now
-    return scheduled - request.arrival_time, first_token - scheduled, now - first_token
+    return scheduled - request.queued_time, first_token - scheduled, now - first_token
 
 
 def is_decode(request: Request, num_new_tokens: int) -> bool:

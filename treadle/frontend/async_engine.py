@@ -522,9 +522,11 @@ class AsyncEngine:
                 self._send(AbortRequest(engine_id))
             now = time.monotonic()
             for out in message.outputs:  # a sample 0 that prefilled: its request's other samples
-                sent, held = self.after_prefill.pop(out.request_id, (now, []))
-                for sample in held:
-                    self._send(replace(sample, held=now - sent))
+                waiting = self.after_prefill.pop(out.request_id, None)
+                if waiting is not None:
+                    sent, samples = waiting
+                    for sample in samples:
+                        self._send(replace(sample, held=now - sent))
             updates: dict[str, list[SampleDelta]] = {}
             for delta in deltas:
                 updates.setdefault(delta.request_id, []).append(delta)

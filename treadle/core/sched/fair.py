@@ -286,8 +286,7 @@ class FairPolicy(SchedulingPolicy):
         """Admitting `head` would take its tenant past its share."""
         assert self.scheduler is not None
         cap = self.tenant_kv_cap(head.tenant)
-        return cap is not None and self.scheduler.committed_blocks(head.tenant) + \
-            self.scheduler.admission_blocks(head) > cap
+        return cap is not None and self.scheduler.exceeds_cap(head, cap)
 
     def _over_share(self, candidates: Sequence[Request], exclude: str) -> Request | None:
         """The newest candidate of the tenant whose running requests' blocks exceed its share
@@ -318,10 +317,11 @@ class FairPolicy(SchedulingPolicy):
         limit = 0
         if self.scheduler is not None and self.config_cap_unset():
             limit = self.scheduler.config.max_policy_preemptions
+            growth = self.scheduler.decode_growth()
             for tenant in {r.tenant for r in running}:
                 cap = self.tenant_kv_cap(tenant)
-                if cap is not None and self.scheduler.committed_blocks(tenant) + \
-                        self.scheduler.decode_growth(tenant) > cap:
+                if cap is not None and \
+                        self.scheduler.committed_blocks(tenant) + growth[tenant] > cap:
                     over.add(tenant)
         return sorted(running, key=lambda r: (r.tenant in over and r.num_preemptions < limit,
                                               self.counter(r.tenant), r.arrival_time))

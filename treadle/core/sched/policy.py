@@ -94,8 +94,8 @@ class SchedulerView(Protocol):
     @property
     def block_size(self) -> int: ...
     def committed_blocks(self, tenant: str) -> int: ...  # its running requests' blocks, each once
-    def admission_blocks(self, request: Request) -> int: ...  # what admitting it adds to those
-    def decode_growth(self, tenant: str) -> int: ...  # the blocks its decodes take this step
+    def exceeds_cap(self, request: Request, cap: int) -> bool: ...  # admitting it: past `cap`
+    def decode_growth(self) -> Counter[str]: ...  # by tenant, blocks its decodes take this step
     def shared_with_short(self) -> bool: ...  # several tenants' requests, a one-chunk prompt
     def is_short(self, request: Request) -> bool: ...  # a prompt of one chunk
 

@@ -122,8 +122,9 @@ class Scheduler:
         # Cut prompts whose chunk sat out a step for a short prompt's admission and has not run
         # since: they sit out no other until it has, so short requests cannot stall them.
         self.cuts_held: set[str] = set()
-        # committed_blocks by tenant, as of the block pool's version.
-        self.committed: tuple[int, Counter[str]] = (-1, Counter())
+        # kv_blocks_by_tenant's count by tenant, as of (the block pool's version, the number
+        # running): committed_blocks reads it a few times a step.
+        self._held_blocks: tuple[tuple[int, int], Counter[str]] = ((-1, -1), Counter())
         policy.bind(self)
 
     @property
@@ -138,29 +139,30 @@ class Scheduler:
         """The KV blocks `tenant`'s running requests hold, each once however many of them
         share it (a prefix), plus those their prompts mid-prefill still need (a prompt counts
         whole). A block shared with another tenant counts for neither."""
-        pool = self.kv_cache_manager.block_pool
-        if self.committed[0] != pool.version:
-            held, _ = self.kv_blocks_by_tenant()
-            for request in self.running:
-                if is_prefill(request):
-                    held[request.tenant] += self._blocks_to_finish(request)
-            self.committed = (pool.version, held)
-        return self.committed[1][tenant]
+        key = (self.kv_cache_manager.block_pool.version, len(self.running))
+        if self._held_blocks[0] != key:
+            self._held_blocks = (key, self.kv_blocks_by_tenant()[0])
+        return self._held_blocks[1][tenant] + sum(
+            self._blocks_to_finish(r) for r in self.running if r.tenant == tenant and is_prefill(r))
 
-    def decode_growth(self, tenant: str) -> int:
-        """The blocks `tenant`'s running decodes take this step: those whose next token starts
-        a block."""
+    def decode_growth(self) -> Counter[str]:
+        """By tenant, the blocks its running decodes take this step: those whose next token
+        starts a block."""
         tables = self.kv_cache_manager.block_id_tables
         block_size = self.kv_cache_manager.block_size
-        return sum(1 for r in self.running if r.tenant == tenant and not is_prefill(r)
-                   and cdiv(r.num_tokens, block_size) > len(tables.get(r.request_id, ())))
+        return Counter(r.tenant for r in self.running if not is_prefill(r)
+                       and cdiv(r.num_tokens, block_size) > len(tables.get(r.request_id, ())))
 
-    def admission_blocks(self, request: Request) -> int:
-        """The blocks admitting `request` adds to its tenant's committed_blocks: its whole
-        prompt's, less a cached prefix some running request holds already."""
+    def exceeds_cap(self, request: Request, cap: int) -> bool:
+        """Admitting `request` takes its tenant's committed_blocks past `cap`: its whole
+        prompt's blocks, less a cached prefix some running request holds already (hashed only
+        where the whole prompt would not fit)."""
+        committed = self.committed_blocks(request.tenant)
+        whole = cdiv(request.num_tokens, self.kv_cache_manager.block_size)
+        if committed + whole <= cap:
+            return False
         hit_blocks, _ = self._prefix_hit(request)
-        return cdiv(request.num_tokens, self.kv_cache_manager.block_size) - \
-            sum(1 for block in hit_blocks if block.ref_cnt)
+        return committed + whole - sum(1 for block in hit_blocks if block.ref_cnt) > cap
 
     def kv_blocks_by_tenant(self) -> tuple[Counter[str], int]:
         """The KV blocks held by each tenant's running requests alone, and those held by more
@@ -183,7 +185,8 @@ class Scheduler:
             across |= seen & ids
             seen |= ids
         for tenant, ids in by_tenant.items():
-            held[tenant] = len(ids - across) if across else len(ids)
+            if own := len(ids - across) if across else len(ids):
+                held[tenant] = own
         return held, len(across)
 
     def shared_with_short(self) -> bool:
@@ -235,8 +238,7 @@ class Scheduler:
             stats.top_tenant_kv_share = blocks / kv.num_blocks
         self.waiting.add(request)
         if self.config.max_queue_wait is not None:
-            heapq.heappush(self.unscheduled, (request.arrival_time + request.held, id(request),
-                                              request))
+            heapq.heappush(self.unscheduled, (request.queued_time, id(request), request))
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
@@ -627,20 +629,17 @@ class Scheduler:
         return self.kv_cache_manager.get_computed_blocks(request)
 
     def _over_tenant_cap(self, request: Request) -> bool:
-        """Admitting it would take its tenant past its KV cap (the policy's tenant_kv_cap): the
-        tenant's committed_blocks (a prompt mid-prefill counts whole: with its chunks counted as
-        held, a second long prompt was admitted beside the first and both held the prefill
-        slots) plus admission_blocks (a prefix its running requests hold counts once: counted
-        per request, `n: 4`'s siblings sharing a 4k prompt made a heavy tenant four times over
-        its share). Decode growth after admission is not
-        capped. A tenant holding nothing is never over, or a request larger than the cap could
-        never run."""
+        """Admitting it would take its tenant past its KV cap (the policy's tenant_kv_cap):
+        exceeds_cap. A prompt mid-prefill counts whole (with its chunks counted as held, a second
+        long prompt was admitted beside the first and both held the prefill slots); a prefix its
+        running requests hold counts once (counted per request, `n: 4`'s samples sharing a 4k
+        prompt made a heavy tenant four times over its share). Decode growth after admission is
+        not capped. A tenant holding nothing is never over, or a request larger than the cap
+        could never run."""
         cap = self.policy.tenant_kv_cap(request.tenant)
         if cap is None:
             return False
-        committed = self.committed_blocks(request.tenant)
-        return committed > 0 and \
-            committed + self.admission_blocks(request) > cap
+        return self.committed_blocks(request.tenant) > 0 and self.exceeds_cap(request, cap)
 
     def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, int],
                            accepted: Mapping[str, Sequence[int]] | None = None
@@ -699,8 +698,7 @@ class Scheduler:
 
     def expire_waiting(self, now: float) -> list[Request]:
         """End with FINISHED_QUEUE_TIMEOUT each request never scheduled max_queue_wait seconds
-        after it reached the engine (on the clock of its arrival_time: its arrival plus the
-        time the frontend held it); returns them."""
+        after it reached the engine (its queued_time); returns them."""
         expired = []
         while self.unscheduled:
             arrival, _, request = self.unscheduled[0]
@@ -789,6 +787,8 @@ class Scheduler:
         self.kv_cache_manager.check_invariants()
         self.waiting.check_invariants()
         assert self.tenants == Counter(r.tenant for r in self.requests.values()), "tenant counts"
+        if self._held_blocks[0] == (self.kv_cache_manager.block_pool.version, len(self.running)):
+            assert self._held_blocks[1] == self.kv_blocks_by_tenant()[0], "stale blocks by tenant"
         assert self.running == sorted(self.running, key=self.policy.sort_key), \
             "running list out of order"
         waiting = list(self.waiting)
