@@ -173,8 +173,8 @@ class Scheduler:
             for request in self.running:
                 held[request.tenant] += len(kv.block_id_tables.get(request.request_id, ()))
             return held, 0
-        # Sets of block ids: the union and intersections run in C, where a loop over blocks
-        # cost a millisecond a call with `n: 4`'s siblings at 4k tokens.
+        # Sets of block ids: unions and intersections in C; a Python loop over every block of
+        # every table was a visible part of a step with many samples of long prompts.
         by_tenant: dict[str, set[int]] = {}
         for request in self.running:
             by_tenant.setdefault(request.tenant, set()).update(
