@@ -701,9 +701,9 @@ class Scheduler:
         after it reached the engine (its queued_time); returns them."""
         expired = []
         while self.unscheduled:
-            arrival, _, request = self.unscheduled[0]
+            queued, _, request = self.unscheduled[0]
             never_scheduled = request.status is RequestStatus.WAITING
-            if never_scheduled and now - arrival < self.config.max_queue_wait:
+            if never_scheduled and now - queued < self.config.max_queue_wait:
                 break
             heapq.heappop(self.unscheduled)
             if never_scheduled:
