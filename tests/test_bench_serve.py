@@ -134,8 +134,10 @@ def test_report_json_and_plots_against_a_scripted_server(scripted, tokenizer_dir
         assert [len(r["itl"]) for r in ok] == [2, 4, 0, 3]  # one chunk per token here
         assert all(0 < r["ttft"] <= r["e2e"] for r in ok)
     assert scripted.most_in_flight <= 2
-    # one probe request, then every request of each run; ids, exact lengths, greedy
+    # one probe request (a token of the first prompt, one output token: it primes no cache for
+    # the runs), then every request of each run; ids, exact lengths, greedy
     assert len(scripted.bodies) == 1 + 2 * 5
+    assert (scripted.bodies[0]["prompt"], scripted.bodies[0]["max_tokens"]) == ([5], 1)
     body = next(b for b in scripted.bodies[1:] if b["max_tokens"] == 3)
     assert body == {"model": "scripted", "prompt": [5, 6, 7, 8], "max_tokens": 3,
                     "temperature": 0.0, "stream": True,

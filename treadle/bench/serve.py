@@ -231,6 +231,14 @@ async def run_requests(backend: Backend, times: list[float], max_concurrency: in
     return list(records), duration
 
 
+def probe_request(first: BenchRequest) -> BenchRequest:
+    """The untimed check that the server answers: the first request's first prompt token and
+    one output token. The whole first request primed the prefix cache with a measured prompt,
+    which the run then found cached or not as the arrival order fell."""
+    return BenchRequest(first.prompt_token_ids[:1], 1,
+                        None if first.prompt is None else first.prompt[:1], first.tenant)
+
+
 async def probe(backend: Backend) -> RequestRecord:
     async with backend.connect(None) as send:
         return await send(0, 0.0)
@@ -245,7 +253,8 @@ def bench_serve(base_url: str, model: str, requests: list[BenchRequest],
                 tenant_keys: dict[str, str] | None = None,
                 objectives: dict[str, float] | None = None,
                 lora_modules: list[str] | None = None, n: int = 1) -> dict:
-    """One run per request rate, after one untimed request that checks the server answers.
+    """One run per request rate, after one untimed request that checks the server answers
+    (probe_request).
     `backend` "openai" takes an http(s) base URL; "grpc" a host:port of Treadle's gRPC API.
     `tenants`: name -> share of the requests (not with a workload that names its tenants,
     which are sent as given); `tenant_keys`: name -> API key; `objectives`:
@@ -272,14 +281,18 @@ def bench_serve(base_url: str, model: str, requests: list[BenchRequest],
         if backend == "grpc":
             raise ValueError("--lora-modules needs --backend openai (gRPC has no adapter field)")
         request_models = draw_adapters(lora_modules, len(requests), seed)
-    client: Backend
-    if backend == "grpc":
-        client = GrpcBackend(base_url, model, requests, prompt_format, ignore_eos, api_key,
-                             names, tenant_keys, objectives)
-    else:
-        client = OpenAIBackend(base_url, model, requests, prompt_format, ignore_eos, api_key,
-                               names, tenant_keys, objectives, request_models, n)
-    first = asyncio.run(probe(client))
+
+    def backend_for(sent: list[BenchRequest], tenant_names: list[str] | None,
+                    models: list[str] | None) -> Backend:
+        if backend == "grpc":
+            return GrpcBackend(base_url, model, sent, prompt_format, ignore_eos, api_key,
+                               tenant_names, tenant_keys, objectives)
+        return OpenAIBackend(base_url, model, sent, prompt_format, ignore_eos, api_key,
+                             tenant_names, tenant_keys, objectives, models, n)
+
+    client = backend_for(requests, names, request_models)
+    first = asyncio.run(probe(backend_for([probe_request(requests[0])], names and names[:1],
+                                          request_models and request_models[:1])))
     if not first.success:
         raise RuntimeError(f"the first request to {base_url} failed: {first.error}")
     runs = []
