@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from treadle.core.lora_request import LoRARequest
 from treadle.core.request import Request
 from treadle.core.sampling_params import SamplingParams
-from treadle.core.sched.fair import PRESENCE_SECONDS
+from treadle.core.sched.fair import MIN_DERIVED_CHUNK, PRESENCE_SECONDS, SHORT_PROMPTS_SEEN
 from treadle.core.sched.scheduler import MIN_CONTEXT_ALLOWANCE
 from treadle.core.sched.step_time import StepFit
 
@@ -110,20 +110,31 @@ def test_an_explicit_cap_overrides_the_derived_share():
     assert s.policy.tenant_kv_cap("a") == 7
 
 
-def test_derived_cut_prices_a_step_s_long_prompts_at_a_bare_step_from_16_to_64():
-    s = make_scheduler(num_blocks=200, block_size=4, policy="fair")
-    long = request("a0", "a", 600, 4)
+def test_derived_cut_follows_what_short_prompts_computed_at_admission():
+    s = make_scheduler(num_blocks=400, block_size=4, max_num_batched_tokens=512,
+                       long_prefill_token_threshold=256, policy="fair")
+    model = model_for(s)
+    long = request("a0", "a", 1200, 4)
     s.add_request(long)
     s.add_request(request("b0", "b", 8, 4))
-    assert s.policy.chunk_tokens(long, 256) == 16  # nothing measured yet: the least chunk
-    s.step_time.fit = StepFit(0.02, 0.0004)
-    assert s.policy.chunk_tokens(long, 256) == 50
-    assert s.policy.chunk_tokens(request("x", "a", 100, 4), 256) == 256  # fits one chunk
-    s.step_time.fit = StepFit(0.02, 0.004)
-    assert s.policy.chunk_tokens(long, 256) == 16
-    s.step_time.fit = StepFit(2.0, 0.0001)  # a small slope: decode rows priced as tokens
-    assert s.policy.chunk_tokens(long, 256) == 64
+    assert s.policy.chunk_tokens(long, 256) == MIN_DERIVED_CHUNK  # no short prompt admitted yet
+    step(s, model)
+    assert s.policy.chunk_tokens(long, 256) == MIN_DERIVED_CHUNK  # 8 tokens: the least cut
+    for rid, tokens in (("b1", 100), ("b2", 90), ("b3", 120)):
+        s.add_request(request(rid, "b", tokens, 4))
+        step(s, model)
+    assert s.policy.chunk_tokens(long, 256) == 90  # the median of 8, 90, 100, 120
     assert s.policy.chunk_tokens(long, 40) == 40  # never above the engine's threshold
+    assert s.policy.chunk_tokens(request("x", "a", 100, 4), 256) == 256  # fits one chunk
+    # A prompt that hits b3's cached blocks computes only what follows them.
+    prompt = request("b3", "b", 120, 4).all_token_ids
+    for i in range(SHORT_PROMPTS_SEEN):
+        s.add_request(Request(f"c{i}", list(prompt), SamplingParams(max_tokens=4), tenant="b"))
+        step(s, model)
+    assert s.policy.short_prompt_tokens[-1] < 8
+    assert s.policy.chunk_tokens(long, 256) == MIN_DERIVED_CHUNK
+    run_until_done(s, model)
+    assert_scheduler_empty(s)
 
 
 def test_long_prompts_share_one_cut_per_step_while_another_tenant_is_present():

@@ -241,7 +241,7 @@ def max_service_gap(policy: str, num_blocks: int, block_size: int, budget: int,
                        max_num_seqs=max_num_seqs, enable_prefix_caching=False,
                        # The counters' order alone: fair's derived KV share (half the cache each
                        # while both are present) trades this token bound for a block bound, and
-                       # its derived chunks (16 tokens) cut prompts the bound counts whole. A cap
+                       # its derived cut chunks prompts the bound counts whole. A cap
                        # past the cache never binds (one of the cache's size did: a tenant's own
                        # cap lets the others go around it).
                        max_kv_blocks_per_tenant=2 * num_blocks if policy == "fair" else None,

@@ -4,7 +4,8 @@ settings, and its queue (per-tenant lanes, the least-served backlogged tenant fi
 from __future__ import annotations
 
 import heapq
-from collections import Counter
+import statistics
+from collections import Counter, deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -18,11 +19,11 @@ from treadle.core.sched.policy import (
     register_policy,
 )
 
-# The least derived cut (the tenants issue measured light tenants protected at 16), and the
-# most: the fitted slope prices a long-context decode row like a prompt token, so decode-heavy
-# steps made it small and the cut reached the whole threshold (issue 34, docs/decisions.md).
+# The least derived cut (the tenants issue measured light tenants protected at 16): below it a
+# chunk costs several times a full chunk's per token (docs/decisions.md, issue 34).
 MIN_DERIVED_CHUNK = 16
-MAX_DERIVED_CHUNK = 64
+# The derived cut follows the median of this many short prompts last admitted.
+SHORT_PROMPTS_SEEN = 16
 # A tenant counts as present this long after it last had a request: one whose requests come
 # one at a time is still there when the next arrives (seconds).
 PRESENCE_SECONDS = 10.0
@@ -40,7 +41,8 @@ class FairSettings:
     fair_chunk_tokens: int | None = setting(
         None, "under --policy fair, while more than one tenant is present, the most prompt "
         "tokens per step of long prompts, so steps stay short for the others' arrivals",
-        none="the tokens the fitted step time prices at a bare step's fixed cost (16 to 64)")
+        none=f"the median tokens the last {SHORT_PROMPTS_SEEN} short prompts computed at "
+        f"admission, at least {MIN_DERIVED_CHUNK}")
 
     def __post_init__(self) -> None:
         if not (self.fair_prompt_token_weight >= 0 and self.fair_output_token_weight >= 0):
@@ -96,6 +98,8 @@ class FairPolicy(SchedulingPolicy):
         # Derived KV caps, by tenant, until the demands change (a step starts, a request is
         # queued or removed): admitting a request moves its demand from waiting to running.
         self.caps: dict[str, int] = {}
+        # The tokens the last short prompts computed at admission (past a cached prefix).
+        self.short_prompt_tokens: deque[int] = deque(maxlen=SHORT_PROMPTS_SEEN)
 
     @classmethod
     def from_config(cls, config: SchedulerConfig, settings: FairSettings) -> FairPolicy:
@@ -140,6 +144,8 @@ class FairPolicy(SchedulingPolicy):
 
     def on_admitted(self, request: Request) -> None:
         self.last_admitted = request.tenant
+        if self._is_short(request):
+            self.short_prompt_tokens.append(request.num_prompt_tokens - request.num_cached_tokens)
         self.counters[request.tenant] = self.counter(request.tenant) + \
             self.admission_charge(request)
 
@@ -228,16 +234,14 @@ class FairPolicy(SchedulingPolicy):
         return min(chunk, threshold)
 
     def derived_chunk_tokens(self) -> int:
-        """The tokens a step's cut prompts share: they add to a step at most what a bare step
-        costs (the fitted fixed cost, over the per-token cost), since a light request's first
-        token waits for the step in flight and its own (docs/decisions.md, issue 34). From
-        MIN_DERIVED_CHUNK to MAX_DERIVED_CHUNK; before any step is measured, MIN_DERIVED_CHUNK
-        (short steps until the engine knows better)."""
-        fit = None if self.scheduler is None else self.scheduler.step_time.fit
-        if fit is None or fit.per_token <= 0:
+        """The tokens a step's cut prompts share: about what a short request computes at its
+        admission (the median of the last SHORT_PROMPTS_SEEN), so one arriving during a cut step
+        waits for about its own prefill's worth of another tenant's prompt, and a step of short
+        requests' size costs the long prompts little per token; at least MIN_DERIVED_CHUNK
+        (docs/decisions.md, issue 34). Before any short prompt is admitted, MIN_DERIVED_CHUNK."""
+        if not self.short_prompt_tokens:
             return MIN_DERIVED_CHUNK
-        chunk = int(fit.fixed / fit.per_token)
-        return min(MAX_DERIVED_CHUNK, max(MIN_DERIVED_CHUNK, chunk))
+        return max(MIN_DERIVED_CHUNK, statistics.median_low(self.short_prompt_tokens))
 
     def tenant_kv_cap(self, tenant: str) -> int | None:
         # max_kv_blocks_per_tenant when given; else, while another tenant has requests waiting
