@@ -215,7 +215,10 @@ def test_grpc_backend_against_a_scripted_servicer(tokenizer_dir, tmp_path):
     # TPOT over tokens, not chunks: the 5- and 7-token requests, 4 and 6 gaps of tokens
     tpots = [1e3 * (r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok[:2]]
     assert run["tpot_ms"]["mean"] == pytest.approx(sum(tpots) / 2)
-    # the probe, then the run's requests in any order
+    # the probe (a token of the first prompt, one output token), then the run's requests in any
+    # order
+    probe = servicer.requests[0][0]
+    assert (list(probe.token_ids.ids), probe.stop.max_tokens) == ([5], 1)
     request, metadata = next(r for r in servicer.requests[1:] if r[0].stop.max_tokens == 5)
     assert metadata["authorization"] == "Bearer sekrit"
     assert list(request.token_ids.ids) == [5, 6, 7, 8] and request.model == "scripted"

@@ -1,5 +1,5 @@
 """`--policy fair` with no other flag (issue 34): the KV share, the chunk size and the
-displacement it derives from the cache, the step time and the tenants present."""
+displacement it derives from the cache, the short prompts admitted and the tenants present."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from treadle.core.request import Request
 from treadle.core.sampling_params import SamplingParams
 from treadle.core.sched.fair import MIN_DERIVED_CHUNK, PRESENCE_SECONDS, SHORT_PROMPTS_SEEN
 from treadle.core.sched.scheduler import MIN_CONTEXT_ALLOWANCE
-from treadle.core.sched.step_time import StepFit
 
 
 def request(rid: str, tenant: str, prompt_len: int, max_tokens: int, t: float = 0.0) -> Request:
@@ -359,7 +358,6 @@ def test_derived_rules_finish_every_request_and_leak_no_block(arrivals, num_bloc
     and the cache's size, with the derived share, chunks and displacement."""
     s = make_scheduler(num_blocks=num_blocks, block_size=8, max_num_batched_tokens=chunk,
                        long_prefill_token_threshold=chunk, policy="fair", max_model_len=512)
-    s.step_time.fit = StepFit(0.01, 0.001)
     model = model_for(s)
     for i, (tenant, prompt_len, max_tokens) in enumerate(arrivals):
         if -(-(prompt_len + max_tokens - 1) // 8) > num_blocks:

@@ -235,8 +235,8 @@ def probe_request(first: BenchRequest) -> BenchRequest:
     """The untimed check that the server answers: the first request's first prompt token and
     one output token. The whole first request primed the prefix cache with a measured prompt,
     which the run then found cached or not as the arrival order fell."""
-    return BenchRequest(first.prompt_token_ids[:1], 1,
-                        None if first.prompt is None else first.prompt[:1], first.tenant)
+    text = None if first.prompt is None else first.prompt.strip()[:1] or first.prompt[:1]
+    return BenchRequest(first.prompt_token_ids[:1], 1, text, first.tenant)
 
 
 async def probe(backend: Backend) -> RequestRecord:

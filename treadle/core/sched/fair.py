@@ -19,10 +19,11 @@ from treadle.core.sched.policy import (
     register_policy,
 )
 
-# The least derived cut (the tenants issue measured light tenants protected at 16): below it a
-# chunk costs several times a full chunk's per token (docs/decisions.md, issue 34).
+# The least derived cut (the tenants issue measured light tenants protected at 16): a chunk of
+# 16 costs 1.4x a full chunk's per token, more below (docs/decisions.md, issue 34).
 MIN_DERIVED_CHUNK = 16
-# The derived cut follows the median of this many short prompts last admitted.
+# The derived cut follows the median of this many short prompts last admitted: enough to ride
+# out a few odd prompts, few enough to follow a change of workload.
 SHORT_PROMPTS_SEEN = 16
 # A tenant counts as present this long after it last had a request: one whose requests come
 # one at a time is still there when the next arrives (seconds).
@@ -98,8 +99,10 @@ class FairPolicy(SchedulingPolicy):
         # Derived KV caps, by tenant, until the demands change (a step starts, a request is
         # queued or removed): admitting a request moves its demand from waiting to running.
         self.caps: dict[str, int] = {}
-        # The tokens the last short prompts computed at admission (past a cached prefix).
+        # The tokens the last short prompts computed at admission (past a cached prefix), and
+        # the cut they derive as of the step's start (FairQueue.refresh): one cut a step.
         self.short_prompt_tokens: deque[int] = deque(maxlen=SHORT_PROMPTS_SEEN)
+        self.step_cut = MIN_DERIVED_CHUNK
 
     @classmethod
     def from_config(cls, config: SchedulerConfig, settings: FairSettings) -> FairPolicy:
@@ -144,7 +147,7 @@ class FairPolicy(SchedulingPolicy):
 
     def on_admitted(self, request: Request) -> None:
         self.last_admitted = request.tenant
-        if self._is_short(request):
+        if self._is_short(request) and not request.held:  # a held sample's prompt is cached
             self.short_prompt_tokens.append(request.num_prompt_tokens - request.num_cached_tokens)
         self.counters[request.tenant] = self.counter(request.tenant) + \
             self.admission_charge(request)
@@ -230,7 +233,7 @@ class FairPolicy(SchedulingPolicy):
             return threshold
         chunk = self.chunk_tokens_shared
         if chunk is None:
-            chunk = self.derived_chunk_tokens()
+            chunk = self.step_cut
         return min(chunk, threshold)
 
     def derived_chunk_tokens(self) -> int:
@@ -238,7 +241,8 @@ class FairPolicy(SchedulingPolicy):
         admission (the median of the last SHORT_PROMPTS_SEEN), so one arriving during a cut step
         waits for about its own prefill's worth of another tenant's prompt, and a step of short
         requests' size costs the long prompts little per token; at least MIN_DERIVED_CHUNK
-        (docs/decisions.md, issue 34). Before any short prompt is admitted, MIN_DERIVED_CHUNK."""
+        (docs/decisions.md, issue 34). Before any short prompt is admitted, MIN_DERIVED_CHUNK.
+        At the engine's threshold or above it, long prompts are not cut."""
         if not self.short_prompt_tokens:
             return MIN_DERIVED_CHUNK
         return max(MIN_DERIVED_CHUNK, statistics.median_low(self.short_prompt_tokens))
@@ -448,6 +452,7 @@ class FairQueue:
         self.demand_tokens = Counter({t: lane.tokens for t, lane in self.lanes.items()
                                       if lane.tokens})
         self.policy.caps.clear()
+        self.policy.step_cut = self.policy.derived_chunk_tokens()
 
     def ahead(self, probe: Request) -> tuple[int, int]:
         # The order ahead changes as counters do: count everything waiting (an upper bound).
