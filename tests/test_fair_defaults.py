@@ -232,6 +232,44 @@ def test_a_tenant_prefilling_a_long_prompt_sits_out_a_short_head_s_step():
     assert_scheduler_empty(s)
 
 
+def test_a_tenant_s_heavy_decodes_sit_out_a_lone_short_head_s_step_not_two_in_a_row():
+    """`n: 4`'s shape in small: the heavy tenant's requests decode at a context of 100 or so;
+    the light tenant, one request decoding, is served more (its lift and its own outputs took
+    it past the heavy counter). Weighted by context (b = 100: about 2 each), the heavy decodes
+    weigh half a 16-token light prompt or more, and sit out its admission step whatever the
+    counters, though not two steps in a row: with a light request arriving every step, the
+    heavy tenant decodes in every other step. Two light requests arriving at once (a backlog)
+    go by the counters, as does one when the decodes weigh less (unweighted: 4 of them)."""
+    s = make_scheduler(num_blocks=800, block_size=4, max_num_batched_tokens=256,
+                       long_prefill_token_threshold=128, policy="fair")
+    s.attention_break_even = 100
+    model = model_for(s)
+    for i in range(4):
+        s.add_request(request(f"h{i}", "heavy", 100, 200, t=i))
+    s.add_request(request("l0", "light", 8, 200, t=8))
+    while any(r.num_output_tokens == 0 for r in s.running) or s.num_waiting:
+        step(s, model)
+    assert not s.sat_out
+
+    def heavy_ran(*arrivals: str) -> bool:
+        for rid in arrivals:
+            s.add_request(request(rid, "light", 16, 2, t=20))
+        s.policy.counters["light"] = s.policy.counter("heavy") + 1000
+        output, _ = step(s, model)
+        scheduled = {x.request.request_id for x in output.scheduled}
+        assert arrivals[0] in scheduled
+        return any(x.request.tenant == "heavy" for x in output.scheduled)
+
+    assert [heavy_ran(f"l{i}") for i in range(1, 9)] == [False, True] * 4
+    step(s, model)
+    assert heavy_ran("l9", "l10")
+    step(s, model)
+    s.attention_break_even = 0
+    assert heavy_ran("l11")
+    run_until_done(s, model)
+    assert_scheduler_empty(s)
+
+
 def test_nobody_sits_out_for_a_short_head_waiting_for_its_adapter():
     """With one adapter at a time, a light head needing another adapter than the heavy
     tenant's long prompt cannot be admitted: the heavy tenant must not sit the step out (the
@@ -335,6 +373,27 @@ def test_a_light_request_beside_a_saturating_tenant_is_scheduled_within_a_few_st
     finished = {r.request_id for r in run_until_done(s, model)}
     assert {f"h{i}" for i in range(6)} <= finished  # every heavy request finishes
     assert_scheduler_empty(s)
+
+
+def test_preemptions_for_blocks_do_not_guard_a_request_from_displacement():
+    """The guard counts the policy's displacements only: heavy requests each preempted for
+    blocks as often as max_policy_preemptions (`n: 4`'s samples, preempted for each other's
+    growth) can still be displaced for a light request, which waited for blocks otherwise; those
+    displaced as often cannot."""
+    for displaced in (0, 1):
+        s, model = saturated(max_policy_preemptions=1)
+        for r in s.running:
+            r.num_preemptions, r.num_displacements = 1, displaced
+        light = request("l0", "light", 100, 8, t=100)
+        s.add_request(light)
+        output, _ = step(s, model)
+        if displaced:
+            assert light not in {x.request for x in output.scheduled} and not output.preempted
+        else:
+            assert light in {x.request for x in output.scheduled}
+            assert [r.num_displacements for r in output.preempted] == [1]
+        run_until_done(s, model)
+        assert_scheduler_empty(s)
 
 
 def test_under_fcfs_the_same_light_request_waits_for_the_heavy_tenant():

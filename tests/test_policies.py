@@ -78,7 +78,7 @@ def test_a_better_priority_takes_the_worst_running_requests_place():
 
 
 def test_priority_preemption_guard():
-    """max_policy_preemptions=1: a request preempted once is never displaced again; a waiting
+    """max_policy_preemptions=1: a request displaced once is never displaced again; a waiting
     request of better priority then waits for a slot."""
     s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=2, policy="priority",
                        max_policy_preemptions=1)

@@ -209,9 +209,12 @@ class SchedulerConfig:
         None, "seconds a request may wait without being scheduled; then it ends with 503 / an "
         "SSE queue_timeout error / gRPC DEADLINE_EXCEEDED", none="no limit",
         flag={"metavar": "SECONDS"})
-    # Counting preemptions of any reason; running short of blocks may still preempt it.
-    max_policy_preemptions: int = setting(2, "preemptions after which a request is no longer "
-                                          "displaced by a waiting one its policy ranks higher")
+    # Displacement counts the policy's own (running short of blocks may still preempt a request);
+    # fair share's step order, which picks the victims for blocks, counts every preemption.
+    max_policy_preemptions: int = setting(2, "times a request may be displaced by a waiting one "
+                                          "its policy ranks higher (fair share: also the "
+                                          "preemptions of any kind after which an over-share "
+                                          "tenant's requests stop going last in the step order)")
     # Set by --tenant-weight and the API keys' weights (absent: 1).
     tenant_weights: Mapping[str, float] = setting({}, "each tenant's weight, for policies that "
                                                   "share by tenant", flag={"skip": True})

@@ -154,6 +154,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit at the first schedule, for usage reports
         self.num_preemptions = 0
+        # Preemptions by the policy, for a waiting request it ranks higher (not for blocks).
+        self.num_displacements = 0
         self.num_skips = 0  # steps the scheduler passed over it while waiting, for lack of blocks
         # Logprobs of prompt tokens 1.. (sampler objects), filled as prefill chunks run.
         self.prompt_logprobs: list = []

@@ -25,6 +25,11 @@ MIN_DERIVED_CHUNK = 16
 # The derived cut follows the median of this many short prompts last admitted: enough to ride
 # out a few odd prompts, few enough to follow a change of workload.
 SHORT_PROMPTS_SEEN = 16
+# A tenant's decodes sit out a lone short request's admission step, whatever the counters, when
+# they weigh this share of its prompt or more: decode rows deep in a context cost about twice
+# their weight (their attention reads the KV at memory speed), so the step would take about
+# twice the request's own time (docs/decisions.md, issue 34).
+DECODES_SIT_OUT_SHARE = 0.5
 # A tenant counts as present this long after it last had a request: one whose requests come
 # one at a time is still there when the next arrives (seconds).
 PRESENCE_SECONDS = 10.0
@@ -193,19 +198,43 @@ class FairPolicy(SchedulingPolicy):
         # meets no rule above (docs/decisions.md, issue 34).
         # Only while prefilling: tenants of long prompts all decoding (chat with history) would
         # sit out each other's every admission.
+        # Where no rule above holds, a tenant whose decodes weigh DECODES_SIT_OUT_SHARE of a
+        # short head's prompt sits its step out whatever the counters, if the head's tenant has
+        # nothing else waiting, though not two steps in a row: a tenant whose requests come one
+        # at a time, lifted to the other's service at each, passes it by its own few decodes,
+        # and its admission step carried the other's every decode (`n: 4`). A tenant with a
+        # backlog goes by the counters; one request a step takes every other step at most.
         if head.num_preemptions:  # nobody yields to a readmission (yield cycles livelocked)
             return frozenset()
         held = Counter(r.tenant for r in running)
         base, charge = self.counter(head.tenant), self.admission_charge(head)
-        long_tenants = self._long_prompt_tenants(running) if self._is_short(head) else set()
+        short = self._is_short(head)
+        long_tenants = self._long_prompt_tenants(running) if short else set()
+        heavy_decodes: set[str] = set()
+        if short and len(self.queue.lanes.get(head.tenant, ())) == 1:
+            sat_out = frozenset() if self.scheduler is None else self.scheduler.sat_out
+            heavy_decodes = {tenant for tenant, weight in self._decode_weights(running).items()
+                             if weight >= DECODES_SIT_OUT_SHARE * head.num_tokens
+                             and tenant not in sat_out}
         return frozenset(
             tenant for tenant, count in held.items() if tenant != head.tenant
-            and (gap := self.counter(tenant) - base) >= 0
-            and (gap > charge or count - held[head.tenant] >= 2 or not held[head.tenant]
-                 or tenant in long_tenants))
+            and ((gap := self.counter(tenant) - base) >= 0
+                 and (gap > charge or count - held[head.tenant] >= 2 or not held[head.tenant]
+                      or tenant in long_tenants)
+                 or tenant in heavy_decodes))
 
     def _is_short(self, request: Request) -> bool:
         return self.scheduler is not None and self.scheduler.is_short(request)
+
+    def _decode_weights(self, running: Sequence[Request]) -> Counter[str]:
+        """Each tenant's decodes, each weighted (b + its context) / b as the scheduler weighs
+        long prompts' tokens (b the model's attention_break_even; 1 where it is 0)."""
+        b = 0 if self.scheduler is None else self.scheduler.attention_break_even
+        weights: Counter[str] = Counter()
+        for r in running:
+            if not is_prefill(r):
+                weights[r.tenant] += (b + r.num_computed_tokens) / b if b else 1.0
+        return weights
 
     def _long_prompt_tenants(self, running: Sequence[Request]) -> set[str]:
         """Tenants with a long prompt mid-prefill."""

@@ -88,6 +88,8 @@ class SchedulerView(Protocol):
     tenants: Counter[str]  # unfinished requests (waiting or running) per tenant
     clock: Callable[[], float]  # seconds, on the clock of requests' arrival times
     last_shared: float  # the clock at the last step begun with several tenants', a short one
+    sat_out: frozenset[str]  # tenants whose running requests sat out the last step for a head
+    attention_break_even: int  # the model's; 0: context is not weighed
 
     @property
     def num_blocks(self) -> int: ...  # the KV cache's blocks

@@ -122,6 +122,8 @@ class Scheduler:
         # Cut prompts whose chunk sat out a step for a short prompt's admission and has not run
         # since: they sit out no other until it has, so short requests cannot stall them.
         self.cuts_held: set[str] = set()
+        # The tenants whose running requests sat out the last step for a waiting head.
+        self.sat_out: frozenset[str] = frozenset()
         # kv_blocks_by_tenant's count by tenant, as of (the block pool's version, the number
         # running): committed_blocks reads it a few times a step.
         self._held_blocks: tuple[tuple[int, int], Counter[str]] = ((-1, -1), Counter())
@@ -253,7 +255,9 @@ class Scheduler:
         head = self._admissible_head()
         self._displace_for_waiting_head(head, output)
         num_displaced = len(output.preempted)
-        yielding = self._yielding_tenants(head)
+        # Recorded even if the head misses the step (blocks its decodes took): else a head that
+        # keeps missing would keep the others out every step.
+        yielding = self.sat_out = self._yielding_tenants(head)
         deferred: list[Request] = []
         short_waiting = self._short_waiting_tenants()
         budget = self._schedule_running(output, head, deferred, yielding, short_waiting)
@@ -362,11 +366,13 @@ class Scheduler:
         """Under priority and fair share, the waiting queue's head may take the batch slot and
         blocks of running requests the policy ranks below it (recompute). Before anything is
         scheduled this step, so no victim's blocks were handed out for it. The guard: a request
-        preempted max_policy_preemptions times is no longer a victim here."""
+        displaced max_policy_preemptions times is no longer a victim here; preemptions for
+        blocks do not count (`n: 4`'s samples, all preempted for each other's growth, left a
+        light request nobody to displace: docs/decisions.md, issue 34)."""
         if head is None or self._fits(head) or self._cut_taken_before(head, frozenset()):
             return  # it fits, or it would get no tokens this step: nobody is preempted for it
         limit = self.config.max_policy_preemptions
-        candidates = [r for r in self.running if r.num_preemptions < limit]
+        candidates = [r for r in self.running if r.num_displacements < limit]
         victims: list[Request] = []
         while not self._fits(head, victims):
             victim = self.policy.displace(head, candidates)
@@ -375,6 +381,7 @@ class Scheduler:
             victims.append(victim)
             candidates.remove(victim)
         for victim in victims:
+            victim.num_displacements += 1
             self._preempt(victim, output)
 
     def _fits(self, request: Request, victims: Sequence[Request] = ()) -> bool:
