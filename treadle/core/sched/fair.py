@@ -15,6 +15,7 @@ from treadle.core.sched.policy import (
     KeyedQueue,
     SchedulingPolicy,
     WaitingQueue,
+    context_weight,
     is_prefill,
     register_policy,
 )
@@ -212,10 +213,10 @@ class FairPolicy(SchedulingPolicy):
         long_tenants = self._long_prompt_tenants(running) if short else set()
         heavy_decodes: set[str] = set()
         if short and len(self.queue.lanes.get(head.tenant, ())) == 1:
-            sat_out = frozenset() if self.scheduler is None else self.scheduler.sat_out
+            assert self.scheduler is not None  # a short head needs one
             heavy_decodes = {tenant for tenant, weight in self._decode_weights(running).items()
                              if weight >= DECODES_SIT_OUT_SHARE * head.num_tokens
-                             and tenant not in sat_out}
+                             and tenant not in self.scheduler.sat_out}
         return frozenset(
             tenant for tenant, count in held.items() if tenant != head.tenant
             and ((gap := self.counter(tenant) - base) >= 0
@@ -227,13 +228,14 @@ class FairPolicy(SchedulingPolicy):
         return self.scheduler is not None and self.scheduler.is_short(request)
 
     def _decode_weights(self, running: Sequence[Request]) -> Counter[str]:
-        """Each tenant's decodes, each weighted (b + its context) / b as the scheduler weighs
-        long prompts' tokens (b the model's attention_break_even; 1 where it is 0)."""
-        b = 0 if self.scheduler is None else self.scheduler.attention_break_even
+        """Each tenant's decodes, each weighted by its context as the scheduler weighs long
+        prompts' tokens (context_weight)."""
+        assert self.scheduler is not None
+        b = self.scheduler.attention_break_even
         weights: Counter[str] = Counter()
         for r in running:
             if not is_prefill(r):
-                weights[r.tenant] += (b + r.num_computed_tokens) / b if b else 1.0
+                weights[r.tenant] += context_weight(r.num_computed_tokens, b)
         return weights
 
     def _long_prompt_tenants(self, running: Sequence[Request]) -> set[str]:

@@ -106,6 +106,12 @@ def uncomputed_tokens(request: Request) -> int:
     return request.num_tokens - request.num_computed_tokens
 
 
+def context_weight(context: int, break_even: int) -> float:
+    """What a token at `context` counts for where context is weighed: (b + context) / b, b the
+    model's attention_break_even; 1 where b is 0 (context not weighed)."""
+    return (break_even + context) / break_even if break_even else 1.0
+
+
 def is_prefill(request: Request) -> bool:
     """More than the last token left to compute: a prompt, or a recompute after preemption."""
     return uncomputed_tokens(request) > 1

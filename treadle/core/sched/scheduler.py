@@ -32,6 +32,7 @@ from treadle.core.request import Request, RequestStatus
 from treadle.core.sched.policy import (
     SchedulingPolicy,
     WaitingQueue,
+    context_weight,
     is_prefill,
     uncomputed_tokens,
 )
@@ -353,7 +354,7 @@ class Scheduler:
         if not self._weighs_context(request):
             return budget
         b = self.attention_break_even
-        tokens = int(self.context_tokens_left / ((b + context) / b))
+        tokens = int(self.context_tokens_left / context_weight(context, b))
         if not self.context_charged:
             return max(MIN_CONTEXT_ALLOWANCE, tokens)
         return tokens if tokens >= MIN_CONTEXT_ALLOWANCE else 0
@@ -749,7 +750,7 @@ class Scheduler:
             self.cut_tokens_scheduled += num_new
         if is_prefill(request) and self._weighs_context(request):
             b = self.attention_break_even
-            self.context_tokens_left -= num_new * (b + start) / b
+            self.context_tokens_left -= num_new * context_weight(start, b)
             self.context_charged = True
         return ScheduledRequest(request, start, num_new, block_ids,
                                 produces_token=start + num_new == request.num_tokens
