@@ -26,6 +26,11 @@ MIN_DERIVED_CHUNK = 16
 # The derived cut follows the median of this many short prompts last admitted: enough to ride
 # out a few odd prompts, few enough to follow a change of workload.
 SHORT_PROMPTS_SEEN = 16
+# The derived cut is this many short prompts' worth (their median): one arriving during a cut
+# step waits about two of its own prefills, then its own step. One prompt's worth paid a step's
+# fixed cost every 64 prompt tokens: the heavy tenant 1.2x slower than under fcfs in float32
+# (docs/decisions.md, issue 34).
+CUT_SHORT_PROMPTS = 2
 # A tenant's decodes sit out a lone short request's admission step, whatever the counters, when
 # they weigh this share of its prompt or more: decode rows deep in a context cost about twice
 # their weight (their attention reads the KV at memory speed), so the step would take about
@@ -48,8 +53,8 @@ class FairSettings:
     fair_chunk_tokens: int | None = setting(
         None, "under --policy fair, while more than one tenant is present, the most prompt "
         "tokens per step of long prompts, so steps stay short for the others' arrivals",
-        none=f"the median tokens the last {SHORT_PROMPTS_SEEN} short prompts computed at "
-        f"admission, at least {MIN_DERIVED_CHUNK}")
+        none=f"{CUT_SHORT_PROMPTS} x the median tokens the last {SHORT_PROMPTS_SEEN} short "
+        f"prompts computed at admission, at least {MIN_DERIVED_CHUNK}")
 
     def __post_init__(self) -> None:
         if not (self.fair_prompt_token_weight >= 0 and self.fair_output_token_weight >= 0):
@@ -268,15 +273,17 @@ class FairPolicy(SchedulingPolicy):
         return min(chunk, threshold)
 
     def derived_chunk_tokens(self) -> int:
-        """The tokens a step's cut prompts share: about what a short request computes at its
-        admission (the median of the last SHORT_PROMPTS_SEEN), so one arriving during a cut step
-        waits for about its own prefill's worth of another tenant's prompt, and a step of short
-        requests' size costs the long prompts little per token; at least MIN_DERIVED_CHUNK
-        (docs/decisions.md, issue 34). Before any short prompt is admitted, MIN_DERIVED_CHUNK.
-        At the engine's threshold or above it, long prompts are not cut."""
+        """The tokens a step's cut prompts share: CUT_SHORT_PROMPTS x what a short request
+        computes at its admission (the median of the last SHORT_PROMPTS_SEEN), so one arriving
+        during a cut step waits for about two of its own prefills' worth of another tenant's
+        prompt, and a step of short requests' size costs the long prompts little per token; at
+        least MIN_DERIVED_CHUNK (docs/decisions.md, issue 34). Before any short prompt is
+        admitted, MIN_DERIVED_CHUNK. At the engine's threshold or above it, long prompts are not
+        cut."""
         if not self.short_prompt_tokens:
             return MIN_DERIVED_CHUNK
-        return max(MIN_DERIVED_CHUNK, statistics.median_low(self.short_prompt_tokens))
+        return max(MIN_DERIVED_CHUNK,
+                   CUT_SHORT_PROMPTS * statistics.median_low(self.short_prompt_tokens))
 
     def tenant_kv_cap(self, tenant: str) -> int | None:
         # max_kv_blocks_per_tenant when given; else, while another tenant has requests waiting
