@@ -26,10 +26,10 @@ MIN_DERIVED_CHUNK = 16
 # The derived cut follows the median of this many short prompts last admitted: enough to ride
 # out a few odd prompts, few enough to follow a change of workload.
 SHORT_PROMPTS_SEEN = 16
-# The derived cut is this many short prompts' worth (their median): one arriving during a cut
-# step waits about two of its own prefills, then its own step. One prompt's worth paid a step's
-# fixed cost every 64 prompt tokens: the heavy tenant 1.2x slower than under fcfs in float32
-# (docs/decisions.md, issue 34).
+# A cut step weighs this many short prompts (their median), the running decodes in it
+# counted by their context: one arriving during it waits about two of its own prefills, then
+# its own step. One prompt's worth paid a step's fixed cost every 64 prompt tokens: the heavy
+# tenant 1.2x slower than under fcfs in float32 (docs/decisions.md, issue 34).
 CUT_SHORT_PROMPTS = 2
 # A tenant's decodes sit out a lone short request's admission step, whatever the counters, when
 # they weigh this share of its prompt or more: decode rows deep in a context cost about twice
@@ -54,7 +54,8 @@ class FairSettings:
         None, "under --policy fair, while more than one tenant is present, the most prompt "
         "tokens per step of long prompts, so steps stay short for the others' arrivals",
         none=f"{CUT_SHORT_PROMPTS} x the median tokens the last {SHORT_PROMPTS_SEEN} short "
-        f"prompts computed at admission, at least {MIN_DERIVED_CHUNK}")
+        f"prompts computed at admission, less the running decodes (each weighted by its "
+        f"context), at least {MIN_DERIVED_CHUNK}")
 
     def __post_init__(self) -> None:
         if not (self.fair_prompt_token_weight >= 0 and self.fair_output_token_weight >= 0):
@@ -274,16 +275,18 @@ class FairPolicy(SchedulingPolicy):
 
     def derived_chunk_tokens(self) -> int:
         """The tokens a step's cut prompts share: CUT_SHORT_PROMPTS x what a short request
-        computes at its admission (the median of the last SHORT_PROMPTS_SEEN), so one arriving
-        during a cut step waits for about two of its own prefills' worth of another tenant's
-        prompt, and a step of short requests' size costs the long prompts little per token; at
-        least MIN_DERIVED_CHUNK (docs/decisions.md, issue 34). Before any short prompt is
-        admitted, MIN_DERIVED_CHUNK. At the engine's threshold or above it, long prompts are not
-        cut."""
-        if not self.short_prompt_tokens:
+        computes at its admission (the median of the last SHORT_PROMPTS_SEEN), less the running
+        decodes, each weighted by its context (context_weight) as the step's budget weighs long
+        prompts' tokens; so one arriving during a cut step waits for about two of its own
+        prefills' worth of others' work, and a step of short requests' size costs the long
+        prompts little per token; at least MIN_DERIVED_CHUNK (docs/decisions.md, issue 34).
+        Before any short prompt is admitted, MIN_DERIVED_CHUNK. At the engine's threshold or
+        above it, long prompts are not cut."""
+        if not self.short_prompt_tokens or self.scheduler is None:
             return MIN_DERIVED_CHUNK
-        return max(MIN_DERIVED_CHUNK,
-                   CUT_SHORT_PROMPTS * statistics.median_low(self.short_prompt_tokens))
+        work = CUT_SHORT_PROMPTS * statistics.median_low(self.short_prompt_tokens)
+        decodes = sum(self._decode_weights(self.scheduler.running).values())
+        return max(MIN_DERIVED_CHUNK, int(work - decodes))
 
     def tenant_kv_cap(self, tenant: str) -> int | None:
         # max_kv_blocks_per_tenant when given; else, while another tenant has requests waiting
