@@ -118,7 +118,7 @@ def test_derived_cut_follows_what_short_prompts_computed_at_admission():
     s.add_request(request("b0", "b", 8, 4))
     assert s.policy.chunk_tokens(long, 256) == MIN_DERIVED_CHUNK  # no short prompt admitted yet
     step(s, model)
-    assert s.policy.chunk_tokens(long, 256) == MIN_DERIVED_CHUNK  # 2 x 8 tokens: the least cut
+    assert s.policy.chunk_tokens(long, 256) == MIN_DERIVED_CHUNK  # as of the step's start
     for rid, tokens in (("b1", 100), ("b2", 90), ("b3", 120)):
         s.add_request(request(rid, "b", tokens, 4))
         step(s, model)
@@ -131,8 +131,8 @@ def test_derived_cut_follows_what_short_prompts_computed_at_admission():
     assert s.policy.derived_chunk_tokens() == int(
         2 * 90 - sum((50 + r.num_computed_tokens) / 50 for r in decodes))
     s.attention_break_even = 0
-    step(s, model)
-    assert s.policy.chunk_tokens(long, 256) == s.policy.step_cut > MIN_DERIVED_CHUNK
+    step(s, model)  # its cut, from its start: the same decodes
+    assert s.policy.chunk_tokens(long, 256) == 2 * 90 - len(decodes)
     assert s.policy.chunk_tokens(long, 40) == 40  # never above the engine's threshold
     assert s.policy.chunk_tokens(request("x", "a", 100, 4), 256) == 256  # fits one chunk
     # A prompt that hits b3's cached blocks computes only what follows them.

@@ -27,9 +27,9 @@ MIN_DERIVED_CHUNK = 16
 # out a few odd prompts, few enough to follow a change of workload.
 SHORT_PROMPTS_SEEN = 16
 # A cut step weighs this many short prompts (their median), the running decodes in it
-# counted by their context: one arriving during it waits about two of its own prefills, then
-# its own step. One prompt's worth paid a step's fixed cost every 64 prompt tokens: the heavy
-# tenant 1.2x slower than under fcfs in float32 (docs/decisions.md, issue 34).
+# counted by their context: one arriving during it waits about that many of its own prefills,
+# then its own step (3x alone in all). One prompt's worth paid a step's fixed cost twice as
+# often (docs/decisions.md, issue 34).
 CUT_SHORT_PROMPTS = 2
 # A tenant's decodes sit out a lone short request's admission step, whatever the counters, when
 # they weigh this share of its prompt or more: decode rows deep in a context cost about twice
@@ -53,8 +53,8 @@ class FairSettings:
     fair_chunk_tokens: int | None = setting(
         None, "under --policy fair, while more than one tenant is present, the most prompt "
         "tokens per step of long prompts, so steps stay short for the others' arrivals",
-        none=f"{CUT_SHORT_PROMPTS} x the median tokens the last {SHORT_PROMPTS_SEEN} short "
-        f"prompts computed at admission, less the running decodes (each weighted by its "
+        none=f"the median tokens the last {SHORT_PROMPTS_SEEN} short prompts computed at "
+        f"admission times {CUT_SHORT_PROMPTS}, less the running decodes (each weighted by its "
         f"context), at least {MIN_DERIVED_CHUNK}")
 
     def __post_init__(self) -> None:
@@ -112,7 +112,8 @@ class FairPolicy(SchedulingPolicy):
         # queued or removed): admitting a request moves its demand from waiting to running.
         self.caps: dict[str, int] = {}
         # The tokens the last short prompts computed at admission (past a cached prefix), and
-        # the cut they derive as of the step's start (FairQueue.refresh): one cut a step.
+        # the cut derived from them and the running decodes as of the step's start
+        # (FairQueue.refresh): one cut a step.
         self.short_prompt_tokens: deque[int] = deque(maxlen=SHORT_PROMPTS_SEEN)
         self.step_cut = MIN_DERIVED_CHUNK
 
@@ -277,16 +278,17 @@ class FairPolicy(SchedulingPolicy):
         """The tokens a step's cut prompts share: CUT_SHORT_PROMPTS x what a short request
         computes at its admission (the median of the last SHORT_PROMPTS_SEEN), less the running
         decodes, each weighted by its context (context_weight) as the step's budget weighs long
-        prompts' tokens; so one arriving during a cut step waits for about two of its own
-        prefills' worth of others' work, and a step of short requests' size costs the long
+        prompts' tokens; so one arriving during a cut step waits for about CUT_SHORT_PROMPTS of
+        its own prefills' worth of others' work, and a step of short requests' size costs the long
         prompts little per token; at least MIN_DERIVED_CHUNK (docs/decisions.md, issue 34).
         Before any short prompt is admitted, MIN_DERIVED_CHUNK. At the engine's threshold or
         above it, long prompts are not cut."""
-        if not self.short_prompt_tokens or self.scheduler is None:
+        if not self.short_prompt_tokens:
             return MIN_DERIVED_CHUNK
-        work = CUT_SHORT_PROMPTS * statistics.median_low(self.short_prompt_tokens)
-        decodes = sum(self._decode_weights(self.scheduler.running).values())
-        return max(MIN_DERIVED_CHUNK, int(work - decodes))
+        assert self.scheduler is not None  # short prompts are told by the scheduler
+        prompts_weight = CUT_SHORT_PROMPTS * statistics.median_low(self.short_prompt_tokens)
+        decodes_weight = sum(self._decode_weights(self.scheduler.running).values())
+        return max(MIN_DERIVED_CHUNK, int(prompts_weight - decodes_weight))
 
     def tenant_kv_cap(self, tenant: str) -> int | None:
         # max_kv_blocks_per_tenant when given; else, while another tenant has requests waiting
