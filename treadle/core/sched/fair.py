@@ -495,7 +495,9 @@ class FairQueue:
         self.demand_tokens = Counter({t: lane.tokens for t, lane in self.lanes.items()
                                       if lane.tokens})
         self.policy.caps.clear()
-        self.policy.step_cut = self.policy.derived_chunk_tokens()
+        # Only where it will be read (chunk_tokens): a server of one tenant skips the decodes' sum.
+        if self.policy.chunk_tokens_shared is None and self.policy.shared():
+            self.policy.step_cut = self.policy.derived_chunk_tokens()
 
     def ahead(self, probe: Request) -> tuple[int, int]:
         # The order ahead changes as counters do: count everything waiting (an upper bound).
