@@ -122,17 +122,17 @@ def test_derived_cut_follows_what_short_prompts_computed_at_admission():
     for rid, tokens in (("b1", 100), ("b2", 90), ("b3", 120)):
         s.add_request(request(rid, "b", tokens, 4))
         step(s, model)
-    # Twice the median of 8, 90, 100, 120, less the running decodes: a token each where context
-    # is not weighed, (b + context) / b each where it is.
+    # Twice the upper median of 8, 90, 100, 120, less the running decodes: a token each where
+    # context is not weighed, (b + context) / b each where it is.
     decodes = [r for r in s.running if r.num_computed_tokens >= r.num_tokens - 1]
     assert decodes
-    assert s.policy.derived_chunk_tokens() == 2 * 90 - len(decodes)
+    assert s.policy.derived_chunk_tokens() == 2 * 100 - len(decodes)
     s.attention_break_even = 50
     assert s.policy.derived_chunk_tokens() == int(
-        2 * 90 - sum((50 + r.num_computed_tokens) / 50 for r in decodes))
+        2 * 100 - sum((50 + r.num_computed_tokens) / 50 for r in decodes))
     s.attention_break_even = 0
     step(s, model)  # its cut, from its start: the same decodes
-    assert s.policy.chunk_tokens(long, 256) == 2 * 90 - len(decodes)
+    assert s.policy.chunk_tokens(long, 256) == 2 * 100 - len(decodes)
     assert s.policy.chunk_tokens(long, 40) == 40  # never above the engine's threshold
     assert s.policy.chunk_tokens(request("x", "a", 100, 4), 256) == 256  # fits one chunk
     # A prompt that hits b3's cached blocks computes only what follows them.

@@ -24,7 +24,9 @@ from treadle.core.sched.policy import (
 # 16 costs 1.4x a full chunk's per token, more below (docs/decisions.md, issue 34).
 MIN_DERIVED_CHUNK = 16
 # The derived cut follows the median of this many short prompts last admitted: enough to ride
-# out a few odd prompts, few enough to follow a change of workload.
+# out a few odd prompts, few enough to follow a change of workload. The upper median: of two, a
+# benchmark client's one-token probe and its first real prompt, the lower held long prompts to
+# MIN_DERIVED_CHUNK for the first seconds (docs/decisions.md, issue 34).
 SHORT_PROMPTS_SEEN = 16
 # A cut step weighs this many short prompts (their median), the running decodes in it
 # counted by their context: one arriving during it waits about that many of its own prefills,
@@ -53,7 +55,7 @@ class FairSettings:
     fair_chunk_tokens: int | None = setting(
         None, "under --policy fair, while more than one tenant is present, the most prompt "
         "tokens per step of long prompts, so steps stay short for the others' arrivals",
-        none=f"the median tokens the last {SHORT_PROMPTS_SEEN} short prompts computed at "
+        none=f"the (upper) median tokens the last {SHORT_PROMPTS_SEEN} short prompts computed at "
         f"admission times {CUT_SHORT_PROMPTS}, less the running decodes (each weighted by its "
         f"context), at least {MIN_DERIVED_CHUNK}")
 
@@ -276,9 +278,9 @@ class FairPolicy(SchedulingPolicy):
 
     def derived_chunk_tokens(self) -> int:
         """The tokens a step's cut prompts share: CUT_SHORT_PROMPTS x what a short request
-        computes at its admission (the median of the last SHORT_PROMPTS_SEEN), less the running
-        decodes, each weighted by its context (context_weight) as the step's budget weighs long
-        prompts' tokens; so one arriving during a cut step waits for about CUT_SHORT_PROMPTS of
+        computes at its admission (the upper median of the last SHORT_PROMPTS_SEEN), less the
+        running decodes, each weighted by its context (context_weight) as the step's budget weighs
+        long prompts' tokens; so one arriving during a cut step waits for about CUT_SHORT_PROMPTS of
         its own prefills' worth of others' work, and a step of short requests' size costs the long
         prompts little per token; at least MIN_DERIVED_CHUNK (docs/decisions.md, issue 34).
         Before any short prompt is admitted, MIN_DERIVED_CHUNK. At the engine's threshold or
@@ -286,7 +288,7 @@ class FairPolicy(SchedulingPolicy):
         if not self.short_prompt_tokens:
             return MIN_DERIVED_CHUNK
         assert self.scheduler is not None  # short prompts are told by the scheduler
-        prompts_weight = CUT_SHORT_PROMPTS * statistics.median_low(self.short_prompt_tokens)
+        prompts_weight = CUT_SHORT_PROMPTS * statistics.median_high(self.short_prompt_tokens)
         decodes_weight = sum(self._decode_weights(self.scheduler.running).values())
         return max(MIN_DERIVED_CHUNK, int(prompts_weight - decodes_weight))
 
