@@ -146,6 +146,29 @@ def test_derived_cut_follows_what_short_prompts_computed_at_admission():
     assert_scheduler_empty(s)
 
 
+def test_derived_cut_counts_short_prompts_admitted_beside_another_tenant():
+    """A short prompt admitted with no other tenant's requests (a client's one-token probe
+    before anyone else comes) is not among those the cut follows; of a probe and a real prompt
+    beside another tenant, the upper median is the real one."""
+    s = make_scheduler(num_blocks=400, block_size=4, max_num_batched_tokens=512,
+                       long_prefill_token_threshold=256, policy="fair")
+    model = model_for(s)
+    s.add_request(request("a-probe", "a", 1, 1))
+    step(s, model)
+    assert not s.policy.short_prompt_tokens  # alone
+    long = request("a0", "a", 1200, 4)
+    s.add_request(long)
+    s.add_request(request("b-probe", "b", 1, 1))
+    step(s, model)
+    s.add_request(request("b0", "b", 64, 4))
+    step(s, model)
+    assert list(s.policy.short_prompt_tokens) == [1, 64]
+    decodes = [r for r in s.running if r.num_computed_tokens >= r.num_tokens - 1]
+    assert s.policy.derived_chunk_tokens() == 2 * 64 - len(decodes)
+    run_until_done(s, model)
+    assert_scheduler_empty(s)
+
+
 def test_long_prompts_share_one_cut_per_step_while_another_tenant_is_present():
     """Three long heavy prompts beside a light request: each step computes at most one cut's
     tokens of them, the oldest first; once the light tenant has been gone PRESENCE_SECONDS,

@@ -23,12 +23,11 @@ from treadle.core.sched.policy import (
 # The least derived cut (the tenants issue measured light tenants protected at 16): a chunk of
 # 16 costs 1.4x a full chunk's per token, more below (docs/decisions.md, issue 34).
 MIN_DERIVED_CHUNK = 16
-# The derived cut follows the median of this many short prompts last admitted: enough to ride
-# out a few odd prompts, few enough to follow a change of workload. The upper median: of two, a
-# benchmark client's one-token probe and its first real prompt, the lower held long prompts to
-# MIN_DERIVED_CHUNK for the first seconds (docs/decisions.md, issue 34).
+# The derived cut follows the upper median of this many short prompts last admitted beside
+# another tenant's requests: enough to ride out a few odd prompts (a client's one-token probe
+# held the cut at its floor), few enough to follow a change of workload (docs/decisions.md).
 SHORT_PROMPTS_SEEN = 16
-# A cut step weighs this many short prompts (their median), the running decodes in it
+# A cut step weighs this many short prompts (their upper median), the running decodes in it
 # counted by their context: one arriving during it waits about that many of its own prefills,
 # then its own step (3x alone in all). One prompt's worth paid a step's fixed cost twice as
 # often (docs/decisions.md, issue 34).
@@ -55,7 +54,7 @@ class FairSettings:
     fair_chunk_tokens: int | None = setting(
         None, "under --policy fair, while more than one tenant is present, the most prompt "
         "tokens per step of long prompts, so steps stay short for the others' arrivals",
-        none=f"the (upper) median tokens the last {SHORT_PROMPTS_SEEN} short prompts computed at "
+        none=f"the upper median tokens the last {SHORT_PROMPTS_SEEN} short prompts computed at "
         f"admission times {CUT_SHORT_PROMPTS}, less the running decodes (each weighted by its "
         f"context), at least {MIN_DERIVED_CHUNK}")
 
@@ -162,7 +161,9 @@ class FairPolicy(SchedulingPolicy):
 
     def on_admitted(self, request: Request) -> None:
         self.last_admitted = request.tenant
-        if self._is_short(request) and not request.held:  # a held sample's prompt is cached
+        # Only beside another tenant's requests, whom the cut is for; a held sample's prompt is
+        # cached.
+        if self._is_short(request) and not request.held and len(self.scheduler.tenants) > 1:
             self.short_prompt_tokens.append(request.num_prompt_tokens - request.num_cached_tokens)
         self.counters[request.tenant] = self.counter(request.tenant) + \
             self.admission_charge(request)
