@@ -194,6 +194,15 @@ class FairPolicy(SchedulingPolicy):
             self.counter(running.tenant) - self.counter(head.tenant) > \
             self.admission_charge(head)
 
+    def may_pass(self, request: Request, passed: Request) -> bool:
+        # Another tenant's request goes around one that does not fit only while, charged, it
+        # stays within the passed tenant's counter once that one is charged too (the margin of
+        # displace): passing without end broke the paper's bound (a tenant of one-block prompts
+        # went around another's four-block prompts every other step).
+        return request.tenant == passed.tenant or \
+            self.counter(request.tenant) + self.admission_charge(request) <= \
+            self.counter(passed.tenant) + self.admission_charge(passed)
+
     def yielding_tenants(self, head: Request, running: Sequence[Request]) -> frozenset[str]:
         # The tenants displace() may take a slot from (served more by over the head's charge,
         # or at least as much while holding two more running requests) and, when the head's

@@ -250,6 +250,11 @@ class SchedulingPolicy:
         """Whether `running`'s prefill chunk goes after the waiting `head`'s admission."""
         return False
 
+    def may_pass(self, request: Request, passed: Request) -> bool:
+        """Whether waiting `request` may be admitted in a step that passed over `passed`,
+        ahead of it in the queue, for lack of blocks, budget or a prefill slot."""
+        return True
+
     def yielding_tenants(self, head: Request, running: Sequence[Request]) -> frozenset[str]:
         """Tenants whose running requests get no tokens in a step that admits `head`."""
         return frozenset()

@@ -528,7 +528,8 @@ class Scheduler:
         mid-prefill while max_num_partial_prefills are, or a cut prompt once the step's cut is
         spent, is passed over; one short of blocks for its whole prompt (beside what running
         prompts still need) is passed over too, so smaller ones behind it may go, until it has
-        been passed over MAX_SKIPS times. Returns the token budget left."""
+        been passed over MAX_SKIPS times; those behind the first passed over go only where the
+        policy lets them pass it (may_pass). Returns the token budget left."""
         kv = self.kv_cache_manager
         # Requests still mid-prefill after this step's chunks.
         chunks = {x.request.request_id: x.num_new_tokens for x in output.scheduled}
@@ -536,6 +537,7 @@ class Scheduler:
                            if uncomputed_tokens(r) - chunks.get(r.request_id, 0) > 1)
         reserve = self._prompt_reserve()
         passed_over: list[Request] = []
+        first_passed: Request | None = None  # the first passed over that did not fit
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request is None:
@@ -547,6 +549,11 @@ class Scheduler:
                 continue
             if request.tenant in yielding:
                 break
+            if first_passed is not None and not self.policy.may_pass(request, first_passed):
+                if len(passed_over) >= MAX_LOOKAHEAD:
+                    break
+                passed_over.append(self.waiting.pop())
+                continue
             over_lora_cap = self._over_lora_cap(request)  # waits for an adapter's requests to end
             if over_lora_cap or self._adapter_loading(request):
                 if len(passed_over) >= MAX_LOOKAHEAD:
@@ -558,6 +565,7 @@ class Scheduler:
             if chunk == 0:  # the step's cut or context allowance is spent (before hashing)
                 if len(passed_over) >= MAX_LOOKAHEAD:
                     break
+                first_passed = first_passed or request
                 passed_over.append(self.waiting.pop())
                 continue
             hit_blocks, num_hit = self._prefix_hit(request)
@@ -567,6 +575,7 @@ class Scheduler:
             if num_new == 0:
                 if len(passed_over) >= MAX_LOOKAHEAD:
                     break
+                first_passed = first_passed or request
                 passed_over.append(self.waiting.pop())
                 continue
             if request.num_tokens - num_hit - num_new > 1 and \
@@ -575,6 +584,7 @@ class Scheduler:
                 # prompt that completes in this step (a short or high-priority one) still goes.
                 if len(passed_over) >= MAX_LOOKAHEAD:
                     break
+                first_passed = first_passed or request
                 passed_over.append(self.waiting.pop())
                 continue
             block_ids = None
@@ -586,6 +596,7 @@ class Scheduler:
                     break
                 if len(passed_over) >= MAX_LOOKAHEAD:
                     break
+                first_passed = first_passed or request
                 passed_over.append(self.waiting.pop())
                 continue
             self.waiting.pop()
