@@ -98,7 +98,8 @@ def test_a_heavy_tenant_beside_a_light_one_holding_little_runs_several_requests(
     for i in range(4):
         s.add_request(request(f"h{i}", "heavy", 120, 4, t=1 + i))
     step(s, model)
-    assert s.policy.tenant_kv_cap("heavy") == 100 - 2  # the light prompt's 8 tokens' blocks
+    # The light prompt's 8 tokens' blocks, and the one its decode took in the step.
+    assert s.policy.tenant_kv_cap("heavy") == 100 - 3
     assert sum(r.tenant == "heavy" for r in s.running) == 3
     run_until_done(s, model)
     assert_scheduler_empty(s)
@@ -265,14 +266,15 @@ def test_a_tenant_prefilling_a_long_prompt_sits_out_a_short_head_s_step():
     assert_scheduler_empty(s)
 
 
-def test_a_tenant_s_heavy_decodes_sit_out_a_lone_short_head_s_step_not_two_in_a_row():
+def test_a_tenant_s_heavy_decodes_sit_out_a_step_s_worth_of_short_arrivals_not_two_in_a_row():
     """`n: 4`'s shape in small: the heavy tenant's requests decode at a context of 100 or so;
     the light tenant, one request decoding, is served more (its lift and its own outputs took
     it past the heavy counter). Weighted by context (b = 100: about 2 each), the heavy decodes
     weigh half a 16-token light prompt or more, and sit out its admission step whatever the
     counters, though not two steps in a row: with a light request arriving every step, the
-    heavy tenant decodes in every other step. Two light requests arriving at once (a backlog)
-    go by the counters, as does one when the decodes weigh less (unweighted: 4 of them)."""
+    heavy tenant decodes in every other step. Two light requests arriving at once, one step's
+    worth, count as one; a backlog longer than a step goes by the counters, as does one request
+    when the decodes weigh less (unweighted: 4 of them)."""
     s = make_scheduler(num_blocks=800, block_size=4, max_num_batched_tokens=256,
                        long_prefill_token_threshold=128, policy="fair")
     s.attention_break_even = 100
@@ -295,7 +297,11 @@ def test_a_tenant_s_heavy_decodes_sit_out_a_lone_short_head_s_step_not_two_in_a_
 
     assert [heavy_ran(f"l{i}") for i in range(1, 9)] == [False, True] * 4
     step(s, model)
-    assert heavy_ran("l9", "l10")
+    assert not heavy_ran("l9", "l10")
+    step(s, model)
+    assert heavy_ran(*(f"b{i}" for i in range(17)))  # 272 tokens: more than a step's 256
+    while s.num_waiting:
+        step(s, model)
     step(s, model)
     s.attention_break_even = 0
     assert heavy_ran("l11")
@@ -372,8 +378,8 @@ def test_cuts_stop_ten_seconds_after_the_other_tenant_left_without_an_admission(
 
 def test_a_tenant_over_its_share_goes_last_in_the_step_order_whatever_the_counters():
     """The victim for blocks is the over-share tenant's newest request even when a light
-    tenant's lifted counter is above its own, until that request has been preempted
-    max_policy_preemptions times."""
+    tenant's lifted counter is above its own; one preempted max_policy_preemptions times goes
+    ahead of its tenant's others, still after the light tenant's."""
     s = make_scheduler(num_blocks=40, block_size=4, policy="fair")
     model = model_for(s)
     for i in range(2):
@@ -388,7 +394,26 @@ def test_a_tenant_over_its_share_goes_last_in_the_step_order_whatever_the_counte
     assert ids == ["l0", "h0", "h1"]
     s.running[1].num_preemptions = s.config.max_policy_preemptions  # h1: guarded
     ids = [r.request_id for r in s.policy.step_order(s.running)]
-    assert ids == ["h1", "l0", "h0"]
+    assert ids == ["l0", "h1", "h0"]
+
+
+def test_a_light_decode_that_needs_a_block_preempts_the_heavy_tenant_not_itself():
+    """The heavy tenant at its share to the block, the light tenant's decode starting a block
+    and its counter a hair above: the heavy tenant's newest request is the victim."""
+    s = make_scheduler(num_blocks=24, block_size=4, policy="fair")
+    model = model_for(s)
+    s.add_request(request("l0", "light", 8, 20, t=0))
+    step(s, model)
+    for i in range(2):
+        s.add_request(request(f"h{i}", "heavy", 40, 40, t=1 + i))
+    s.policy.counters["light"] = s.policy.counter("heavy") + 1.0
+    step(s, model)  # the heavy prompts: 20 blocks of the 22 left
+    assert s.kv_cache_manager.num_free_blocks == 2 and s.decode_growth() == {"light": 1, "heavy": 2}
+    s.policy.counters["light"] = s.policy.counter("heavy") + 1.0  # lifted, then served a hair
+    output, _ = step(s, model)
+    assert [r.request_id for r in output.preempted] == ["h1"]
+    run_until_done(s, model)
+    assert_scheduler_empty(s)
 
 
 def test_a_light_request_beside_a_saturating_tenant_is_scheduled_within_a_few_steps():

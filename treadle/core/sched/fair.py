@@ -196,12 +196,15 @@ class FairPolicy(SchedulingPolicy):
 
     def may_pass(self, request: Request, passed: Request) -> bool:
         # Another tenant's request goes around one that does not fit only while, charged, it
-        # stays within the passed tenant's counter once that one is charged too (the margin of
-        # displace): passing without end broke the paper's bound (a tenant of one-block prompts
-        # went around another's four-block prompts every other step).
+        # stays within the passed tenant's counter plus the passed prompt's charge (a
+        # readmission's too, though not charged again: one short of blocks holds the others up
+        # no more than a first admission does): passing without end broke the paper's bound (a
+        # tenant of one-block prompts went around another's four-block prompts every other step).
+        margin = self.prompt_token_weight * passed.num_prompt_tokens / \
+            self.weights.get(passed.tenant, 1.0)
         return request.tenant == passed.tenant or \
             self.counter(request.tenant) + self.admission_charge(request) <= \
-            self.counter(passed.tenant) + self.admission_charge(passed)
+            self.counter(passed.tenant) + margin
 
     def yielding_tenants(self, head: Request, running: Sequence[Request]) -> frozenset[str]:
         # The tenants displace() may take a slot from (served more by over the head's charge,
@@ -220,10 +223,12 @@ class FairPolicy(SchedulingPolicy):
         # sit out each other's every admission.
         # Where no rule above holds, a tenant whose decodes weigh DECODES_SIT_OUT_SHARE of a
         # short head's prompt sits its step out whatever the counters, if the head's tenant has
-        # nothing else waiting, though not two steps in a row: a tenant whose requests come one
-        # at a time, lifted to the other's service at each, passes it by its own few decodes,
-        # and its admission step carried the other's every decode (`n: 4`). A tenant with a
-        # backlog goes by the counters; one request a step takes every other step at most.
+        # nothing waiting but short requests one step admits together, though not two steps in
+        # a row: a tenant whose requests come one at a time, lifted to the other's service at
+        # each, passes it by its own few decodes, and its admission step carried the other's
+        # every decode (`n: 4`; three light requests arriving within 50 ms too). A tenant with
+        # a longer backlog goes by the counters; a step's worth at a time takes every other
+        # step at most.
         if head.num_preemptions:  # nobody yields to a readmission (yield cycles livelocked)
             return frozenset()
         held = Counter(r.tenant for r in running)
@@ -231,7 +236,7 @@ class FairPolicy(SchedulingPolicy):
         short = self._is_short(head)
         long_tenants = self._long_prompt_tenants(running) if short else set()
         heavy_decodes: set[str] = set()
-        if short and len(self.queue.lanes.get(head.tenant, ())) == 1:
+        if short and self._backlog_fits_a_step(head.tenant):
             assert self.scheduler is not None  # a short head needs one
             heavy_decodes = {tenant for tenant, weight in self._decode_weights(running).items()
                              if weight >= DECODES_SIT_OUT_SHARE * head.num_tokens
@@ -242,6 +247,14 @@ class FairPolicy(SchedulingPolicy):
                  and (gap > charge or count - held[head.tenant] >= 2 or not held[head.tenant]
                       or tenant in long_tenants)
                  or tenant in heavy_decodes))
+
+    def _backlog_fits_a_step(self, tenant: str) -> bool:
+        """`tenant`'s waiting requests are all short and fit one step's budget together."""
+        assert self.scheduler is not None
+        lane = self.queue.lanes.get(tenant)
+        return lane is not None and \
+            lane.tokens <= self.scheduler.config.max_num_batched_tokens and \
+            all(self._is_short(r) for r in lane)
 
     def _is_short(self, request: Request) -> bool:
         return self.scheduler is not None and self.scheduler.is_short(request)
@@ -323,11 +336,14 @@ class FairPolicy(SchedulingPolicy):
 
     def _max_min_share(self, tenant: str, present: Mapping[str, int]) -> int:
         """`tenant`'s blocks when the cache is filled level by level by weight, each other
-        present tenant up to its demand (its committed_blocks, and its waiting requests' as of
-        the step's start), `tenant` without bound."""
+        present tenant up to its demand (its committed_blocks, the blocks its decodes take this
+        step, and its waiting requests' as of the step's start), `tenant` without bound. With
+        the decodes' blocks: a light tenant's own growth, the heavy tenant at its share to the
+        block, preempted the light tenant's request (last by its counter)."""
         assert self.scheduler is not None
         block_size = self.scheduler.block_size
-        demand = Counter({t: self.scheduler.committed_blocks(t) for t in present})
+        growth = self.scheduler.decode_growth()
+        demand = Counter({t: self.scheduler.committed_blocks(t) + growth[t] for t in present})
         for other, tokens in self.queue.demand_tokens.items():
             demand[other] += -(-tokens // block_size)
         weight = self.weights.get
@@ -371,11 +387,14 @@ class FairPolicy(SchedulingPolicy):
         # The least served tenant first, so the most served tenant's newest request is the one
         # preempted for blocks; but a tenant over its share of the cache goes after the others,
         # whatever the counters (a light tenant's counter, lifted to a heavy one's, made it the
-        # victim of the heavy tenant's growth), while its requests have been preempted fewer
-        # than max_policy_preemptions times: past that they keep their place, so the order
-        # cannot swap back and forth for ever. Over with the blocks its decodes take this step:
-        # a tenant at its share grows past it in the step (`n: 4`'s 24 decodes), and the light
-        # tenant's requests, last by their lifted counters, were preempted for that growth.
+        # victim of the heavy tenant's growth). Among its requests, those preempted
+        # max_policy_preemptions times go first, so the same ones are not preempted for ever;
+        # still after the others (`n: 4`'s samples, each preempted twice for its siblings'
+        # growth, kept their place by the counters, and a light request was the victim and
+        # waited 1.5 s to be readmitted: docs/decisions.md, issue 34). Over with the blocks its
+        # decodes take this step: a tenant at its share grows past it in the step (`n: 4`'s 24
+        # decodes), and the light tenant's requests, last by their lifted counters, were
+        # preempted for that growth.
         over: set[str] = set()
         limit = 0
         if self.scheduler is not None and self.config_cap_unset():
@@ -386,7 +405,8 @@ class FairPolicy(SchedulingPolicy):
                 if cap is not None and \
                         self.scheduler.committed_blocks(tenant) + growth[tenant] > cap:
                     over.add(tenant)
-        return sorted(running, key=lambda r: (r.tenant in over and r.num_preemptions < limit,
+        return sorted(running, key=lambda r: (r.tenant in over,
+                                              r.tenant in over and r.num_preemptions < limit,
                                               self.counter(r.tenant), r.arrival_time))
 
     def displace(self, head: Request, candidates: Sequence[Request]) -> Request | None:
