@@ -297,6 +297,26 @@ def test_service_difference_between_backlogged_tenants_stays_bounded(
     assert gap <= bound
 
 
+@pytest.mark.parametrize(("a_counter", "admitted"), [(30.0, True), (40.0, False)])
+def test_another_tenant_goes_around_a_head_short_of_blocks_only_within_its_service(
+        a_counter, admitted):
+    """b1 (16 tokens) does not fit beside b0; a0 behind it (4 tokens, charged 4) is admitted
+    while a's counter, charged, stays within b's plus b1's prompt (20 + 16)."""
+    s = make_scheduler(num_blocks=8, block_size=4, policy="fair", max_kv_blocks_per_tenant=99)
+    model = model_for(s)
+    s.add_request(req("b0", 20, 8, arrival=0, tenant="b"))
+    step(s, model)
+    s.add_request(req("b1", 16, 8, arrival=1, tenant="b"))
+    s.add_request(req("a0", 4, 8, arrival=2, tenant="a"))
+    s.policy.counters.update(a=a_counter, b=20.0)
+    output, _ = step(s, model)
+    assert sorted(ids(x.request for x in output.scheduled)) == \
+        (["a0", "b0"] if admitted else ["b0"])
+    assert s.waiting.peek().request_id == "b1"
+    run_until_done(s, model)
+    assert_scheduler_empty(s)
+
+
 def test_without_fair_share_the_difference_grows():
     specs = {"a": [(2, 1)], "b": [(12, 8)]}  # b's requests are ten times a's
     assert max_service_gap("fair", 16, 2, 16, 4, specs)[0] <= 64

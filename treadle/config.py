@@ -214,7 +214,8 @@ class SchedulerConfig:
     max_policy_preemptions: int = setting(2, "times a request may be displaced by a waiting one "
                                           "its policy ranks higher (fair share: also the "
                                           "preemptions of any kind after which an over-share "
-                                          "tenant's requests stop going last in the step order)")
+                                          "tenant's request goes ahead of its tenant's others "
+                                          "in the step order)")
     # Set by --tenant-weight and the API keys' weights (absent: 1).
     tenant_weights: Mapping[str, float] = setting({}, "each tenant's weight, for policies that "
                                                   "share by tenant", flag={"skip": True})

@@ -32,8 +32,9 @@ SHORT_PROMPTS_SEEN = 16
 # then its own step (3x alone in all). One prompt's worth paid a step's fixed cost twice as
 # often (docs/decisions.md, issue 34).
 CUT_SHORT_PROMPTS = 2
-# A tenant's decodes sit out a lone short request's admission step, whatever the counters, when
-# they weigh this share of its prompt or more: decode rows deep in a context cost about twice
+# A tenant's decodes sit out a short request's admission step (its tenant waiting for nothing
+# else, or only for short requests that fit the same step), whatever the counters, when they
+# weigh this share of its prompt or more: decode rows deep in a context cost about twice
 # their weight (their attention reads the KV at memory speed), so the step would take about
 # twice the request's own time (docs/decisions.md, issue 34).
 DECODES_SIT_OUT_SHARE = 0.5

@@ -15,13 +15,16 @@ counters, so one policy object serves one scheduler). It answers:
   frontend's 429, its reason the policy's name), or None; the engine process and the simulator
   ask it of every request before queueing it (deadline: an objective out of reach).
 - `step_order(running)`: the order running requests get tokens in a step (fair share: least
-  served tenant first, a tenant over its share of the cache last); when one is short of blocks,
+  served tenant first, a tenant over its share of the cache after the others); when one is
+  short of blocks,
   the last not yet scheduled is preempted.
 - `displace(head, candidates)`: whether the waiting queue's head may take a running request's
   blocks and batch slot (priority, fair share), and whose.
 - `defers_prefill(running, head)`: whether a running request's prefill chunk waits, within a
   step, until the waiting queue's head has been admitted (priority, fair share), so a long
   prompt's remaining chunks do not take the token budget ahead of a better-ranked newcomer.
+- `may_pass(request, passed)`: whether a waiting request may take the blocks that one ahead of
+  it lacked (fair share: while it stays within that tenant's service plus its prompt's charge).
 - `yielding_tenants(head, running)`: tenants whose running requests sit out a step that admits
   the waiting queue's head (fair share), so a light tenant's first token waits for one short
   step, not for a full batch of the heavy tenant's decodes and chunks.
@@ -251,8 +254,9 @@ class SchedulingPolicy:
         return False
 
     def may_pass(self, request: Request, passed: Request) -> bool:
-        """Whether waiting `request` may be admitted in a step that passed over `passed`,
-        ahead of it in the queue, for lack of blocks, budget or a prefill slot."""
+        """Whether waiting `request` may take blocks in a step that passed over `passed`, ahead
+        of it in the queue, short of blocks; False ends the step's admissions (the queue is in
+        the order the policy would let them pass)."""
         return True
 
     def yielding_tenants(self, head: Request, running: Sequence[Request]) -> frozenset[str]:

@@ -42,7 +42,7 @@ from treadle.errors import PROMPT, InvalidField
 # A waiting request passed over this many times for lack of blocks reserves the queue: nothing
 # behind it is admitted until it fits. Running requests then drain (each is bounded by its
 # max_tokens) and free their blocks, so it cannot starve; until then, smaller requests behind it
-# may go, so it does not block the line either.
+# may go (where the policy lets them: may_pass), so it does not block the line either.
 MAX_SKIPS = 8
 # Waiting requests one step passes over (they do not fit) before it stops looking: a step's
 # admission work stays bounded however long the queue.
@@ -528,8 +528,9 @@ class Scheduler:
         mid-prefill while max_num_partial_prefills are, or a cut prompt once the step's cut is
         spent, is passed over; one short of blocks for its whole prompt (beside what running
         prompts still need) is passed over too, so smaller ones behind it may go, until it has
-        been passed over MAX_SKIPS times; those behind the first passed over go only where the
-        policy lets them pass it (may_pass). Returns the token budget left."""
+        been passed over MAX_SKIPS times, and those behind it go while the policy lets them
+        take the blocks (may_pass: the first it refuses ends the admissions). Returns the token
+        budget left."""
         kv = self.kv_cache_manager
         # Requests still mid-prefill after this step's chunks.
         chunks = {x.request.request_id: x.num_new_tokens for x in output.scheduled}
@@ -537,7 +538,7 @@ class Scheduler:
                            if uncomputed_tokens(r) - chunks.get(r.request_id, 0) > 1)
         reserve = self._prompt_reserve()
         passed_over: list[Request] = []
-        first_passed: Request | None = None  # the first passed over that did not fit
+        first_passed: Request | None = None  # the first passed over, short of blocks
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request is None:
@@ -550,10 +551,7 @@ class Scheduler:
             if request.tenant in yielding:
                 break
             if first_passed is not None and not self.policy.may_pass(request, first_passed):
-                if len(passed_over) >= MAX_LOOKAHEAD:
-                    break
-                passed_over.append(self.waiting.pop())
-                continue
+                break
             over_lora_cap = self._over_lora_cap(request)  # waits for an adapter's requests to end
             if over_lora_cap or self._adapter_loading(request):
                 if len(passed_over) >= MAX_LOOKAHEAD:
@@ -565,7 +563,6 @@ class Scheduler:
             if chunk == 0:  # the step's cut or context allowance is spent (before hashing)
                 if len(passed_over) >= MAX_LOOKAHEAD:
                     break
-                first_passed = first_passed or request
                 passed_over.append(self.waiting.pop())
                 continue
             hit_blocks, num_hit = self._prefix_hit(request)
@@ -575,7 +572,6 @@ class Scheduler:
             if num_new == 0:
                 if len(passed_over) >= MAX_LOOKAHEAD:
                     break
-                first_passed = first_passed or request
                 passed_over.append(self.waiting.pop())
                 continue
             if request.num_tokens - num_hit - num_new > 1 and \
@@ -584,7 +580,6 @@ class Scheduler:
                 # prompt that completes in this step (a short or high-priority one) still goes.
                 if len(passed_over) >= MAX_LOOKAHEAD:
                     break
-                first_passed = first_passed or request
                 passed_over.append(self.waiting.pop())
                 continue
             block_ids = None
