@@ -273,8 +273,8 @@ def test_a_tenant_s_heavy_decodes_sit_out_a_step_s_worth_of_short_arrivals_not_t
     weigh half a 16-token light prompt or more, and sit out its admission step whatever the
     counters, though not two steps in a row: with a light request arriving every step, the
     heavy tenant decodes in every other step. Two light requests arriving at once, one step's
-    worth, count as one; a backlog longer than a step goes by the counters, as does one request
-    when the decodes weigh less (unweighted: 4 of them)."""
+    worth, count as one; a backlog longer than a step, or with a long prompt in it, goes by the
+    counters, as does one request when the decodes weigh less (unweighted: 4 of them)."""
     s = make_scheduler(num_blocks=800, block_size=4, max_num_batched_tokens=256,
                        long_prefill_token_threshold=128, policy="fair")
     s.attention_break_even = 100
@@ -300,6 +300,14 @@ def test_a_tenant_s_heavy_decodes_sit_out_a_step_s_worth_of_short_arrivals_not_t
     assert not heavy_ran("l9", "l10")
     step(s, model)
     assert heavy_ran(*(f"b{i}" for i in range(17)))  # 272 tokens: more than a step's 256
+    while s.num_waiting:
+        step(s, model)
+    step(s, model)
+    s.add_request(request("l12", "light", 16, 2, t=20))
+    s.add_request(request("long", "light", 200, 2, t=21))  # 216 tokens together, one long
+    s.policy.counters["light"] = s.policy.counter("heavy") + 1000
+    output, _ = step(s, model)
+    assert any(x.request.tenant == "heavy" for x in output.scheduled)
     while s.num_waiting:
         step(s, model)
     step(s, model)
