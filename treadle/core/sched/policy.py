@@ -16,8 +16,7 @@ counters, so one policy object serves one scheduler). It answers:
   ask it of every request before queueing it (deadline: an objective out of reach).
 - `step_order(running)`: the order running requests get tokens in a step (fair share: least
   served tenant first, a tenant over its share of the cache after the others); when one is
-  short of blocks,
-  the last not yet scheduled is preempted.
+  short of blocks, the last not yet scheduled is preempted.
 - `displace(head, candidates)`: whether the waiting queue's head may take a running request's
   blocks and batch slot (priority, fair share), and whose.
 - `defers_prefill(running, head)`: whether a running request's prefill chunk waits, within a
