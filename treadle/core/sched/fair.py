@@ -198,9 +198,7 @@ class FairPolicy(SchedulingPolicy):
     def may_pass(self, request: Request, passed: Request) -> bool:
         # Another tenant's request goes around one that does not fit only while, charged, it
         # stays within the passed tenant's counter plus the passed prompt's charge (a
-        # readmission's too, though not charged again: one short of blocks holds the others up
-        # no more than a first admission does): passing without end broke the paper's bound (a
-        # tenant of one-block prompts went around another's four-block prompts every other step).
+        # readmission's too): passing without end breaks the paper's bound (docs/decisions.md).
         margin = self.prompt_token_weight * passed.num_prompt_tokens / \
             self.weights.get(passed.tenant, 1.0)
         return request.tenant == passed.tenant or \
@@ -227,9 +225,8 @@ class FairPolicy(SchedulingPolicy):
         # nothing waiting but short requests one step admits together, though not two steps in
         # a row: a tenant whose requests come one at a time, lifted to the other's service at
         # each, passes it by its own few decodes, and its admission step carried the other's
-        # every decode (`n: 4`; three light requests arriving within 50 ms too). A tenant with
-        # a longer backlog goes by the counters; a step's worth at a time takes every other
-        # step at most.
+        # every decode (`n: 4`; a burst of light arrivals too). A tenant with a longer backlog
+        # goes by the counters; a step's worth at a time takes every other step at most.
         if head.num_preemptions:  # nobody yields to a readmission (yield cycles livelocked)
             return frozenset()
         held = Counter(r.tenant for r in running)
@@ -338,9 +335,9 @@ class FairPolicy(SchedulingPolicy):
     def _max_min_share(self, tenant: str, present: Mapping[str, int]) -> int:
         """`tenant`'s blocks when the cache is filled level by level by weight, each other
         present tenant up to its demand (its committed_blocks, the blocks its decodes take this
-        step, and its waiting requests' as of the step's start), `tenant` without bound. With
-        the decodes' blocks: a light tenant's own growth, the heavy tenant at its share to the
-        block, preempted the light tenant's request (last by its counter)."""
+        step, and its waiting requests' as of the step's start), `tenant` without bound. The
+        decodes' blocks count so that a tenant at its share to the block is over it when another
+        tenant's decode needs a block."""
         assert self.scheduler is not None
         block_size = self.scheduler.block_size
         growth = self.scheduler.decode_growth()
@@ -390,9 +387,8 @@ class FairPolicy(SchedulingPolicy):
         # whatever the counters (a light tenant's counter, lifted to a heavy one's, made it the
         # victim of the heavy tenant's growth). Among its requests, those preempted
         # max_policy_preemptions times go first, so the same ones are not preempted for ever;
-        # still after the others (`n: 4`'s samples, each preempted twice for its siblings'
-        # growth, kept their place by the counters, and a light request was the victim and
-        # waited 1.5 s to be readmitted: docs/decisions.md, issue 34). Over with the blocks its
+        # still after the others, so `n: 4`'s samples, preempted for each other's growth, do not
+        # make a light request the victim (docs/decisions.md, issue 34). Over with the blocks its
         # decodes take this step: a tenant at its share grows past it in the step (`n: 4`'s 24
         # decodes), and the light tenant's requests, last by their lifted counters, were
         # preempted for that growth.
