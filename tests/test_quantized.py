@@ -257,6 +257,34 @@ def test_integer_gemm_matches_its_reference(qtype, dtype, kernels):
             x[:rows], [weight.data], [int(qtype)], torch.zeros(37)))
 
 
+# Each type's bytes of quantized values in a block (the rest: scales, offsets).
+VALUE_BYTES = {Q.Q4_0: slice(2, 18), Q.Q4_1: slice(4, 20), Q.Q5_0: slice(2, 22),
+               Q.Q8_0: slice(2, 34), Q.Q4_K: slice(16, 144), Q.Q5_K: slice(16, 176),
+               Q.Q6_K: slice(0, 192)}
+
+
+@pytest.mark.parametrize("qtype", QTYPES + GGUF_ONLY_QTYPES)
+def test_integer_gemm_sums_the_largest_products_exactly(qtype, kernels):
+    """Every weight at its type's largest stored value (all bits set) against activations all
+    quantized to +127 or all to -127: the GEMM's integer sums at their extremes (AVX2 adds
+    several vectors' 16-bit pair sums before widening them) still equal the reference."""
+    if int(qtype) not in kernels.quant_gemm_types():
+        pytest.skip("this build serves the type row by row")
+    in_features = 512 if qtype in K_QUANTS else 256
+    weight = random_blocks(qtype, out_features=24, in_features=in_features)
+    blocks = weight.data.view(24, -1, BLOCK_BYTES[qtype]).clone()
+    if qtype == Q.Q8_0:  # signed bytes: 127 is the largest, -127 its opposite
+        blocks[..., VALUE_BYTES[qtype]] = 127
+    else:
+        blocks[..., VALUE_BYTES[qtype]] = 0xFF
+    weight = QuantizedWeight(qtype, blocks.view(24, -1), in_features)
+    for sign in (1.0, -1.0):
+        x = torch.full((8, in_features), sign)
+        out = kernels.quant_gemm_parts(x, [weight.data], [int(qtype)], None)
+        expected = reference_quant_linear(x, weight)
+        assert (out.double() - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_row_kernels_give_the_integer_gemm_s_bits_for_the_32_wide_types(dtype, kernels):
     """A layer of these types may take either kernel at any row count and a row's result stays

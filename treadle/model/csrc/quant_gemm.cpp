@@ -42,8 +42,13 @@ inline VecF fma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
 inline void store_f(float* p, VecF v) { _mm512_storeu_ps(p, v); }
 inline __m256 low_half(VecF v) { return _mm512_castps512_ps256(v); }
 inline __m256 high_half(VecF v) { return _mm512_extractf32x8_ps(v, 1); }
-// acc + the sums of 4 products u8 x s8 per int32 lane.
-inline VecI dot4(VecI acc, VecI u8, VecI s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
+// A tile sums a slot's 4-weight products in partial sums (add_products), then adds those to
+// int32 lanes (widen) every partial_words<MAX_Q>() vectors. VNNI's dpbusd sums in int32 at once.
+inline VecI add_products(VecI partial, VecI u8, VecI s8) {
+  return _mm512_dpbusd_epi32(partial, u8, s8);
+}
+inline VecI widen(VecI acc, VecI partial) { return _mm512_add_epi32(acc, partial); }
+template <int MAX_Q> constexpr int partial_words() { return 8; }
 #else
 constexpr int PANEL = 8;
 constexpr int TILE_ROWS = 3;
@@ -58,9 +63,19 @@ inline VecF splat_f(float v) { return _mm256_set1_ps(v); }
 inline VecF to_float(VecI v) { return _mm256_cvtepi32_ps(v); }
 inline VecF fma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
 inline void store_f(float* p, VecF v) { _mm256_storeu_ps(p, v); }
-inline VecI dot4(VecI acc, VecI u8, VecI s8) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8),
-                                                 _mm256_set1_epi16(1)));
+// AVX2: maddubs's 16-bit pair sums added in 16 bits, one madd widening several vectors' worth:
+// half the multiplier-port instructions of a madd per maddubs. A pair sum is at most
+// 2 x MAX_Q x 127 (activations within +-127), so partial_words of them stay below 2^15.
+inline VecI add_products(VecI partial, VecI u8, VecI s8) {
+  return _mm256_add_epi16(partial, _mm256_maddubs_epi16(u8, s8));
+}
+inline VecI widen(VecI acc, VecI partial) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(partial, _mm256_set1_epi16(1)));
+}
+template <int MAX_Q> constexpr int partial_words() {
+  int words = 8;
+  while (words > 1 && words * 2 * MAX_Q * 127 > 32767) words /= 2;
+  return words;
 }
 #endif
 constexpr int VEC_BYTES = PANEL * 4;
@@ -100,7 +115,7 @@ template <int64_t QTYPE> struct Unit;
 // A 32-wide type's scales and offsets for 8 rows (scale_rows) from the first 4 bytes of each
 // row's block: d, and m for Q4_1.
 template <> struct Unit<Q4_0> {  // w = d (q - 8)
-  static constexpr int UNITS = 1, SLOTS = 1;
+  static constexpr int UNITS = 1, SLOTS = 1, MAX_Q = 15;
   static void scale_rows(__m256i head, __m256* s, __m256* o) {
     block32_scales<Q4_0>(head, s, o);
   }
@@ -110,7 +125,7 @@ template <> struct Unit<Q4_0> {  // w = d (q - 8)
 };
 
 template <> struct Unit<Q4_1> {  // w = d q + m
-  static constexpr int UNITS = 1, SLOTS = 1;
+  static constexpr int UNITS = 1, SLOTS = 1, MAX_Q = 15;
   static void scale_rows(__m256i head, __m256* s, __m256* o) {
     block32_scales<Q4_1>(head, s, o);
   }
@@ -120,7 +135,7 @@ template <> struct Unit<Q4_1> {  // w = d q + m
 };
 
 template <> struct Unit<Q5_0> {  // w = d (q - 16)
-  static constexpr int UNITS = 1, SLOTS = 1;
+  static constexpr int UNITS = 1, SLOTS = 1, MAX_Q = 31;
   static void scale_rows(__m256i head, __m256* s, __m256* o) {
     block32_scales<Q5_0>(head, s, o);
   }
@@ -132,7 +147,7 @@ template <> struct Unit<Q5_0> {  // w = d (q - 16)
 };
 
 template <> struct Unit<Q8_0> {  // w = d (q' - 128), q' = q + 128 as unsigned bytes
-  static constexpr int UNITS = 1, SLOTS = 1;
+  static constexpr int UNITS = 1, SLOTS = 1, MAX_Q = 255;
   static void scale_rows(__m256i head, __m256* s, __m256* o) {
     block32_scales<Q8_0>(head, s, o);
   }
@@ -145,7 +160,7 @@ template <> struct Unit<Q8_0> {  // w = d (q' - 128), q' = q + 128 as unsigned b
 
 // Q4_K / Q5_K sub-block j: w = d scale_j q - dmin min_j.
 template <int64_t QTYPE> struct UnitK45 {
-  static constexpr int UNITS = 8, SLOTS = 1;
+  static constexpr int UNITS = 8, SLOTS = 1, MAX_Q = QTYPE == Q4_K ? 15 : 31;
   using Block = std::conditional_t<QTYPE == Q4_K, BlockQ4_K, BlockQ5_K>;
   static void scale_vectors(const uint8_t* blk, __m256* s, __m256* o) {
     const auto* b = reinterpret_cast<const Block*>(blk);
@@ -162,7 +177,7 @@ template <> struct Unit<Q4_K> : UnitK45<Q4_K> {};
 template <> struct Unit<Q5_K> : UnitK45<Q5_K> {};
 
 template <> struct Unit<Q6_K> {  // w = d scale (q - 32), a scale per 16
-  static constexpr int UNITS = 8, SLOTS = 2;
+  static constexpr int UNITS = 8, SLOTS = 2, MAX_Q = 63;
   static void scale_vectors(const uint8_t* blk, __m256* s, __m256* o) {
     const auto* b = reinterpret_cast<const BlockQ6_K*>(blk);
     const __m256 d = _mm256_set1_ps(half_to_float(b->d));
@@ -395,11 +410,12 @@ struct PanelRows {
 
 // out[r * ldo + i] for R activation rows from r0 and the panel's PANEL rows; UNITS_PER_GROUP units
 // (32 values each) share an activation scale.
-template <int SLOTS, int UNITS_PER_GROUP, int R, typename Out>
+template <int SLOTS, int UNITS_PER_GROUP, int PARTIAL, int R, typename Out>
 void panel_tile(const uint8_t* panel, int64_t units, const PanelRows& a, int64_t r0, Out* out,
                 int64_t ldo, int count) {
   constexpr int64_t bytes = unit_bytes<SLOTS>();
   constexpr int WORDS = 8 / SLOTS;  // 4-weight vectors a slot
+  static_assert(WORDS % PARTIAL == 0);
   VecF acc[R];
   for (int r = 0; r < R; ++r) acc[r] = zero_f();
   for (int64_t u0 = 0; u0 < units; u0 += UNITS_PER_GROUP) {
@@ -413,13 +429,19 @@ void panel_tile(const uint8_t* panel, int64_t units, const PanelRows& a, int64_t
         VecI dot[R];
         for (int r = 0; r < R; ++r) dot[r] = zero_i();
 #pragma GCC unroll 8
-        for (int g = slot * WORDS; g < (slot + 1) * WORDS; ++g) {
-          const VecI wv = load_i(unit + g * VEC_BYTES);
-          for (int r = 0; r < R; ++r) {
-            int32_t four;
-            std::memcpy(&four, a.q + (r0 + r) * a.k + 32 * u + 4 * g, sizeof(four));
-            dot[r] = dot4(dot[r], wv, splat_i(four));
+        for (int g0 = slot * WORDS; g0 < (slot + 1) * WORDS; g0 += PARTIAL) {
+          VecI partial[R];
+          for (int r = 0; r < R; ++r) partial[r] = zero_i();
+#pragma GCC unroll 8
+          for (int g = g0; g < g0 + PARTIAL; ++g) {
+            const VecI wv = load_i(unit + g * VEC_BYTES);
+            for (int r = 0; r < R; ++r) {
+              int32_t four;
+              std::memcpy(&four, a.q + (r0 + r) * a.k + 32 * u + 4 * g, sizeof(four));
+              partial[r] = add_products(partial[r], wv, splat_i(four));
+            }
           }
+          for (int r = 0; r < R; ++r) dot[r] = widen(dot[r], partial[r]);
         }
         const VecF scale = load_f(scales + slot * 2 * PANEL);
         const VecF offset = load_f(scales + slot * 2 * PANEL + PANEL);
@@ -438,22 +460,23 @@ void panel_tile(const uint8_t* panel, int64_t units, const PanelRows& a, int64_t
   for (int r = 0; r < R; ++r) store_out(out + r * ldo, acc[r], count);
 }
 
-template <int SLOTS, int UNITS_PER_GROUP, typename Out, int R = TILE_ROWS>
+template <int SLOTS, int UNITS_PER_GROUP, int PARTIAL, typename Out, int R = TILE_ROWS>
 void panel_rows(const uint8_t* panel, int64_t units, const PanelRows& a, int64_t r0,
                 int64_t rows, Out* out, int64_t ldo, int count) {
   if constexpr (R > 1) {
     if (rows < R) {
-      return panel_rows<SLOTS, UNITS_PER_GROUP, Out, R - 1>(panel, units, a, r0, rows, out,
-                                                            ldo, count);
+      return panel_rows<SLOTS, UNITS_PER_GROUP, PARTIAL, Out, R - 1>(panel, units, a, r0, rows,
+                                                                     out, ldo, count);
     }
   }
-  panel_tile<SLOTS, UNITS_PER_GROUP, R>(panel, units, a, r0, out, ldo, count);
+  panel_tile<SLOTS, UNITS_PER_GROUP, PARTIAL, R>(panel, units, a, r0, out, ldo, count);
 }
 
 template <int64_t QTYPE, int UNITS_PER_GROUP, typename Out>
 void gemm(const uint8_t* w, int64_t n, const PanelRows& a, int64_t rows, Out* out,
           int64_t ldo) {
   constexpr int SLOTS = Unit<QTYPE>::SLOTS;
+  constexpr int PARTIAL = std::min(8 / SLOTS, partial_words<Unit<QTYPE>::MAX_Q>());
   const int64_t units = a.k / QK, row_bytes = a.k / block_weights(QTYPE) * block_bytes(QTYPE);
   at::parallel_for(0, (n + PANEL - 1) / PANEL, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint8_t> panel;
@@ -465,7 +488,7 @@ void gemm(const uint8_t* w, int64_t n, const PanelRows& a, int64_t rows, Out* ou
       pack_panel<QTYPE>(w + p * PANEL * row_bytes, row_bytes, count, units, panel.data(),
                         next_count);
       for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {
-        panel_rows<SLOTS, UNITS_PER_GROUP>(panel.data(), units, a, r0,
+        panel_rows<SLOTS, UNITS_PER_GROUP, PARTIAL>(panel.data(), units, a, r0,
                                            std::min<int64_t>(TILE_ROWS, rows - r0),
                                            out + r0 * ldo + p * PANEL, ldo, count);
       }
