@@ -482,19 +482,23 @@ def test_float_model_quantized_at_load(mode, qtype, tmp_path):
     assert (got - expected).abs().max() <= tolerance * expected.abs().max()
 
 
-@pytest.mark.parametrize("arch, dtype, row_kernel_rows", [
-    ("llama", "float32", 4), ("qwen2", "bfloat16", 4), ("llama", "bfloat16", 1)])
+@pytest.mark.parametrize("arch, dtype, row_kernel_rows, kv_cache_dtype", [
+    ("llama", "float32", 4, "auto"), ("qwen2", "bfloat16", 4, "auto"),
+    ("llama", "bfloat16", 1, "auto"), ("llama", "float32", 4, "int8"),
+    ("qwen2", "bfloat16", 1, "int8")])
 def test_native_decoder_steps_give_the_bits_of_the_layer_by_layer_path(
-        arch, dtype, row_kernel_rows, tmp_path, kernels, monkeypatch):
+        arch, dtype, row_kernel_rows, kv_cache_dtype, tmp_path, kernels, monkeypatch):
     """The native decoder runs a whole decode step in one call: the same kernels in the same
     order as the Python layers, so the same logits to the bit (qwen2: with the qkv bias), over
     sequences of different lengths whose new keys land in different blocks; steps of more rows
-    than the row kernels take run the integer GEMM inside it."""
+    than the row kernels take run the integer GEMM inside it. An int8 cache gets the same bytes
+    and scales from both."""
     if row_kernel_rows == 1 and not kernels.quant_gemm_types():
         pytest.skip("no integer GEMM in this build: the fused decoder takes one row")
     build_tiny_model(arch, tmp_path)
     native, layered = (make_runner(tmp_path, dtype, block_size=4, quantization="int4",
-                                   quant_gemv_max_rows=row_kernel_rows) for _ in range(2))
+                                   quant_gemv_max_rows=row_kernel_rows,
+                                   kv_cache_dtype=kv_cache_dtype) for _ in range(2))
     taken = []
     fused_decode = LlamaModel.fused_decode
 
@@ -517,6 +521,10 @@ def test_native_decoder_steps_give_the_bits_of_the_layer_by_layer_path(
         assert taken[-2:] == [True, False]
         assert torch.equal(got, expected), step
         lengths = [n + 1 if step % 3 or i != 1 else n for i, n in enumerate(lengths)]
+    for name in ("keys", "values", "key_scales", "value_scales"):
+        for mine, theirs in zip(getattr(native.kv_cache, name), getattr(layered.kv_cache, name),
+                                strict=True):
+            assert (mine is None and theirs is None) or torch.equal(mine, theirs), name
     native.model.native_decoder_rows = 2  # as where a projection has no integer GEMM
     batch = ModelInput([ScheduledSequence([7], n, t) for n, t in zip(lengths, tables, strict=True)])
     native.execute(batch)

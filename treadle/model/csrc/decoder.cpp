@@ -6,6 +6,9 @@
 // kernels run in the same order as in the Python path, so both give the same bits.
 #include "kernels.h"
 
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <cstring>
 
 LlamaDecoder::LlamaDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
@@ -48,17 +51,64 @@ void write_slots(const at::Tensor& cache, const char* src, int64_t src_stride,
   }
 }
 
+// The same rows into an int8 cache: each head's vector over its absmax / 127, rounded half to
+// even, and its scale beside it; attention.py's quantize_kv in the same float32 operations, so
+// the same bytes.
+template <typename T>
+void write_slots_int8(const at::Tensor& cache, const at::Tensor& scales, const T* src,
+                      int64_t src_stride, const int64_t* slots, int64_t tokens,
+                      int64_t kv_heads, int64_t dim) {
+  const int64_t num_slots = cache.size(0) * cache.size(1);
+  int8_t* dst = cache.data_ptr<int8_t>();
+  float* dst_scales = scales.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " out of range");
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const T* x = src + t * src_stride + h * dim;
+      float amax = 0.f;
+      for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::abs(static_cast<float>(x[d])));
+      const float scale = amax / 127.f, divisor = std::max(scale, FLT_MIN);
+      int8_t* q = dst + (slots[t] * kv_heads + h) * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        const float v = std::nearbyint(static_cast<float>(x[d]) / divisor);
+        q[d] = static_cast<int8_t>(std::clamp(v, -127.f, 127.f));
+      }
+      dst_scales[slots[t] * kv_heads + h] = scale;
+    }
+  }
+}
+
+// Rows [tokens, kv_heads * dim] at `src` (rows `src_stride` elements apart) into the cache's
+// slots, quantized where the cache is int8 (`scales` given).
+void write_kv(const at::Tensor& cache, const at::Tensor* scales, const at::Tensor& rows,
+              const char* src, int64_t src_stride, const int64_t* slots, int64_t tokens,
+              int64_t kv_heads, int64_t dim) {
+  if (scales == nullptr) return write_slots(cache, src, src_stride, slots, tokens, kv_heads * dim);
+  if (rows.scalar_type() == at::kBFloat16) {
+    return write_slots_int8(cache, *scales, reinterpret_cast<const at::BFloat16*>(src),
+                            src_stride, slots, tokens, kv_heads, dim);
+  }
+  write_slots_int8(cache, *scales, reinterpret_cast<const float*>(src), src_stride, slots, tokens,
+                   kv_heads, dim);
+}
+
 }  // namespace
 
 at::Tensor LlamaDecoder::forward(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
                                     const std::vector<at::Tensor>& k_caches,
                                     const std::vector<at::Tensor>& v_caches,
+                                    const std::vector<at::Tensor>& k_scales,
+                                    const std::vector<at::Tensor>& v_scales,
                                     at::Tensor slots, at::Tensor block_tables,
                                     at::Tensor context_lens,
                                     c10::optional<at::Tensor> lora_slots) const {
   const int64_t layers = static_cast<int64_t>(layers_.size());
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers &&
               static_cast<int64_t>(v_caches.size()) == layers, "one cache per layer");
+  const bool int8_cache = !k_scales.empty();
+  TORCH_CHECK(!int8_cache || (static_cast<int64_t>(k_scales.size()) == layers &&
+                              static_cast<int64_t>(v_scales.size()) == layers),
+              "an int8 cache's scales: one a layer");
   TORCH_CHECK(hidden.dim() == 2 && slots.scalar_type() == at::kLong &&
               slots.numel() == hidden.size(0));
   const int64_t tokens = hidden.size(0), heads = num_heads_, kv_heads = num_kv_heads_,
@@ -86,8 +136,15 @@ at::Tensor LlamaDecoder::forward(at::Tensor hidden, at::Tensor cos, at::Tensor s
     };
     const at::Tensor& k_cache = k_caches[i];
     const at::Tensor& v_cache = v_caches[i];
+    const at::Tensor* k_scale = int8_cache ? &k_scales[i] : nullptr;
+    const at::Tensor* v_scale = int8_cache ? &v_scales[i] : nullptr;
     TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                k_cache.scalar_type() == hidden.scalar_type() &&
+                k_cache.scalar_type() == (int8_cache ? at::kChar : hidden.scalar_type()) &&
+                (!int8_cache || (k_scale->is_contiguous() && v_scale->is_contiguous() &&
+                                 k_scale->scalar_type() == at::kFloat &&
+                                 v_scale->scalar_type() == at::kFloat &&
+                                 k_scale->numel() * dim == k_cache.numel() &&
+                                 v_scale->numel() * dim == v_cache.numel())) &&
                 k_cache.size(2) * k_cache.size(3) == kv_width && v_cache.sizes() == k_cache.sizes());
     at::Tensor x = rms_norm(hidden, layer.input_norm, eps_, false);
     const at::Tensor qkv =
@@ -96,12 +153,15 @@ at::Tensor LlamaDecoder::forward(at::Tensor hidden, at::Tensor cos, at::Tensor s
                                   cos, sin);
     const char* qk_bytes = static_cast<const char*>(qk.data_ptr());
     const char* v_bytes = static_cast<const char*>(qkv.data_ptr()) + qk_width * qkv.element_size();
-    write_slots(k_cache, qk_bytes + heads * dim * qk.element_size(), qk_width, slot, tokens,
-                kv_width);
-    write_slots(v_cache, v_bytes, qkv.size(1), slot, tokens, kv_width);
+    write_kv(k_cache, k_scale, qk, qk_bytes + heads * dim * qk.element_size(), qk_width, slot,
+             tokens, kv_heads, dim);
+    write_kv(v_cache, v_scale, qkv, v_bytes, qkv.size(1), slot, tokens, kv_heads, dim);
+    const auto optional = [](const at::Tensor* t) {
+      return t == nullptr ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(*t);
+    };
     const at::Tensor attn = paged_decode_attention(qk.narrow(1, 0, heads), k_cache, v_cache,
                                                       block_tables, context_lens, scale_, 0,
-                                                      c10::nullopt, c10::nullopt);
+                                                      optional(k_scale), optional(v_scale));
     const at::Tensor attn_rows = attn.view({tokens, heads * dim});
     hidden.add_(adapted(project(attn_rows, layer.o, layer.o_types, c10::nullopt, 1), attn_rows, 1));
     x = rms_norm(hidden, layer.post_norm, eps_, false);

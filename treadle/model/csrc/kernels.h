@@ -75,12 +75,16 @@ class LlamaDecoder {
   void set_lora(int64_t layer, std::vector<at::Tensor> a, std::vector<at::Tensor> b,
                 std::vector<std::vector<int64_t>> offsets, int64_t rank);
   // hidden [tokens, hidden] (the embeddings; not modified); cos, sin [tokens, head_dim / 2];
-  // one key and one value cache a layer; slots [tokens]; block_tables [tokens, max_blocks];
-  // context_lens [tokens]; lora_slots [tokens]: each row's adapter slot, -1 for the base (none:
-  // every row the base's). Returns the residual stream after the last layer.
+  // one key and one value cache a layer, in hidden's dtype or int8 with k_scales and v_scales
+  // (one a layer, else empty: attention.py's int8 cache); slots [tokens]; block_tables
+  // [tokens, max_blocks]; context_lens [tokens]; lora_slots [tokens]: each row's adapter slot,
+  // -1 for the base (none: every row the base's). Returns the residual stream after the last
+  // layer.
   at::Tensor forward(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
                         const std::vector<at::Tensor>& k_caches,
-                        const std::vector<at::Tensor>& v_caches, at::Tensor slots,
+                        const std::vector<at::Tensor>& v_caches,
+                        const std::vector<at::Tensor>& k_scales,
+                        const std::vector<at::Tensor>& v_scales, at::Tensor slots,
                         at::Tensor block_tables, at::Tensor context_lens,
                         c10::optional<at::Tensor> lora_slots) const;
 

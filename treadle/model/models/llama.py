@@ -164,10 +164,12 @@ class LlamaModel(DecoderModel):
         spec, meta = self.spec, attention[None]
         rope = self.rotary.at(positions)
         hidden = embed_tokens(self.embed, input_ids, self.dtype)
-        # The native decoder writes keys as they come: an int8 cache takes the layers' path.
-        if kv_cache.dtype == hidden.dtype and self.fused_decode(meta, hidden):
+        if self.fused_decode(meta, hidden):
+            int8 = kv_cache.dtype == torch.int8
             return self.native_decoder.forward(
-                hidden, *rope, kv_cache.keys, kv_cache.values, meta.slot_mapping,
+                hidden, *rope, kv_cache.keys, kv_cache.values,
+                kv_cache.key_scales if int8 else [], kv_cache.value_scales if int8 else [],
+                meta.slot_mapping,
                 meta.decode_block_tables, meta.decode_context_lens,
                 self.lora.row_slots if self.lora_in_step() else None)
         for i, layer in enumerate(self.layers):
