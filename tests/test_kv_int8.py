@@ -367,10 +367,10 @@ def test_bench_forward_measures_each_kv_cache_dtype(tiny_llama):
     assert "KV cache int8" in format_forward(report)
 
 
-def test_quantized_decode_steps_over_int8_kv_bypass_the_fused_decoder(tiny_llama):
-    """Q4_1 weights whose decode steps of up to 4 rows would run in the native decoder, which
-    writes caches in the model's dtype: with int8 KV they take the layers' path and stay close
-    to the same weights over a float cache (the fused decoder's own steps)."""
+def test_quantized_decode_steps_over_int8_kv_stay_close_to_a_float_cache(tiny_llama):
+    """Q4_1 weights whose decode steps of up to 4 rows run in the native decoder, over an int8
+    cache (which it quantizes as the layers' path does: tests/test_quantized.py) and over a
+    float one: the two stay close."""
     if kernels.llama_decoder_class() is None:
         pytest.skip("native kernels unavailable")
     gen = torch.Generator().manual_seed(6)
@@ -381,7 +381,7 @@ def test_quantized_decode_steps_over_int8_kv_bypass_the_fused_decoder(tiny_llama
                         for kv in ("auto", "int8"))
     reference = logits_of(fused, prompts, 64, decode)
     got = logits_of(quantized, prompts, 64, decode)
-    assert fused.model.native_decoder is not None  # the float cache's steps took it
+    assert fused.model.native_decoder is not None
     # Measured: mean |diff| 4.9-5.6% of the spread, the largest 27-33% (~2.2% and 22-47% while
     # prefill rows took a float GEMM, not the integer GEMM): int8 activations amplify the
     # cache's noise (the fused and layers' paths give the same bits over one cache).

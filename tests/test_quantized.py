@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import AVX2_ENV, run_forced
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from model_utils import (
@@ -23,7 +24,7 @@ from treadle.config import CacheConfig, ModelConfig
 from treadle.model import linear
 from treadle.model.batch import ModelInput, ScheduledSequence
 from treadle.model.gguf_file import read_gguf
-from treadle.model.kernels import quant_linear_kernels
+from treadle.model.kernels import quant_linear_kernels, this_build
 from treadle.model.linear import QuantizedLinear, make_linear
 from treadle.model.loader import (
     LoadedModel,
@@ -263,13 +264,10 @@ VALUE_BYTES = {Q.Q4_0: slice(2, 18), Q.Q4_1: slice(4, 20), Q.Q5_0: slice(2, 22),
                Q.Q6_K: slice(0, 192)}
 
 
-@pytest.mark.parametrize("qtype", QTYPES + GGUF_ONLY_QTYPES)
-def test_integer_gemm_sums_the_largest_products_exactly(qtype, kernels):
+def check_largest_products(qtype: int, kernels) -> None:
     """Every weight at its type's largest stored value (all bits set) against activations all
     quantized to +127 or all to -127: the GEMM's integer sums at their extremes (AVX2 adds
     several vectors' 16-bit pair sums before widening them) still equal the reference."""
-    if int(qtype) not in kernels.quant_gemm_types():
-        pytest.skip("this build serves the type row by row")
     in_features = 512 if qtype in K_QUANTS else 256
     weight = random_blocks(qtype, out_features=24, in_features=in_features)
     blocks = weight.data.view(24, -1, BLOCK_BYTES[qtype]).clone()
@@ -283,6 +281,33 @@ def test_integer_gemm_sums_the_largest_products_exactly(qtype, kernels):
         out = kernels.quant_gemm_parts(x, [weight.data], [int(qtype)], None)
         expected = reference_quant_linear(x, weight)
         assert (out.double() - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+
+
+@pytest.mark.parametrize("qtype", QTYPES + GGUF_ONLY_QTYPES)
+def test_integer_gemm_sums_the_largest_products_exactly(qtype, kernels):
+    if int(qtype) not in kernels.quant_gemm_types():
+        pytest.skip("this build serves the type row by row")
+    check_largest_products(qtype, kernels)
+
+
+AVX2_LARGEST = ("import sys\n"
+                "sys.path.insert(0, 'tests')\n"
+                "from treadle.model import kernels\n"
+                "assert kernels.this_build().variant == 'avx2', kernels.this_build()\n"
+                "module = kernels.quant_linear_kernels()\n"
+                "from test_quantized import check_largest_products\n"
+                "for qtype in module.quant_gemm_types():\n"
+                "    check_largest_products(qtype, module)\n"
+                "print('ok')\n")
+
+
+def test_the_avx2_variant_sums_the_largest_products_exactly(kernels):
+    """The AVX2 build's 16-bit partial sums, which an AVX-512 machine's own build never runs."""
+    if this_build().variant != "avx512":
+        pytest.skip("this machine's own build is the AVX2 one: the test above runs it")
+    done = run_forced(["-c", AVX2_LARGEST], AVX2_ENV, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("ok")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -66,12 +66,15 @@ void write_slots_int8(const at::Tensor& cache, const at::Tensor& scales, const T
     for (int64_t h = 0; h < kv_heads; ++h) {
       const T* x = src + t * src_stride + h * dim;
       float amax = 0.f;
-      for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::abs(static_cast<float>(x[d])));
+      for (int64_t d = 0; d < dim; ++d) {  // a NaN propagates, as torch's amax
+        const float a = std::abs(static_cast<float>(x[d]));
+        amax = a > amax || std::isnan(a) ? a : amax;
+      }
       const float scale = amax / 127.f, divisor = std::max(scale, FLT_MIN);
       int8_t* q = dst + (slots[t] * kv_heads + h) * dim;
       for (int64_t d = 0; d < dim; ++d) {
         const float v = std::nearbyint(static_cast<float>(x[d]) / divisor);
-        q[d] = static_cast<int8_t>(std::clamp(v, -127.f, 127.f));
+        q[d] = std::isnan(v) ? 0 : static_cast<int8_t>(std::clamp(v, -127.f, 127.f));
       }
       dst_scales[slots[t] * kv_heads + h] = scale;
     }
@@ -84,6 +87,8 @@ void write_kv(const at::Tensor& cache, const at::Tensor* scales, const at::Tenso
               const char* src, int64_t src_stride, const int64_t* slots, int64_t tokens,
               int64_t kv_heads, int64_t dim) {
   if (scales == nullptr) return write_slots(cache, src, src_stride, slots, tokens, kv_heads * dim);
+  TORCH_CHECK(rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16,
+              "an int8 cache's rows: float32 or bfloat16");
   if (rows.scalar_type() == at::kBFloat16) {
     return write_slots_int8(cache, *scales, reinterpret_cast<const at::BFloat16*>(src),
                             src_stride, slots, tokens, kv_heads, dim);

@@ -4,11 +4,11 @@
 // weights, 8 vectors of [PANEL rows x 4 weights] as unsigned bytes, then each row's float scale
 // and offset (w = scale q + offset; a scale per 16 for Q6_K). Every activation row then meets
 // the panel with one dot-product instruction per 4 weights of PANEL rows (VNNI's dpbusd; AVX2's
-// maddubs and madd) into a vector of the rows' sums, so that a block's float work (convert,
-// scale, offset) is shared by PANEL outputs instead of repeated per output as in the row-by-row
-// kernels. Activations are the row kernels' (quant_linear.cpp's per-32 blocks,
-// quant_kblocks.cpp's Q8_K per 256); the 32-wide types' outputs are the row kernels' bits, the
-// K-quants' differ from theirs in float rounding.
+// maddubs, its 16-bit sums widened by one madd per several vectors) into a vector of the rows'
+// sums, so that a block's float work (convert, scale, offset) is shared by PANEL outputs instead
+// of repeated per output as in the row-by-row kernels. Activations are the row kernels'
+// (quant_linear.cpp's per-32 blocks, quant_kblocks.cpp's Q8_K per 256); the 32-wide types'
+// outputs are the row kernels' bits, the K-quants' differ from theirs in float rounding.
 #include "quant_blocks.h"
 
 #include <ATen/Parallel.h>
@@ -65,7 +65,7 @@ inline VecF fma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
 inline void store_f(float* p, VecF v) { _mm256_storeu_ps(p, v); }
 // AVX2: maddubs's 16-bit pair sums added in 16 bits, one madd widening several vectors' worth:
 // half the multiplier-port instructions of a madd per maddubs. A pair sum is at most
-// 2 x MAX_Q x 127 (activations within +-127), so partial_words of them stay below 2^15.
+// 2 x MAX_Q x 128 (an activation is -128 at worst), so partial_words of them stay below 2^15.
 inline VecI add_products(VecI partial, VecI u8, VecI s8) {
   return _mm256_add_epi16(partial, _mm256_maddubs_epi16(u8, s8));
 }
@@ -73,8 +73,9 @@ inline VecI widen(VecI acc, VecI partial) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(partial, _mm256_set1_epi16(1)));
 }
 template <int MAX_Q> constexpr int partial_words() {
+  static_assert(2 * MAX_Q * 128 <= 32767, "maddubs's pair sums would saturate");
   int words = 8;
-  while (words > 1 && words * 2 * MAX_Q * 127 > 32767) words /= 2;
+  while (words > 1 && words * 2 * MAX_Q * 128 > 32767) words /= 2;
   return words;
 }
 #endif

@@ -164,8 +164,8 @@ class LlamaModel(DecoderModel):
         spec, meta = self.spec, attention[None]
         rope = self.rotary.at(positions)
         hidden = embed_tokens(self.embed, input_ids, self.dtype)
-        if self.fused_decode(meta, hidden):
-            int8 = kv_cache.dtype == torch.int8
+        int8 = kv_cache.dtype == torch.int8
+        if (int8 or kv_cache.dtype == hidden.dtype) and self.fused_decode(meta, hidden):
             return self.native_decoder.forward(
                 hidden, *rope, kv_cache.keys, kv_cache.values,
                 kv_cache.key_scales if int8 else [], kv_cache.value_scales if int8 else [],
