@@ -80,10 +80,14 @@ def make_runner(model: str | Path | None, dtype: str = "float32", block_size: in
                 num_blocks: int = 512, quantization: str = "none",
                 quant_gemv_max_rows: int | None = None, device: str = "auto",
                 enforce_eager: bool = False, max_num_seqs: int = 16,
-                kv_cache_dtype: str = "auto", enable_lora: bool = False,
+                kv_cache_dtype: str | None = None, enable_lora: bool = False,
                 max_loras: int = 4, lora_dtype: str = "auto",
                 max_cpu_loras: int = 8) -> ModelRunner:
-    """`max_num_seqs`: the largest decode step captured as a CUDA graph, on a GPU."""
+    """`max_num_seqs`: the largest decode step captured as a CUDA graph, on a GPU.
+    `kv_cache_dtype` None: the model's dtype, so that a float32 model's logits are its own
+    float32 math (the CPU's default bfloat16 cache is tests/test_kv_int8.py's)."""
+    if kv_cache_dtype is None:
+        kv_cache_dtype = dtype if dtype in ("float32", "bfloat16") else "auto"
     model_config = ModelConfig(model=None if model is None else str(model), dtype=dtype,
                                quantization=quantization, device=device,
                                quant_gemv_max_rows=quant_gemv_max_rows,

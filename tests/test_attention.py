@@ -30,11 +30,17 @@ def naive_attention(q, k_cache, v_cache, tables, lens, scale, window=None):
 
 
 @pytest.mark.parametrize("window", [None, 1, 3, 6, 40])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# queries' and cache's dtypes: the model's, or a bfloat16 cache under a float32 model (the CPU's)
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32),
+                                                (torch.bfloat16, torch.bfloat16),
+                                                (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("path, head_dim", [("native", 16), ("torch", 16), ("triton", 16),
                                             # native: 3, 4 + 1 vectors a head, or not whole
                                             ("native", 24), ("native", 40), ("native", 12)])
-def test_decode_attention_matches_naive(dtype, path, head_dim, window, monkeypatch, request):
+def test_decode_attention_matches_naive(dtype, cache_dtype, path, head_dim, window, monkeypatch,
+                                        request):
+    if path == "triton" and cache_dtype != dtype:
+        pytest.skip("CUDA keeps the cache in the model's dtype")
     if path == "native" and kernels.paged_decode_attention() is None:
         pytest.skip("native kernel unavailable")
     if path == "torch":
@@ -45,8 +51,8 @@ def test_decode_attention_matches_naive(dtype, path, head_dim, window, monkeypat
         monkeypatch.setattr(attention, "paged_decode_attention", lambda device: triton_kernel)
     gen = torch.Generator().manual_seed(0)
     block_size, num_blocks, num_kv_heads, heads = 4, 64, 3, 9
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim,
+                                    generator=gen).to(cache_dtype) for _ in range(2))
     lens = torch.tensor([1, 4, 5, 17, 30])
     max_blocks = 8
     tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * max_blocks].view(-1, max_blocks)
@@ -145,7 +151,7 @@ def test_long_contexts_split_into_tasks_merge_exactly(dtype, window, path, monke
 
 
 @pytest.mark.parametrize("window", [None, 129, 300])
-@pytest.mark.parametrize("cache", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "bfloat16 under float32", "int8"])
 def test_rows_over_one_sequence_s_blocks_keep_the_bits_they_get_alone(cache, window):
     """A verifying step's rows read one sequence's blocks at consecutive lengths (here across a
     task's end): the native kernel takes them part by part, so that a thread finds a part's
@@ -156,15 +162,16 @@ def test_rows_over_one_sequence_s_blocks_keep_the_bits_they_get_alone(cache, win
     gen = torch.Generator().manual_seed(4)
     block_size, num_kv_heads, heads, head_dim, num_blocks = 16, 3, 9, 64, 40
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    dtype = torch.float32 if cache == "float32" else torch.bfloat16
+    dtype = torch.bfloat16 if cache in ("bfloat16", "int8") else torch.float32
     if cache == "int8":
         k_cache, v_cache = (torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
                             for _ in range(2))
         k_scales, v_scales = (0.02 * torch.rand(shape[:3], generator=gen) for _ in range(2))
         k_float, v_float = k_cache * k_scales[..., None], v_cache * v_scales[..., None]
     else:
-        k_cache = k_float = torch.randn(shape, generator=gen).to(dtype)
-        v_cache = v_float = torch.randn(shape, generator=gen).to(dtype)
+        cache_dtype = torch.float32 if cache == "float32" else torch.bfloat16
+        k_cache = k_float = torch.randn(shape, generator=gen).to(cache_dtype)
+        v_cache = v_float = torch.randn(shape, generator=gen).to(cache_dtype)
         k_scales = v_scales = None
     shared, other = torch.randperm(num_blocks, generator=gen).view(2, 20)
     lens = torch.tensor([40, 126, 127, 128, 129, 130, 60, 61])

@@ -83,7 +83,8 @@ def test_engine_embeddings_equal_transformers_in_batches_with_generation(tmp_pat
     # them with the generating requests.
     core = EngineCore(EngineConfig(ModelConfig(model=str(tmp_path), dtype="float32",
                                                pooling=pooling),
-                                   CacheConfig(block_size=4, num_blocks=128),
+                                   CacheConfig(block_size=4, num_blocks=128,
+                                               kv_cache_dtype="float32"),
                                    SchedulerConfig(max_num_batched_tokens=16,
                                                    long_prefill_token_threshold=8)))
     prompts = random_prompts((5, 23, 9, 30, 1), seed=1)
@@ -128,7 +129,8 @@ def test_embeddings_survive_preemption(tmp_path):
     core = EngineCore(EngineConfig(ModelConfig(model=str(tmp_path), dtype="float32",
                                                pooling=pooling),
                                    CacheConfig(block_size=4, num_blocks=12,
-                                               enable_prefix_caching=False),
+                                               enable_prefix_caching=False,
+                                               kv_cache_dtype="float32"),
                                    SchedulerConfig(max_num_batched_tokens=12,
                                                    long_prefill_token_threshold=6)))
     greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -155,7 +157,8 @@ def test_embeddings_survive_preemption(tmp_path):
 
 
 def test_llm_embed_offline(tiny_folder):
-    llm = LLM(str(tiny_folder), dtype="float32", pooling="mean", num_blocks=64)
+    llm = LLM(str(tiny_folder), dtype="float32", kv_cache_dtype="float32", pooling="mean",
+              num_blocks=64)
     base = AutoModel.from_pretrained(tiny_folder, dtype=torch.float32).eval()
     text = "The quick brown fox jumps over the lazy dog."
     ids = llm.tokenizer(text)["input_ids"]
@@ -177,8 +180,8 @@ def test_request_declares_every_openai_field():
 @pytest.fixture(scope="module")
 def server(tiny_folder):
     engine = AsyncEngine(build_config(AsyncEngineConfig, dict(
-        model=str(tiny_folder), dtype="float32", kv_cache_memory_bytes=16 << 20,
-        max_model_len=MAX_MODEL_LEN)))
+        model=str(tiny_folder), dtype="float32", kv_cache_dtype="float32",
+        kv_cache_memory_bytes=16 << 20, max_model_len=MAX_MODEL_LEN)))
     frontends, thread = start_frontends(engine, ServerConfig(port=0, grpc_port=None))
     wait_started(frontends, thread)
     yield f"http://127.0.0.1:{frontends.port}/v1", engine
@@ -301,7 +304,8 @@ def test_default_model_embeddings_equal_transformers_gguf():
     path = default_model_path()
     base = AutoModel.from_pretrained(str(path.parent), gguf_file=path.name,
                                      dtype=torch.float32).eval()
-    llm = LLM(None, dtype="float32", quantization="none", num_blocks=64)
+    llm = LLM(None, dtype="float32", kv_cache_dtype="float32", quantization="none",
+              num_blocks=64)
     outputs = llm.embed(["What is the capital of France?", TEXTS[1]], use_tqdm=False)
     for output in outputs:
         expected = expected_embedding(base, output.prompt_token_ids, "last")

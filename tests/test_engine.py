@@ -40,7 +40,8 @@ def make_engine(folder, num_blocks=256, block_size=4, prefix_caching=True,
                 **scheduler) -> EngineCore:
     return EngineCore(EngineConfig(ModelConfig(model=str(folder), dtype="float32"),
                                    CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                                               enable_prefix_caching=prefix_caching),
+                                               enable_prefix_caching=prefix_caching,
+                                               kv_cache_dtype="float32"),
                                    SchedulerConfig(**scheduler)))
 
 

@@ -221,6 +221,32 @@ def test_runner_with_int8_kv_stays_close_to_the_float_cache(tiny_llama, dtype):
     assert any((a - ref).abs().max().item() > 0 for ref, a in zip(reference, whole, strict=True))
 
 
+def test_a_float32_models_bfloat16_cache_stays_close_to_a_float32_one(tiny_llama):
+    """The CPU's default cache under a float32 model is bfloat16: half the bytes of a float32
+    cache, so a memory budget holds twice the blocks; its logits stay close to a float32
+    cache's, and every read sees the stored rounding, so chunked and whole prefills agree."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (23, 40, 7)]
+    decode = [torch.randint(3, 256, (12,), generator=gen).tolist()] * len(prompts)
+    float_runner = make_runner(tiny_llama, num_blocks=32, kv_cache_dtype="float32")
+    bf16_runner = make_runner(tiny_llama, num_blocks=32, kv_cache_dtype="auto")
+    assert bf16_runner.kv_cache.keys[0].dtype == torch.bfloat16
+    assert bf16_runner.platform_info()["kv_cache_dtype"] == "bfloat16"
+    assert float_runner.kv_cache.keys[0].dtype == torch.float32
+    reference = logits_of(float_runner, prompts, 64, decode)
+    whole = logits_of(bf16_runner, prompts, 64, decode)
+    chunked = logits_of(bf16_runner, prompts, 5, decode)
+    spread = torch.cat(reference).std().item()
+    for ref, a, b in zip(reference, whole, chunked, strict=True):
+        assert (a - ref).abs().mean().item() < 0.01 * spread
+        assert (a - ref).abs().max().item() < 0.1 * spread
+        assert (a - b).abs().max().item() < 1e-4 * spread
+    assert any((a - ref).abs().max().item() > 0 for ref, a in zip(reference, whole, strict=True))
+    per_token = {kv: kv_bytes_per_token(DefaultModelShape(), 4, kv)
+                 for kv in ("auto", "float32", "bfloat16")}
+    assert per_token["auto"] == per_token["float32"] == 2 * per_token["bfloat16"]
+
+
 def test_gemma3_windows_over_an_int8_cache(tmp_path):
     """Sliding-window layers read only their window's int8 blocks, in prefill and decode."""
     build_tiny_model("gemma3", tmp_path)
@@ -284,6 +310,14 @@ def test_bad_kv_cache_dtypes_are_refused_clearly():
     assert refused.value.setting == "kv_cache_dtype"
     assert resolve_kv_cache_dtype("auto", "bfloat16", "cuda") == "bfloat16"
     assert resolve_kv_cache_dtype("int8", "float32", "cpu") == "int8"
+    # A float32 model's cache: bfloat16 on the CPU unless asked, the model's own on CUDA.
+    assert resolve_kv_cache_dtype("auto", "float32", "cpu") == "bfloat16"
+    assert resolve_kv_cache_dtype("float32", "float32", "cpu") == "float32"
+    assert resolve_kv_cache_dtype("auto", "float32", "cuda") == "float32"
+    with pytest.raises(UnsupportedSetting, match="CPU only"):
+        resolve_kv_cache_dtype("bfloat16", "float32", "cuda")
+    with pytest.raises(UnsupportedSetting, match="served in bfloat16"):
+        resolve_kv_cache_dtype("float32", "bfloat16", "cpu")
 
 
 def test_the_triton_kernel_refuses_an_int8_cache(triton_attention):
@@ -361,9 +395,9 @@ def test_bench_forward_measures_each_kv_cache_dtype(tiny_llama):
     from treadle.bench.forward import bench_forward, format_forward
 
     report = bench_forward(str(tiny_llama), "float32", [2], [1], context_len=32, steps=1,
-                           quantizations=("none",), kv_cache_dtypes=("auto", "int8"))
-    assert [r["kv_cache_dtype"] for r in report["rows"]] == ["float32", "int8"]
-    assert [r["kv_cache_dtype"] for r in report["runs"]] == ["float32", "int8"]
+                           quantizations=("none",), kv_cache_dtypes=("auto", "float32", "int8"))
+    assert [r["kv_cache_dtype"] for r in report["rows"]] == ["bfloat16", "float32", "int8"]
+    assert [r["kv_cache_dtype"] for r in report["runs"]] == ["bfloat16", "float32", "int8"]
     assert "KV cache int8" in format_forward(report)
 
 

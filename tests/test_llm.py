@@ -17,7 +17,8 @@ pytestmark = pytest.mark.default_model
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20)
+    return LLM(dtype="float32", quantization="none", kv_cache_dtype="float32",
+               kv_cache_memory_bytes=64 << 20)
 
 
 @pytest.fixture(scope="module")

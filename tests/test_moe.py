@@ -284,8 +284,9 @@ def test_tensor_parallelism_refuses_experts(tmp_path):
 def test_the_decode_floor_counts_the_experts_a_step_reads(tmp_path):
     """One token reads k of E experts per layer; a large batch reads nearly all of them."""
     build_tiny_model("qwen3-moe", tmp_path)
-    model = make_runner(tmp_path, block_size=4, num_blocks=16).model
-    cost = DecodeCost.of(model)
+    runner = make_runner(tmp_path, block_size=4, num_blocks=16)
+    model = runner.model
+    cost = DecodeCost.of(model, runner.kv_cache_dtype)
     moes = sparse_layers_of(model)
     experts = sum(p.nbytes for moe in moes for p in moe.parts())
     others = model.weight_bytes() - experts

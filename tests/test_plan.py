@@ -142,8 +142,9 @@ def test_plan_equals_what_a_real_engine_reports_at_ready(tiny_folder):
     finally:
         stop_frontends(frontends, thread)
     memory = card["memory"]
-    # Independent of both: the tiny Llama's shapes (tests/model_utils.py TINY).
-    assert report["kv_cache"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    # Independent of both: the tiny Llama's shapes (tests/model_utils.py TINY), its cache in
+    # bfloat16 (the CPU's under a float32 model).
+    assert report["kv_cache"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 2
     assert report["max_model_len"] == card["max_model_len"] == 256
     assert memory["kv_cache"] == report["kv_cache"]
     assert memory["kv_cache"]["num_blocks"] == 8 * 256 // 16 == engine.num_blocks
@@ -161,8 +162,8 @@ def test_plan_equals_what_a_real_engine_reports_at_ready(tiny_folder):
 def test_plan_of_the_default_model_reads_no_weights():
     report = run_plan("--dtype", "float32", "--max-model-len", "2048", "--concurrency", "4")
     assert report["quantization"] == "gguf" and report["max_model_len"] == 2048
-    # SmolLM2-135M: 30 layers, 3 KV heads of 64.
-    assert report["kv_cache"]["bytes_per_token"] == 2 * 30 * 3 * 64 * 4
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64, in bfloat16 under the float32 model.
+    assert report["kv_cache"]["bytes_per_token"] == 2 * 30 * 3 * 64 * 2
     assert report["kv_cache"]["num_blocks"] == 4 * 2048 // 16
     assert report["total_bytes"] == (report["weights_bytes"] + report["activations_bytes"]
                                      + report["kv_cache"]["bytes"])

@@ -516,7 +516,7 @@ def test_float_model_quantized_at_load(mode, qtype, tmp_path):
 @pytest.mark.parametrize("arch, dtype, row_kernel_rows, kv_cache_dtype", [
     ("llama", "float32", 4, "auto"), ("qwen2", "bfloat16", 4, "auto"),
     ("llama", "bfloat16", 1, "auto"), ("llama", "float32", 4, "int8"),
-    ("qwen2", "bfloat16", 1, "int8")])
+    ("qwen2", "bfloat16", 1, "int8"), ("llama", "float32", 4, "float32")])
 def test_native_decoder_steps_give_the_bits_of_the_layer_by_layer_path(
         arch, dtype, row_kernel_rows, kv_cache_dtype, tmp_path, kernels, monkeypatch):
     """The native decoder runs a whole decode step in one call: the same kernels in the same

@@ -73,6 +73,7 @@ def test_tp2_logits_match_transformers(case, tmp_path):
     model = CASES[case](tmp_path)
     vocab = model.config.vocab_size
     config = build_config(EngineConfig, {"model": str(tmp_path), "dtype": "float32",
+                                         "kv_cache_dtype": "float32",
                                          "block_size": 4, "num_blocks": 64,
                                          "tensor_parallel_size": 2, "engine_threads": 2})
     executor = build_executor(config)

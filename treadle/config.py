@@ -42,7 +42,7 @@ LOAD_FORMATS = ("auto", "dummy")
 POOLING_TYPES = ("last", "mean")
 # The KV cache's storage (vLLM's flag): auto, the model's dtype; int8, keys and values in 8 bits
 # with a float32 scale per token slot and KV head (treadle/model/attention.py), half the bytes.
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 # The titles the settings' flags are grouped under in `treadle serve --help`.
@@ -167,9 +167,11 @@ class CacheConfig:
                                             "left")  # vLLM's flag and default
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of prompts' shared "
                                           "prefixes")
-    kv_cache_dtype: str = setting("auto", "keys and values stored as: auto, the model's dtype; "
-                                  "int8, 8 bits with a float32 scale per token and KV head "
-                                  "(half the bytes, twice the tokens; CPU only)",
+    kv_cache_dtype: str = setting("auto", "keys and values stored as: auto, the model's dtype, "
+                                  "but bfloat16 for a float32 model on the CPU (half the bytes, "
+                                  "as llama.cpp's f16 cache); bfloat16; float32 (a float32 "
+                                  "model's only); int8, 8 bits with a float32 scale per token "
+                                  "and KV head (a quarter of float32's bytes; CPU only)",
                                   choices=KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:

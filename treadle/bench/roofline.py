@@ -78,8 +78,8 @@ class DecodeCost:
     expert_share: float = 0.0  # experts one token runs: k / E
 
     @classmethod
-    def of(cls, model: DecoderModel, kv_cache_dtype: str = "auto") -> DecodeCost:
-        """`kv_cache_dtype`: the cache's storage as resolved (auto: the model's dtype)."""
+    def of(cls, model: DecoderModel, kv_cache_dtype: str) -> DecodeCost:
+        """`kv_cache_dtype`: the cache's storage as resolved (resolve_kv_cache_dtype)."""
         from treadle.model.memory import kv_bytes_per_token
 
         moes = model.expert_layers()
@@ -109,13 +109,14 @@ def bench_roofline(model: str | None, dtype: str, batch_sizes: list[int],
                    load_format: str = "auto") -> dict:
     """The machine's measured bandwidth and matmul rate (current torch thread count), and the
     model's decode-step floor at each batch size, from the bytes its weights take as served."""
-    from treadle.model.capabilities import resolve_dtype, torch_dtype
+    from treadle.model.capabilities import resolve_dtype, resolve_kv_cache_dtype, torch_dtype
     from treadle.model.loader import load_model
     from treadle.model.registry import build_model
 
     loaded = load_model(model, torch_dtype(dtype), quantization, load_format=load_format)
     cost = DecodeCost.of(build_model(loaded.spec, loaded.weights, torch_dtype(dtype),
-                                     context_len))
+                                     context_len),
+                         resolve_kv_cache_dtype("auto", resolve_dtype(dtype)[0], "cpu"))
     roof = measure_roofline(torch_dtype(dtype))
     rows = []
     for batch in batch_sizes:

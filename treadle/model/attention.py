@@ -8,6 +8,8 @@ Decode tokens (one query each) are attended in one batched call over block table
 longest context; prefill chunks go one sequence at a time (few per step, many tokens each), causal
 inside the chunk and full over the context computed before it.
 
+A cache may be stored narrower than the model computes: bfloat16 under a float32 model (the CPU's
+default), each read widened back to float32; a chunk's own keys take the stored rounding too.
 An int8 cache (`--kv-cache-dtype int8`) stores each new key and value vector as int8 with a
 float32 scale per token slot and KV head (absmax / 127 over head_dim, symmetric: llama.cpp's q8_0
 at a head's granularity), in scale tensors [num_blocks, block_size, num_kv_heads] beside the
@@ -118,11 +120,11 @@ def read_blocks(cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.
                 dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """The cache's `blocks` (any index shape) in `dtype`: [*blocks.shape, block_size, kv_heads,
     head_dim], dequantized where the cache is int8; gathered into the front of `out` where
-    given (1-D `blocks`, a cache in `dtype`)."""
+    given (1-D `blocks`, `out` in the cache's dtype)."""
     if scales is None:
         if out is None:
-            return cache[blocks]
-        return torch.index_select(cache, 0, blocks, out=out[:len(blocks)])
+            return cache[blocks].to(dtype)
+        return torch.index_select(cache, 0, blocks, out=out[:len(blocks)]).to(dtype)
     return dequantize_kv(cache[blocks], scales[blocks], dtype)
 
 
@@ -147,10 +149,10 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def write_slots(cache: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor,
                 slots: torch.Tensor) -> None:
-    """x [T, Hkv, D] into the cache's `slots`, quantized where the cache is int8."""
+    """x [T, Hkv, D] into the cache's `slots`, in its dtype (quantized where it is int8)."""
     num_kv_heads, head_dim = x.shape[1], x.shape[2]
     if scales is None:
-        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, x)
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, x.to(cache.dtype))
         return
     quantized, x_scales = quantize_kv(x)
     cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, quantized)
@@ -223,7 +225,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     and block table cover, the last `window` positions of a sliding-window layer); its blocks
     gathered into `gather_buffers` where given."""
     if chunk.mask is None and k_scales is None:  # the context is this chunk, as stored
-        keys, values = k, v
+        keys, values = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
     else:
         num_keys = chunk.context_len - chunk.key_start
         key_buffer, value_buffer = gather_buffers or (None, None)

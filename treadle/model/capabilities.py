@@ -128,15 +128,23 @@ def torch_dtype(name: str, device: str = "cpu") -> torch.dtype:
 
 def resolve_kv_cache_dtype(requested: str, model_dtype: str, device: str) -> str:
     """`--kv-cache-dtype` on a resolved `device`, for a model served in the resolved
-    `model_dtype` -> the KV cache's storage: auto is the model's dtype. UnsupportedSetting for
-    int8 on CUDA: the Triton decode kernel reads keys in the model's dtype only."""
+    `model_dtype` -> the KV cache's storage: float32, bfloat16 or int8. Auto is the model's
+    dtype, but bfloat16 for a float32 model on the CPU: half the cache's bytes (llama.cpp keeps
+    an f16 cache under float32 compute), and decode attention reads half as much.
+    UnsupportedSetting for a storage other than the model's dtype on CUDA (the Triton decode
+    kernel reads keys in the model's dtype only) and for float32 under a bfloat16 model."""
     if requested not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {requested!r}")
     if requested == "auto":
-        return model_dtype
+        return "bfloat16" if device == "cpu" else model_dtype
+    if requested == model_dtype:
+        return requested
     if device != "cpu":
         raise UnsupportedSetting("kv_cache_dtype", f"--kv-cache-dtype {requested} is served on "
                                  f"the CPU only, not on {device}; use --kv-cache-dtype auto")
+    if requested == "float32":
+        raise UnsupportedSetting("kv_cache_dtype", "--kv-cache-dtype float32 stores a float32 "
+                                 f"model's keys; this model is served in {model_dtype}")
     return requested
 
 

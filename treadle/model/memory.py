@@ -54,12 +54,16 @@ def available_memory() -> int:
 KV_SCALE_BYTES = 4  # an int8 KV cache's float32 scale per token slot and KV head, K and V each
 
 
+KV_ITEMSIZES = {"float32": 4, "bfloat16": 2, "int8": 1}
+
+
 def kv_bytes_per_token(spec: ModelSpec, itemsize: int, kv_cache_dtype: str) -> int:
     """Keys and values of one token over all layers (sliding-window layers keep every block):
-    each KV head's vector in `itemsize`-byte elements, or for an `int8` cache in bytes plus
-    its scale."""
-    per_head = (spec.head_dim + KV_SCALE_BYTES if kv_cache_dtype == "int8"
-                else spec.head_dim * itemsize)
+    each KV head's vector in the cache's elements (`itemsize` bytes, the model's, for a
+    `kv_cache_dtype` of auto), an int8 cache's with its scale."""
+    per_head = spec.head_dim * KV_ITEMSIZES.get(kv_cache_dtype, itemsize)
+    if kv_cache_dtype == "int8":
+        per_head += KV_SCALE_BYTES
     return 2 * spec.num_layers * spec.num_kv_heads * per_head
 
 

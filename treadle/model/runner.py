@@ -105,16 +105,16 @@ class ModelRunner:
         self.gather_buffers = None
         if self.device.type == "cpu" and self.kv_cache.dtype != torch.int8:
             shape = (-(-self.max_model_len // self.block_size), *self.kv_cache.keys[0].shape[1:])
-            self.gather_buffers = (torch.empty(shape, dtype=self.dtype),
-                                   torch.empty(shape, dtype=self.dtype))
+            self.gather_buffers = (torch.empty(shape, dtype=self.kv_cache.dtype),
+                                   torch.empty(shape, dtype=self.kv_cache.dtype))
         # Only over the Triton kernel (`capture`): the torch path would gather every row's
         # blocks to the static tables' full width, max_model_len, at every step.
         self.decode_graphs = (capture_decode_graphs(self, scheduler_config.max_num_seqs)
                               if capture else None)
 
     def kv_storage_dtype(self) -> torch.dtype:
-        """The KV cache tensors' dtype: int8 (scaled), else the model's."""
-        return torch.int8 if self.kv_cache_dtype == "int8" else self.dtype
+        """The KV cache tensors' dtype: int8 (scaled), bfloat16 or float32."""
+        return getattr(torch, self.kv_cache_dtype)
 
     @classmethod
     def from_config(cls, model_config: ModelConfig, cache_config: CacheConfig) -> ModelRunner:

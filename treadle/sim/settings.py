@@ -19,9 +19,10 @@ from treadle.config import (
 )
 
 # SmolLM2-135M's KV bytes per token slot: layers x (K, V) x KV heads x one head's vector, in
-# bfloat16 or, for an int8 cache, a byte an element plus a float32 scale (model/memory.py's
-# kv_bytes_per_token, which needs torch).
-DEFAULT_KV_BYTES_PER_TOKEN = {"auto": 30 * 2 * 3 * 64 * 2, "int8": 30 * 2 * 3 * (64 + 4)}
+# bfloat16 (auto on the CPU), float32 or, for an int8 cache, a byte an element plus a float32
+# scale (model/memory.py's kv_bytes_per_token, which needs torch).
+DEFAULT_KV_BYTES_PER_TOKEN = {"auto": 30 * 2 * 3 * 64 * 2, "bfloat16": 30 * 2 * 3 * 64 * 2,
+                              "float32": 30 * 2 * 3 * 64 * 4, "int8": 30 * 2 * 3 * (64 + 4)}
 # The engine's max_model_len None reads the model's own; the sim's model is the profile's, by
 # default SmolLM2-135M, whose context this is.
 DEFAULT_MAX_MODEL_LEN = 8192

@@ -51,6 +51,17 @@ void write_slots(const at::Tensor& cache, const char* src, int64_t src_stride,
   }
 }
 
+// The same float32 rows into a bfloat16 cache, rounded to nearest even as torch's conversion.
+void write_slots_bf16(const at::Tensor& cache, const float* src, int64_t src_stride,
+                      const int64_t* slots, int64_t tokens, int64_t width) {
+  const int64_t num_slots = cache.size(0) * cache.size(1);
+  at::BFloat16* dst = cache.data_ptr<at::BFloat16>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " out of range");
+    for (int64_t i = 0; i < width; ++i) dst[slots[t] * width + i] = src[t * src_stride + i];
+  }
+}
+
 // The same rows into an int8 cache: each head's vector over its absmax / 127, rounded half to
 // even, and its scale beside it; attention.py's quantize_kv in the same float32 operations, so
 // the same bytes.
@@ -82,11 +93,19 @@ void write_slots_int8(const at::Tensor& cache, const at::Tensor& scales, const T
 }
 
 // Rows [tokens, kv_heads * dim] at `src` (rows `src_stride` elements apart) into the cache's
-// slots, quantized where the cache is int8 (`scales` given).
+// slots, in its dtype: the rows' own, bfloat16 under float32 rows, or int8 (`scales` given).
 void write_kv(const at::Tensor& cache, const at::Tensor* scales, const at::Tensor& rows,
               const char* src, int64_t src_stride, const int64_t* slots, int64_t tokens,
               int64_t kv_heads, int64_t dim) {
-  if (scales == nullptr) return write_slots(cache, src, src_stride, slots, tokens, kv_heads * dim);
+  if (scales == nullptr && cache.scalar_type() == rows.scalar_type()) {
+    return write_slots(cache, src, src_stride, slots, tokens, kv_heads * dim);
+  }
+  if (scales == nullptr) {
+    TORCH_CHECK(cache.scalar_type() == at::kBFloat16 && rows.scalar_type() == at::kFloat,
+                "a cache in the rows' dtype, or bfloat16 under float32 rows");
+    return write_slots_bf16(cache, reinterpret_cast<const float*>(src), src_stride, slots,
+                            tokens, kv_heads * dim);
+  }
   TORCH_CHECK(rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16,
               "an int8 cache's rows: float32 or bfloat16");
   if (rows.scalar_type() == at::kBFloat16) {
@@ -144,7 +163,9 @@ at::Tensor LlamaDecoder::forward(at::Tensor hidden, at::Tensor cos, at::Tensor s
     const at::Tensor* k_scale = int8_cache ? &k_scales[i] : nullptr;
     const at::Tensor* v_scale = int8_cache ? &v_scales[i] : nullptr;
     TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                k_cache.scalar_type() == (int8_cache ? at::kChar : hidden.scalar_type()) &&
+                (int8_cache ? k_cache.scalar_type() == at::kChar
+                            : k_cache.scalar_type() == hidden.scalar_type() ||
+                                  k_cache.scalar_type() == at::kBFloat16) &&
                 (!int8_cache || (k_scale->is_contiguous() && v_scale->is_contiguous() &&
                                  k_scale->scalar_type() == at::kFloat &&
                                  v_scale->scalar_type() == at::kFloat &&

@@ -382,8 +382,9 @@ void all_heads_bf16(const void* in, const at::BFloat16* rows, int64_t row, int64
 }
 #endif
 
-// T: the queries' and output's type; C: the cache's (T, or int8_t with `k_scale_ptr`,
-// `v_scale_ptr` [blocks, block_size, kv_heads]; else those are null and unread).
+// T: the queries' and output's type; C: the cache's (T, bfloat16 under float queries, or int8_t
+// with `k_scale_ptr`, `v_scale_ptr` [blocks, block_size, kv_heads]; else those are null and
+// unread).
 template <typename T, typename C>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
                    const at::Tensor& v_cache, const float* k_scale_ptr,
@@ -407,7 +408,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
   const bool vector_heads = head_dim % 8 == 0;  // every head a whole number of vectors
 #endif
 #if defined(__AVX512F__)
-  const bool bf16_dot = std::is_same_v<C, at::BFloat16> && head_dim % 16 == 0 && has_bf16_dot();
+  const bool bf16_dot = std::is_same_v<T, at::BFloat16> && std::is_same_v<C, at::BFloat16> &&
+                        head_dim % 16 == 0 && has_bf16_dot();
 #endif
 
   // Tasks of at most PART positions of one sequence, all its heads: a lone long sequence (one
@@ -989,8 +991,8 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
 #endif
 }  // namespace
 
-// q [seqs, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim] in q's dtype, or
-// int8 with k_scales, v_scales [blocks, block_size, kv_heads] float32; block_tables
+// q [seqs, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim] in q's dtype or
+// bfloat16, or int8 with k_scales, v_scales [blocks, block_size, kv_heads] float32; block_tables
 // [seqs, max_blocks] int64; context_lens [seqs] int64 (each >= 1); window: attend to the last
 // `window` positions only (0: all). Returns [seqs, heads, head_dim].
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
@@ -1019,8 +1021,8 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
     k_scale_ptr = k_scales->data_ptr<float>();
     v_scale_ptr = v_scales->data_ptr<float>();
   } else {
-    TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "a cache in q's dtype, or int8 with "
-                "scales");
+    TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() || k_cache.scalar_type() == at::kBFloat16,
+                "a cache in q's dtype or bfloat16, or int8 with scales");
   }
   q = q.contiguous();
   block_tables = block_tables.contiguous();
@@ -1036,6 +1038,9 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   } else if (bf16) {
     decode_kernel<at::BFloat16, at::BFloat16>(q, k_cache, v_cache, nullptr, nullptr,
                                               block_tables, context_lens, scale, window, out);
+  } else if (k_cache.scalar_type() == at::kBFloat16) {
+    decode_kernel<float, at::BFloat16>(q, k_cache, v_cache, nullptr, nullptr, block_tables,
+                                       context_lens, scale, window, out);
   } else {
     decode_kernel<float, float>(q, k_cache, v_cache, nullptr, nullptr, block_tables,
                                 context_lens, scale, window, out);

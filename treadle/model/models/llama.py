@@ -165,7 +165,7 @@ class LlamaModel(DecoderModel):
         rope = self.rotary.at(positions)
         hidden = embed_tokens(self.embed, input_ids, self.dtype)
         int8 = kv_cache.dtype == torch.int8
-        if (int8 or kv_cache.dtype == hidden.dtype) and self.fused_decode(meta, hidden):
+        if self.fused_decode(meta, hidden):
             return self.native_decoder.forward(
                 hidden, *rope, kv_cache.keys, kv_cache.values,
                 kv_cache.key_scales if int8 else [], kv_cache.value_scales if int8 else [],
