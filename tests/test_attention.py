@@ -209,12 +209,18 @@ def naive_prefill(q, keys, values, scale, window=None):
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# queries' and keys' dtypes: the model's, or bfloat16 keys (a cache's) under float32 queries
+QUERY_AND_KEY_DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                        (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("dtype, kv_dtype", QUERY_AND_KEY_DTYPES)
 @pytest.mark.parametrize("heads, num_kv_heads", [(9, 3), (8, 2), (4, 4)])
 @pytest.mark.parametrize("head_dim", [16, 40])
 @pytest.mark.parametrize("num_keys, window", [(13, None), (30, None), (30, 5), (100, None),
                                               (100, 20)])
-def test_prefill_attention_matches_naive(dtype, heads, num_kv_heads, head_dim, num_keys, window):
+def test_prefill_attention_matches_naive(dtype, kv_dtype, heads, num_kv_heads, head_dim,
+                                         num_keys, window):
     """The native prefill kernel: a chunk of 13 queries over its own keys (13) or over a
     context before it (30, 100: more key blocks than a tile's rows), causal, with and without a
     sliding window; 13 queries of 1-4 heads a KV head fill tiles of 12 rows and part of one."""
@@ -223,8 +229,8 @@ def test_prefill_attention_matches_naive(dtype, heads, num_kv_heads, head_dim, n
         pytest.skip("native prefill attention unavailable")
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(13, heads, head_dim, generator=gen).to(dtype)
-    keys = torch.randn(num_keys, num_kv_heads, head_dim, generator=gen).to(dtype)
-    values = torch.randn(num_keys, num_kv_heads, head_dim, generator=gen).to(dtype)
+    keys = torch.randn(num_keys, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
+    values = torch.randn(num_keys, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
     out = native(q, keys, values, 0.25, window or 0)
     assert out.shape == q.shape and out.dtype == dtype
     expected = naive_prefill(q, keys, values, 0.25, window)
@@ -232,12 +238,14 @@ def test_prefill_attention_matches_naive(dtype, heads, num_kv_heads, head_dim, n
     assert (out.double() - expected).abs().max().item() < tolerance
 
 
-@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 40),
-                                             (torch.bfloat16, 8), (torch.float32, 64)])
+@pytest.mark.parametrize("dtype, kv_dtype, head_dim", [
+    (torch.bfloat16, torch.bfloat16, 64), (torch.bfloat16, torch.bfloat16, 40),
+    (torch.bfloat16, torch.bfloat16, 8), (torch.float32, torch.float32, 64),
+    (torch.float32, torch.bfloat16, 64)])
 @pytest.mark.parametrize("length, start", [(40, 25), (133, 57)])
 @pytest.mark.parametrize("window", [None, 7, 33])
-def test_prefill_chunks_agree_with_the_whole_prompt_to_the_bit(dtype, head_dim, length, start,
-                                                                window):
+def test_prefill_chunks_agree_with_the_whole_prompt_to_the_bit(dtype, kv_dtype, head_dim, length,
+                                                                start, window):
     """A prompt's last rows computed as a later chunk (over the keys before it) equal the same
     rows of the whole prompt: each row's sums run over its own keys in order, whatever rows
     share its tile (chunks starting off a tile's and a key block's edge); with a window, also
@@ -248,8 +256,8 @@ def test_prefill_chunks_agree_with_the_whole_prompt_to_the_bit(dtype, head_dim, 
         pytest.skip("native prefill attention unavailable")
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(length, 9, head_dim, generator=gen).to(dtype)
-    keys = torch.randn(length, 3, head_dim, generator=gen).to(dtype)
-    values = torch.randn(length, 3, head_dim, generator=gen).to(dtype)
+    keys = torch.randn(length, 3, head_dim, generator=gen).to(kv_dtype)
+    values = torch.randn(length, 3, head_dim, generator=gen).to(kv_dtype)
     whole = native(q, keys, values, 0.5, window or 0)
     later = native(q[start:], keys, values, 0.5, window or 0)
     assert torch.equal(later, whole[start:])
@@ -260,13 +268,14 @@ def test_prefill_chunks_agree_with_the_whole_prompt_to_the_bit(dtype, head_dim, 
         assert torch.equal(later, whole[start:])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, kv_dtype", QUERY_AND_KEY_DTYPES)
 @pytest.mark.parametrize("start, window", [(0, None), (20, None), (20, 6), (0, 6)])
-def test_prefill_chunks_through_the_cache_match_the_sdpa_path(dtype, start, window,
+def test_prefill_chunks_through_the_cache_match_the_sdpa_path(dtype, kv_dtype, start, window,
                                                               monkeypatch):
     """`prefill_attention`'s native path against its SDPA path on chunks as the runner builds
     them (ModelRunner.prefill_chunk): a fresh prompt (no mask), a later chunk over cached keys,
-    a window whose first block lies past position 0, a fresh prompt longer than its window."""
+    a window whose first block lies past position 0, a fresh prompt longer than its window; a
+    bfloat16 cache under float32 queries (a fresh prompt's own keys take its rounding)."""
     if kernels.native_prefill_attention() is None:
         pytest.skip("native prefill attention unavailable")
     gen = torch.Generator().manual_seed(6)
@@ -276,10 +285,10 @@ def test_prefill_chunks_through_the_cache_match_the_sdpa_path(dtype, start, wind
     k_all = torch.randn(context_len, num_kv_heads, head_dim, generator=gen).to(dtype)
     v_all = torch.randn(context_len, num_kv_heads, head_dim, generator=gen).to(dtype)
     padding = num_blocks * block_size - context_len  # block b holds positions 4b .. 4b + 3
-    k_cache = torch.cat([k_all, k_all[:padding] * 0]).view(num_blocks, block_size,
-                                                          num_kv_heads, head_dim)
-    v_cache = torch.cat([v_all, v_all[:padding] * 0]).view(num_blocks, block_size,
-                                                          num_kv_heads, head_dim)
+    k_cache = torch.cat([k_all, k_all[:padding] * 0]).to(kv_dtype).view(
+        num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache = torch.cat([v_all, v_all[:padding] * 0]).to(kv_dtype).view(
+        num_blocks, block_size, num_kv_heads, head_dim)
     q = torch.randn(n, heads, head_dim, generator=gen).to(dtype)
     first_block = 0 if window is None else max(0, start - window + 1) // block_size
     key_start = first_block * block_size
@@ -299,3 +308,6 @@ def test_prefill_chunks_through_the_cache_match_the_sdpa_path(dtype, start, wind
     reference = attention.prefill_attention(*args, window=window)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert (native.double() - reference.double()).abs().max().item() < tolerance
+    if start == 0:  # the chunk's own keys as the cache holds them
+        expected = naive_prefill(q, k_all.to(kv_dtype), v_all.to(kv_dtype), 0.25, window)
+        assert (native.double() - expected).abs().max().item() < tolerance

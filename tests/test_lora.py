@@ -178,8 +178,8 @@ def test_a_cold_adapter_loads_off_the_step(tiny_lora, tiny_lora_llm_folder):
     from treadle.llm import LLM
 
     _, base, adapters = tiny_lora
-    llm = LLM(str(tiny_lora_llm_folder), dtype="float32", enable_lora=True,
-              kv_cache_memory_bytes=16 << 20)
+    llm = LLM(str(tiny_lora_llm_folder), dtype="float32", kv_cache_dtype="float32",
+              enable_lora=True, kv_cache_memory_bytes=16 << 20)
     engine = llm.engine
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompt = [5, 6, 7, 8]
@@ -463,8 +463,8 @@ def test_llm_generate_mixed_adapters_matches_peft(tiny_lora, tiny_lora_llm_folde
     from treadle.llm import LLM
 
     _, base, adapters = tiny_lora
-    llm = LLM(str(tiny_lora_llm_folder), dtype="float32", enable_lora=True,
-              max_loras=max_loras, kv_cache_memory_bytes=16 << 20)
+    llm = LLM(str(tiny_lora_llm_folder), dtype="float32", kv_cache_dtype="float32",
+              enable_lora=True, max_loras=max_loras, kv_cache_memory_bytes=16 << 20)
     a = LoRARequest("a", 1, str(adapters["a"][0]))
     b = LoRARequest("b", 2, str(adapters["b"][0]))
     gen = torch.Generator().manual_seed(5)

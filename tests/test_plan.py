@@ -118,7 +118,7 @@ def test_runner_refuses_a_cache_that_does_not_fit(tiny_folder):
     blocks = 2 * available_memory() // (16 * bytes_per_token)
     with pytest.raises(InsufficientMemoryError, match="--num-blocks"):
         ModelRunner(loaded, ModelConfig(str(tiny_folder), dtype="float32"),
-                    CacheConfig(num_blocks=blocks))
+                    CacheConfig(num_blocks=blocks, kv_cache_dtype="float32"))
 
 
 def run_plan(*args: str) -> dict:

@@ -201,7 +201,8 @@ def test_the_default_kv_cache_holds_the_blocks_the_engines_memory_model_counts(k
     from treadle.model.memory import kv_bytes_per_token
     from treadle.model.source import resolve_model
 
-    per_token = kv_bytes_per_token(read_spec(resolve_model(None).folder), 2, kv_cache_dtype)
+    per_token = kv_bytes_per_token(read_spec(resolve_model(None).folder),
+                                   "bfloat16" if kv_cache_dtype == "auto" else kv_cache_dtype)
     settings = SimSettings(kv_cache_memory=2.0, kv_cache_dtype=kv_cache_dtype,
                            block_size=block_size)
     assert settings.engine.cache.num_blocks == (2 << 30) // (block_size * per_token)

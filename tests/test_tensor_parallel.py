@@ -100,7 +100,8 @@ def test_tp2_logits_match_transformers(case, tmp_path):
 def test_tp2_greedy_equals_tp1_through_llm_and_leaves_no_process(tiny_folder):
     prompts = [[1, 450, 4996, 17354], list(range(100, 137)), [1, 22]]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    settings = {"dtype": "float32", "engine_threads": 2, "block_size": 4, "num_blocks": 128}
+    settings = {"dtype": "float32", "kv_cache_dtype": "float32", "engine_threads": 2,
+                "block_size": 4, "num_blocks": 128}
     single = [o.outputs[0].token_ids for o in
               LLM(str(tiny_folder), **settings).generate(prompts, params, use_tqdm=False)]
     llm = LLM(str(tiny_folder), tensor_parallel_size=2, **settings)
@@ -154,8 +155,8 @@ def test_default_model_tp2_greedy_equals_tp1():
     prompts = ["What is the capital of France?", "def fibonacci(n):",
                "Once upon a time, in a village at the edge of a forest,"]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    settings = {"dtype": "float32", "engine_threads": 2, "num_blocks": 64,
-                "quant_gemv_max_rows": 0}
+    settings = {"dtype": "float32", "kv_cache_dtype": "float32", "engine_threads": 2,
+                "num_blocks": 64, "quant_gemv_max_rows": 0}
     single = [o.outputs[0].token_ids for o in
               LLM(None, **settings).generate(prompts, params, use_tqdm=False)]
     llm = LLM(None, tensor_parallel_size=2, **settings)

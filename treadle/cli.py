@@ -178,8 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     fwd.add_argument("--thread-counts", type=int_list, default=[1, 2])
     fwd.add_argument("--context-len", type=int, default=128)
     fwd.add_argument("--kv-cache-dtype", type=choice_list(KV_CACHE_DTYPES), default=["auto"],
-                     help="comma-separated, each measured in turn: auto (the model's dtype), "
-                          "int8")
+                     help="comma-separated, each measured in turn: auto (the model's dtype, "
+                          "bfloat16 under a float32 model), bfloat16, float32, int8")
     fwd.add_argument("--json", action="store_true", help="print the report as JSON")
 
     off = bench.add_parser("offline", help="LLM.generate against Hugging Face generate")

@@ -40,8 +40,9 @@ LOAD_FORMATS = ("auto", "dummy")
 # How /v1/embeddings pools a prompt's final hidden states (treadle/model/pooling.py): the last
 # token's, vLLM's default for decoder LLMs, or the mean of all.
 POOLING_TYPES = ("last", "mean")
-# The KV cache's storage (vLLM's flag): auto, the model's dtype; int8, keys and values in 8 bits
-# with a float32 scale per token slot and KV head (treadle/model/attention.py), half the bytes.
+# The KV cache's storage (vLLM's flag): auto, the model's dtype but bfloat16 under a float32
+# model on the CPU (model/capabilities.py resolve_kv_cache_dtype); bfloat16; float32; int8, keys
+# and values in 8 bits with a float32 scale per token slot and KV head (model/attention.py).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 

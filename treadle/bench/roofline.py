@@ -84,8 +84,7 @@ class DecodeCost:
 
         moes = model.expert_layers()
         return cls(parameters=model.num_parameters(), weight_bytes=model.weight_bytes(),
-                   kv_bytes_per_token=kv_bytes_per_token(model.spec, model.dtype.itemsize,
-                                                         kv_cache_dtype),
+                   kv_bytes_per_token=kv_bytes_per_token(model.spec, kv_cache_dtype),
                    expert_parameters=sum(m.expert_numel for m in moes),
                    expert_bytes=sum(m.expert_bytes for m in moes),
                    expert_share=moes[0].top_k / len(moes[0].experts) if moes else 0.0)

@@ -164,7 +164,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     k_scales: torch.Tensor | None = None,
                     v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] for the batch's new tokens; returns [T, H, D]. `k_scales`,
-    `v_scales`: an int8 cache's scales (KVCache), None for a cache in the model's dtype."""
+    `v_scales`: an int8 cache's scales (KVCache), None for a float cache."""
     write_slots(k_cache, k_scales, k, meta.slot_mapping)
     write_slots(v_cache, v_scales, v, meta.slot_mapping)
 
@@ -224,17 +224,19 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     """One sequence's chunk: causal inside it, over the context before it (the part its mask
     and block table cover, the last `window` positions of a sliding-window layer); its blocks
     gathered into `gather_buffers` where given."""
+    native = (native_prefill_attention() if q.is_cpu and q.shape[-1] % 8 == 0
+              and q.dtype in (torch.float32, torch.bfloat16) else None)
+    # The native kernel widens a bfloat16 cache's keys itself; the other paths take q's dtype.
+    key_dtype = k_cache.dtype if native is not None and k_scales is None else q.dtype
     if chunk.mask is None and k_scales is None:  # the context is this chunk, as stored
-        keys, values = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
+        keys, values = k.to(k_cache.dtype).to(key_dtype), v.to(v_cache.dtype).to(key_dtype)
     else:
         num_keys = chunk.context_len - chunk.key_start
         key_buffer, value_buffer = gather_buffers or (None, None)
-        keys = read_blocks(k_cache, k_scales, chunk.block_table, q.dtype,
+        keys = read_blocks(k_cache, k_scales, chunk.block_table, key_dtype,
                            key_buffer).flatten(0, 1)[:num_keys]
-        values = read_blocks(v_cache, v_scales, chunk.block_table, q.dtype,
+        values = read_blocks(v_cache, v_scales, chunk.block_table, key_dtype,
                              value_buffer).flatten(0, 1)[:num_keys]
-    native = (native_prefill_attention() if q.is_cpu and q.shape[-1] % 8 == 0
-              and q.dtype in (torch.float32, torch.bfloat16) else None)
     if native is not None:  # each row summed over its own keys in order: chunks equal the whole
         return native(q, keys, values, scale, window or 0)
     # [batch, heads, tokens, dim]: SDPA's fused kernels (CPU and CUDA) take only that; 3-D

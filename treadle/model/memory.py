@@ -57,11 +57,11 @@ KV_SCALE_BYTES = 4  # an int8 KV cache's float32 scale per token slot and KV hea
 KV_ITEMSIZES = {"float32": 4, "bfloat16": 2, "int8": 1}
 
 
-def kv_bytes_per_token(spec: ModelSpec, itemsize: int, kv_cache_dtype: str) -> int:
+def kv_bytes_per_token(spec: ModelSpec, kv_cache_dtype: str) -> int:
     """Keys and values of one token over all layers (sliding-window layers keep every block):
-    each KV head's vector in the cache's elements (`itemsize` bytes, the model's, for a
-    `kv_cache_dtype` of auto), an int8 cache's with its scale."""
-    per_head = spec.head_dim * KV_ITEMSIZES.get(kv_cache_dtype, itemsize)
+    each KV head's vector in the cache's storage as resolved (resolve_kv_cache_dtype: float32,
+    bfloat16 or int8), an int8 cache's with its scale."""
+    per_head = spec.head_dim * KV_ITEMSIZES[kv_cache_dtype]
     if kv_cache_dtype == "int8":
         per_head += KV_SCALE_BYTES
     return 2 * spec.num_layers * spec.num_kv_heads * per_head
@@ -281,7 +281,7 @@ def plan(config: EngineConfig, concurrency: int | None = None) -> dict:
     block_size = config.cache.block_size
     blocks_per_request = math.ceil(context / block_size)
     kv = KVCacheSize(block_size, concurrency * blocks_per_request,
-                     kv_bytes_per_token(spec, itemsize, kv_dtype), context, kv_dtype)
+                     kv_bytes_per_token(spec, kv_dtype), context, kv_dtype)
     request_bytes = blocks_per_request * block_size * kv.bytes_per_token
     available = available_memory()
     total = weights.bytes + activations + kv.bytes

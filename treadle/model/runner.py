@@ -82,7 +82,7 @@ class ModelRunner:
         native_decode = paged_decode_attention(device) is not None
         # Sized after the model is built: what is available then excludes the weights, their
         # dense copies and prepacked forms.
-        per_token = kv_bytes_per_token(spec, self.dtype.itemsize, self.kv_cache_dtype)
+        per_token = kv_bytes_per_token(spec, self.kv_cache_dtype)
         activations = activation_bytes(spec, self.dtype.itemsize, scheduler_config,
                                        self.max_model_len, native_decode)
         capture = device == "cuda" and native_decode and not model_config.enforce_eager

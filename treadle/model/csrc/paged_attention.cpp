@@ -880,19 +880,20 @@ void with_rows(int rows, std::integer_sequence<int, MR...>, F&& f) {
 // A chunk's queries q [T, H, D] over keys, values [N, Hkv, D] (query i at key N - T + i): keys
 // rearranged once into blocks (8 keys as float32 vectors, or 16 as bfloat16 pairs), then tiles
 // of TILE_ROWS (query, head) rows of one KV head, each scoring every key block in one pass of
-// its rows, then summing the values (float32, or bfloat16 pairs).
-template <typename T>
+// its rows, then summing the values (float32, or bfloat16 pairs). T: the queries' and output's
+// type; C: the keys' and values' (T, or bfloat16 under float32 queries, widened as read).
+template <typename T, typename C>
 void prefill_kernel(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                     double scale, int64_t window, at::Tensor& out) {
   const int64_t num_queries = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_keys = keys.size(0), num_kv_heads = keys.size(1);
   const int64_t group = num_heads / num_kv_heads, row = num_kv_heads * head_dim;
   const T* q_ptr = q.data_ptr<T>();
-  const T* v_ptr = values.data_ptr<T>();
+  const C* v_ptr = values.data_ptr<C>();
   T* out_ptr = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
 #if defined(__AVX512F__)
-  constexpr bool kBF16 = std::is_same_v<T, at::BFloat16>;
+  constexpr bool kBF16 = std::is_same_v<T, at::BFloat16> && std::is_same_v<C, at::BFloat16>;
   const bool pairs = kBF16 && has_bf16_dot();
 #else
   constexpr bool pairs = false;
@@ -924,7 +925,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
     }
   }
 #endif
-  if (!pairs) transpose_keys(keys.data_ptr<T>(), num_keys, num_kv_heads, head_dim, kt);
+  if (!pairs) transpose_keys(keys.data_ptr<C>(), num_keys, num_kv_heads, head_dim, kt);
 
   const int64_t num_rows = num_queries * group;
   const int64_t num_tiles = (num_rows + TILE_ROWS - 1) / TILE_ROWS;
@@ -976,7 +977,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
         }
 #endif
         if (!value_pairs) {
-          value_tile<MR, T>(first, last, v_ptr + kv * head_dim, row, head_dim, lo, hi,
+          value_tile<MR, C>(first, last, v_ptr + kv * head_dim, row, head_dim, lo, hi,
                             scores.data(), span, tile_out.data());
         }
       });
@@ -1057,7 +1058,7 @@ bool prefill_attention_available() {
 }
 
 // q [T, heads, head_dim], keys and values [N, kv_heads, head_dim] (N >= T) in q's dtype, float32
-// or bfloat16, head_dim a multiple of 8: query i sits at key N - T + i and attends to the keys
+// or bfloat16 (or bfloat16 under float32 q), head_dim a multiple of 8: query i sits at key N - T + i and attends to the keys
 // up to its own, the last `window` of them where window > 0. Returns [T, heads, head_dim].
 at::Tensor prefill_attention(at::Tensor q, at::Tensor keys, at::Tensor values, double scale,
                              int64_t window) {
@@ -1065,18 +1066,21 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor keys, at::Tensor values, d
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes());
   TORCH_CHECK(q.size(1) % keys.size(1) == 0 && q.size(2) == keys.size(2) &&
               q.size(2) % 8 == 0 && keys.size(0) >= q.size(0));
-  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && q.scalar_type() == values.scalar_type() &&
-              (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat),
-              "float32 or bfloat16, all in q's dtype");
+  TORCH_CHECK((q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat) &&
+              values.scalar_type() == keys.scalar_type() &&
+              (keys.scalar_type() == q.scalar_type() || keys.scalar_type() == at::kBFloat16),
+              "float32 or bfloat16 q, keys and values in its dtype or bfloat16");
   q = q.contiguous();
   keys = keys.contiguous();
   values = values.contiguous();
   auto out = at::empty_like(q);
 #if defined(__AVX2__)
   if (q.scalar_type() == at::kBFloat16) {
-    prefill_kernel<at::BFloat16>(q, keys, values, scale, window, out);
+    prefill_kernel<at::BFloat16, at::BFloat16>(q, keys, values, scale, window, out);
+  } else if (keys.scalar_type() == at::kBFloat16) {
+    prefill_kernel<float, at::BFloat16>(q, keys, values, scale, window, out);
   } else {
-    prefill_kernel<float>(q, keys, values, scale, window, out);
+    prefill_kernel<float, float>(q, keys, values, scale, window, out);
   }
 #endif
   return out;
