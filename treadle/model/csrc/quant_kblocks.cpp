@@ -48,9 +48,22 @@ inline __m256i dot_scaled(__m256i acc, __m256i q, __m256i a, __m256i scale) {
 struct Prepared {
   const uint8_t* blk;
   __m256i m16;
+  __m256i s16;  // Q4_K/Q5_K: the 8 scales as 16 bits, in both lanes (a shuffle picks one)
   float d, dm;
   alignas(16) uint8_t sm[16];  // Q4_K/Q5_K: scales, mins
 };
+
+// The 8 scales of a Q4_K/Q5_K super-block as 16-bit words in both 128-bit lanes.
+inline __m256i k4_scales16(const uint8_t* sm) {
+  return _mm256_broadcastsi128_si256(
+      _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm))));
+}
+
+// Scale j in every 16-bit lane: one shuffle, where a broadcast from memory costs a load and a
+// shuffle (the one-row kernel's time is its instruction count: it scales with threads).
+inline __m256i k4_scale(const Prepared& p, int j) {
+  return _mm256_shuffle_epi8(p.s16, _mm256_set1_epi16(static_cast<int16_t>((2 * j + 1) << 8 | 2 * j)));
+}
 
 template <int64_t QTYPE> struct KBlock;
 
@@ -63,6 +76,7 @@ template <> struct KBlock<Q4_K> {
     k4_scales_mins(b->scales, out.sm);
     const __m128i mins = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(out.sm + 8));
     out.m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins));  // min_j for 16-groups 2j, 2j+1
+    out.s16 = k4_scales16(out.sm);
     out.d = half_to_float(b->d);
     out.dm = -half_to_float(b->dmin);
     return out;
@@ -73,7 +87,7 @@ template <> struct KBlock<Q4_K> {
     const __m256i low = _mm256_set1_epi8(0x0F);
     return j % 2 ? _mm256_and_si256(_mm256_srli_epi16(raw, 4), low) : _mm256_and_si256(raw, low);
   }
-  static __m256i scale(const Prepared& p, int j) { return _mm256_set1_epi16(p.sm[j]); }
+  static __m256i scale(const Prepared& p, int j) { return k4_scale(p, j); }
 };
 
 template <> struct KBlock<Q5_K> {
@@ -85,6 +99,7 @@ template <> struct KBlock<Q5_K> {
     k4_scales_mins(b->scales, out.sm);
     const __m128i mins = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(out.sm + 8));
     out.m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins));
+    out.s16 = k4_scales16(out.sm);
     out.d = half_to_float(b->d);
     out.dm = -half_to_float(b->dmin);
     return out;
@@ -100,7 +115,7 @@ template <> struct KBlock<Q5_K> {
                                          _mm256_set1_epi8(1));
     return _mm256_or_si256(q4, _mm256_slli_epi16(bit, 4));
   }
-  static __m256i scale(const Prepared& p, int j) { return _mm256_set1_epi16(p.sm[j]); }
+  static __m256i scale(const Prepared& p, int j) { return k4_scale(p, j); }
 };
 
 template <> struct KBlock<Q6_K> {
@@ -128,9 +143,15 @@ template <> struct KBlock<Q6_K> {
                                           _mm256_set1_epi8(3));
     return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
   }
+  // Scale 2 j in the low lane's words, 2 j + 1 in the high lane's: shuffles of m16 (the 16
+  // scales as words), not two broadcasts from memory.
   static __m256i scale(const Prepared& p, int j) {
-    const auto* b = reinterpret_cast<const Block*>(p.blk);
-    return _mm256_set_m128i(_mm_set1_epi16(b->scales[2 * j + 1]), _mm_set1_epi16(b->scales[2 * j]));
+    const __m256i half = j < 4 ? _mm256_permute2x128_si256(p.m16, p.m16, 0x00)
+                               : _mm256_permute2x128_si256(p.m16, p.m16, 0x11);
+    const int lo = 2 * (j % 4), hi = lo + 1;
+    return _mm256_shuffle_epi8(
+        half, _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>((2 * hi + 1) << 8 | 2 * hi)),
+                               _mm_set1_epi16(static_cast<int16_t>((2 * lo + 1) << 8 | 2 * lo))));
   }
 };
 
