@@ -1058,8 +1058,9 @@ bool prefill_attention_available() {
 }
 
 // q [T, heads, head_dim], keys and values [N, kv_heads, head_dim] (N >= T) in q's dtype, float32
-// or bfloat16 (or bfloat16 under float32 q), head_dim a multiple of 8: query i sits at key N - T + i and attends to the keys
-// up to its own, the last `window` of them where window > 0. Returns [T, heads, head_dim].
+// or bfloat16 (or bfloat16 under float32 q), head_dim a multiple of 8: query i sits at key
+// N - T + i and attends to the keys up to its own, the last `window` of them where window > 0.
+// Returns [T, heads, head_dim].
 at::Tensor prefill_attention(at::Tensor q, at::Tensor keys, at::Tensor values, double scale,
                              int64_t window) {
   TORCH_CHECK(prefill_attention_available(), "prefill attention needs AVX2");

@@ -59,10 +59,13 @@ inline __m256i k4_scales16(const uint8_t* sm) {
       _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm))));
 }
 
+// A vpshufb mask word that picks 16-bit word w of its 128-bit lane.
+constexpr int16_t word_picker(int w) { return static_cast<int16_t>((2 * w + 1) << 8 | 2 * w); }
+
 // Scale j in every 16-bit lane: one shuffle, where a broadcast from memory costs a load and a
-// shuffle (the one-row kernel's time is its instruction count: it scales with threads).
+// shuffle (the one-row kernels are bound by their instruction count).
 inline __m256i k4_scale(const Prepared& p, int j) {
-  return _mm256_shuffle_epi8(p.s16, _mm256_set1_epi16(static_cast<int16_t>((2 * j + 1) << 8 | 2 * j)));
+  return _mm256_shuffle_epi8(p.s16, _mm256_set1_epi16(word_picker(j)));
 }
 
 template <int64_t QTYPE> struct KBlock;
@@ -148,10 +151,9 @@ template <> struct KBlock<Q6_K> {
   static __m256i scale(const Prepared& p, int j) {
     const __m256i half = j < 4 ? _mm256_permute2x128_si256(p.m16, p.m16, 0x00)
                                : _mm256_permute2x128_si256(p.m16, p.m16, 0x11);
-    const int lo = 2 * (j % 4), hi = lo + 1;
-    return _mm256_shuffle_epi8(
-        half, _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>((2 * hi + 1) << 8 | 2 * hi)),
-                               _mm_set1_epi16(static_cast<int16_t>((2 * lo + 1) << 8 | 2 * lo))));
+    const int lo = 2 * (j % 4);
+    return _mm256_shuffle_epi8(half, _mm256_set_m128i(_mm_set1_epi16(word_picker(lo + 1)),
+                                                      _mm_set1_epi16(word_picker(lo))));
   }
 };
 
