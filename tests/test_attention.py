@@ -29,6 +29,19 @@ def naive_attention(q, k_cache, v_cache, tables, lens, scale, window=None):
     return out
 
 
+def in_cache_layout(*caches: torch.Tensor) -> list[torch.Tensor]:
+    """Each [blocks, ...] tensor as layer 1 of 3 in KVCache's CPU layout ([blocks, layers, 2,
+    ...]: blocks apart, every layer's block b together), beside blocks that hold NaN (int8:
+    127), so a read that strays shows."""
+    views = []
+    for cache in caches:
+        fill = float("nan") if cache.is_floating_point() else 127
+        blocks = torch.full((cache.shape[0], 3, 2, *cache.shape[1:]), fill, dtype=cache.dtype)
+        blocks[:, 1, 0] = cache
+        views.append(blocks[:, 1, 0])
+    return views
+
+
 @pytest.mark.parametrize("window", [None, 1, 3, 6, 40])
 # queries' and cache's dtypes: the model's, or a bfloat16 cache under a float32 model (the CPU's)
 @pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32),
@@ -53,6 +66,8 @@ def test_decode_attention_matches_naive(dtype, cache_dtype, path, head_dim, wind
     block_size, num_blocks, num_kv_heads, heads = 4, 64, 3, 9
     k_cache, v_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim,
                                     generator=gen).to(cache_dtype) for _ in range(2))
+    if path != "triton":  # CUDA keeps a tensor a layer
+        k_cache, v_cache = in_cache_layout(k_cache, v_cache)
     lens = torch.tensor([1, 4, 5, 17, 30])
     max_blocks = 8
     tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * max_blocks].view(-1, max_blocks)
@@ -168,10 +183,13 @@ def test_rows_over_one_sequence_s_blocks_keep_the_bits_they_get_alone(cache, win
                             for _ in range(2))
         k_scales, v_scales = (0.02 * torch.rand(shape[:3], generator=gen) for _ in range(2))
         k_float, v_float = k_cache * k_scales[..., None], v_cache * v_scales[..., None]
+        k_cache, v_cache, k_scales, v_scales = in_cache_layout(k_cache, v_cache, k_scales,
+                                                               v_scales)
     else:
         cache_dtype = torch.float32 if cache == "float32" else torch.bfloat16
         k_cache = k_float = torch.randn(shape, generator=gen).to(cache_dtype)
         v_cache = v_float = torch.randn(shape, generator=gen).to(cache_dtype)
+        k_cache, v_cache = in_cache_layout(k_cache, v_cache)
         k_scales = v_scales = None
     shared, other = torch.randperm(num_blocks, generator=gen).view(2, 20)
     lens = torch.tensor([40, 126, 127, 128, 129, 130, 60, 61])

@@ -50,7 +50,7 @@ def test_quantize_round_trip_is_within_half_a_step_of_numpy_scales():
 
 def test_paged_attention_writes_quantized_slots_and_their_scales():
     block_size, num_blocks, kv_heads, dim = 4, 6, 2, 8
-    cache = attention.KVCache(1, num_blocks, block_size, kv_heads, dim, torch.int8)
+    cache = attention.KVCache(2, num_blocks, block_size, kv_heads, dim, torch.int8)
     gen = torch.Generator().manual_seed(1)
     k = torch.randn(3, kv_heads, dim, generator=gen)
     v = torch.randn(3, kv_heads, dim, generator=gen)
@@ -59,16 +59,20 @@ def test_paged_attention_writes_quantized_slots_and_their_scales():
         slot_mapping=slots, decode_indices=None, decode_block_tables=torch.tensor(
             [[1, 0], [3, 0], [5, 0]]), decode_context_lens=torch.tensor([2, 2, 3]), prefills=[])
     q = torch.randn(3, 4, dim, generator=gen)
-    attention.paged_attention(q, k, v, cache.keys[0], cache.values[0], meta, 0.3,
-                              cache.key_scales[0], cache.value_scales[0])
-    for new, stored, scales in ((k, cache.keys[0], cache.key_scales[0]),
-                                (v, cache.values[0], cache.value_scales[0])):
+    attention.paged_attention(q, k, v, cache.keys[1], cache.values[1], meta, 0.3,
+                              cache.key_scales[1], cache.value_scales[1])
+    for new, stored, scales in ((k, cache.keys[1], cache.key_scales[1]),
+                                (v, cache.values[1], cache.value_scales[1])):
         expected_q, expected_scales = attention.quantize_kv(new)
-        assert torch.equal(stored.view(-1, kv_heads, dim)[slots], expected_q)
-        assert torch.equal(scales.view(-1, kv_heads)[slots], expected_scales)
-        untouched = torch.ones(stored.view(-1, kv_heads, dim).shape[0], dtype=torch.bool)
+        stored, scales = stored.flatten(0, 1), scales.flatten(0, 1)  # [slots, ...]
+        assert torch.equal(stored[slots], expected_q)
+        assert torch.equal(scales[slots], expected_scales)
+        untouched = torch.ones(stored.shape[0], dtype=torch.bool)
         untouched[slots] = False
-        assert not stored.view(-1, kv_heads, dim)[untouched].any()
+        assert not stored[untouched].any() and not scales[untouched].any()
+    # The other layer's blocks, which lie beside these, are untouched.
+    for other in (cache.keys[0], cache.values[0], cache.key_scales[0], cache.value_scales[0]):
+        assert not other.any()
 
 
 def random_int8_cache(gen: torch.Generator, num_blocks: int, block_size: int, kv_heads: int,

@@ -79,10 +79,10 @@ def test_available_memory_is_memavailable_or_less():
 # In a fresh process: after a full test run in one process, the same allocation came back
 # resident in three CI runs of four (127.9 of 128 MiB once, by mincore), which one process
 # running a few test files could not reproduce; the allocator's state, not lazy_zeros, varies.
-RESIDENCY_CHECK = """
+RESIDENT = """
 import ctypes, os, sys
 import torch
-from treadle.model.attention import lazy_zeros
+from treadle.model.attention import KVCache, lazy_zeros, write_slots
 
 def resident(t):
     page = os.sysconf("SC_PAGE_SIZE")
@@ -92,7 +92,8 @@ def resident(t):
     if ctypes.CDLL(None).mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), pages):
         raise OSError("mincore failed")
     return sum(p & 1 for p in pages) * page
-
+"""
+RESIDENCY_CHECK = RESIDENT + """
 dtype = getattr(torch, sys.argv[1])
 cache = lazy_zeros((4096, 16, 8, 64), dtype)  # 128 or 256 MiB
 untouched = resident(cache)
@@ -110,6 +111,25 @@ def test_lazy_zeros_are_zeros_and_not_resident(dtype):
     dtype_name, shape, untouched, zeros, written = done.stdout.split()
     assert dtype_name == f"torch.{dtype}" and shape == "4096x16x8x64"
     assert int(untouched) < 16 << 20 and zeros == "True" and written == "True"
+
+
+# The default model's cache shape, 60 layer tensors: one block written in each.
+KV_RESIDENCY_CHECK = RESIDENT + """
+cache = KVCache(30, 4096, 16, 3, 64, torch.bfloat16)
+slots = torch.arange(16)
+for layer in cache.keys + cache.values:
+    write_slots(layer, None, torch.ones(16, 3, 64), slots)
+storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in cache.keys + cache.values}
+print(sum(resident(torch.empty(0, dtype=torch.uint8).set_(s)) for s in storages.values()))
+"""
+
+
+def test_a_cache_commits_memory_for_the_blocks_written_not_per_layer():
+    """Where the OS grants 2 MB pages, one page a layer tensor would commit 240 MB here."""
+    done = run_forced(["-c", KV_RESIDENCY_CHECK], {}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    one_block = 30 * 2 * 16 * 3 * 64 * 2  # 720 KiB: every layer's keys and values
+    assert int(done.stdout) <= one_block + (4 << 20)
 
 
 def test_runner_refuses_a_cache_that_does_not_fit(tiny_folder):

@@ -75,7 +75,13 @@ class KVCache:
     """Preallocated key and value blocks for every layer: `num_blocks` for sequences, and one
     more (`pad_block`) that none owns, which the padding rows of a captured decode step write
     and read (treadle/model/cuda_graphs.py). `dtype` torch.int8: quantized blocks, with
-    `key_scales` and `value_scales` per layer; else None there."""
+    `key_scales` and `value_scales` per layer; else None there.
+
+    On the CPU every layer's keys and values of block b lie together in one mapping ([blocks,
+    layers, 2, block_size, kv_heads, head_dim]); a layer's keys are a view whose blocks lie that
+    record apart. The OS commits the mapping's pages as they are written, 2 MB at a time where
+    it grants huge pages: so the memory committed follows the blocks used, where one tensor a
+    layer would commit a page in each of them (60 for the default model) for the first token."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | None = None) -> None:
@@ -85,8 +91,8 @@ class KVCache:
         self.pad_block = num_blocks
         self.dtype = dtype
         if device is None or device.type == "cpu":
-            self.keys = [lazy_zeros(shape, dtype) for _ in range(num_layers)]
-            self.values = [lazy_zeros(shape, dtype) for _ in range(num_layers)]
+            self.keys, self.values = layer_views(lazy_zeros(
+                (shape[0], num_layers, 2, *shape[1:]), dtype))
         else:
             self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
             self.values = [torch.zeros(shape, dtype=dtype, device=device)
@@ -96,9 +102,14 @@ class KVCache:
         if dtype == torch.int8:
             if device is not None and device.type != "cpu":
                 raise ValueError("an int8 KV cache is served on the CPU only")
-            self.key_scales = [lazy_zeros(shape[:3], torch.float32) for _ in range(num_layers)]
-            self.value_scales = [lazy_zeros(shape[:3], torch.float32)
-                                 for _ in range(num_layers)]
+            self.key_scales, self.value_scales = layer_views(lazy_zeros(
+                (shape[0], num_layers, 2, *shape[1:3]), torch.float32))
+
+
+def layer_views(blocks: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """[blocks, layers, 2, ...] -> each layer's keys and values [blocks, ...]."""
+    layers = range(blocks.shape[1])
+    return [blocks[:, i, 0] for i in layers], [blocks[:, i, 1] for i in layers]
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,13 +161,15 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def write_slots(cache: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor,
                 slots: torch.Tensor) -> None:
     """x [T, Hkv, D] into the cache's `slots`, in its dtype (quantized where it is int8)."""
-    num_kv_heads, head_dim = x.shape[1], x.shape[2]
+    # Blocks may lie apart (KVCache's CPU layout): a slot is a block and an offset in it.
+    block_size = cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
     if scales is None:
-        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, x.to(cache.dtype))
+        cache[blocks, offsets] = x.to(cache.dtype)
         return
     quantized, x_scales = quantize_kv(x)
-    cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, quantized)
-    scales.view(-1, num_kv_heads).index_copy_(0, slots, x_scales)
+    cache[blocks, offsets] = quantized
+    scales[blocks, offsets] = x_scales
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

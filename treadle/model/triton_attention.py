@@ -138,10 +138,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                          f"({q.dtype}), not {k_cache.dtype}: an int8 KV cache is CPU-only")
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()
-            and k_cache.stride() == v_cache.stride()):
-        raise ValueError("paged decode attention needs contiguous key and value caches of one "
-                         "layout")
+    # Blocks, slots and heads at any strides (the CPU's cache: every layer's block together)
+    if not (k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()):
+        raise ValueError("paged decode attention needs key and value caches of one layout, "
+                         "each head's vector contiguous")
     q = q.contiguous()
     block_tables = block_tables.contiguous()
     out = torch.empty_like(q)

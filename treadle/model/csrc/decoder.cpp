@@ -40,25 +40,31 @@ void LlamaDecoder::set_lora(int64_t layer, std::vector<at::Tensor> a, std::vecto
 
 namespace {
 
+// Where slot `slot` of a cache [blocks, block_size, ...] (blocks packed, stride(0) apart)
+// starts, in elements, `width` of them a slot.
+int64_t checked_slot(const at::Tensor& cache, int64_t slot, int64_t width) {
+  TORCH_CHECK(slot >= 0 && slot < cache.size(0) * cache.size(1), "slot ", slot, " out of range");
+  return slot / cache.size(1) * cache.stride(0) + slot % cache.size(1) * width;
+}
+
 // Rows [tokens, width] at `src` (rows `src_stride` elements apart) into the cache's slots.
 void write_slots(const at::Tensor& cache, const char* src, int64_t src_stride,
                  const int64_t* slots, int64_t tokens, int64_t width) {
-  const int64_t num_slots = cache.size(0) * cache.size(1), item = cache.element_size();
+  const int64_t item = cache.element_size();
   char* dst = static_cast<char*>(cache.data_ptr());
   for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " out of range");
-    std::memcpy(dst + slots[t] * width * item, src + t * src_stride * item, width * item);
+    std::memcpy(dst + checked_slot(cache, slots[t], width) * item, src + t * src_stride * item,
+                width * item);
   }
 }
 
 // The same float32 rows into a bfloat16 cache, rounded to nearest even as torch's conversion.
 void write_slots_bf16(const at::Tensor& cache, const float* src, int64_t src_stride,
                       const int64_t* slots, int64_t tokens, int64_t width) {
-  const int64_t num_slots = cache.size(0) * cache.size(1);
   at::BFloat16* dst = cache.data_ptr<at::BFloat16>();
   for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " out of range");
-    for (int64_t i = 0; i < width; ++i) dst[slots[t] * width + i] = src[t * src_stride + i];
+    at::BFloat16* row = dst + checked_slot(cache, slots[t], width);
+    for (int64_t i = 0; i < width; ++i) row[i] = src[t * src_stride + i];
   }
 }
 
@@ -69,11 +75,11 @@ template <typename T>
 void write_slots_int8(const at::Tensor& cache, const at::Tensor& scales, const T* src,
                       int64_t src_stride, const int64_t* slots, int64_t tokens,
                       int64_t kv_heads, int64_t dim) {
-  const int64_t num_slots = cache.size(0) * cache.size(1);
   int8_t* dst = cache.data_ptr<int8_t>();
   float* dst_scales = scales.data_ptr<float>();
   for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " out of range");
+    int8_t* row = dst + checked_slot(cache, slots[t], kv_heads * dim);
+    float* row_scales = dst_scales + checked_slot(scales, slots[t], kv_heads);
     for (int64_t h = 0; h < kv_heads; ++h) {
       const T* x = src + t * src_stride + h * dim;
       float amax = 0.f;
@@ -82,12 +88,12 @@ void write_slots_int8(const at::Tensor& cache, const at::Tensor& scales, const T
         amax = a > amax || std::isnan(a) ? a : amax;
       }
       const float scale = amax / 127.f, divisor = std::max(scale, FLT_MIN);
-      int8_t* q = dst + (slots[t] * kv_heads + h) * dim;
+      int8_t* q = row + h * dim;
       for (int64_t d = 0; d < dim; ++d) {
         const float v = std::nearbyint(static_cast<float>(x[d]) / divisor);
         q[d] = std::isnan(v) ? 0 : static_cast<int8_t>(std::clamp(v, -127.f, 127.f));
       }
-      dst_scales[slots[t] * kv_heads + h] = scale;
+      row_scales[h] = scale;
     }
   }
 }
@@ -162,16 +168,17 @@ at::Tensor LlamaDecoder::forward(at::Tensor hidden, at::Tensor cos, at::Tensor s
     const at::Tensor& v_cache = v_caches[i];
     const at::Tensor* k_scale = int8_cache ? &k_scales[i] : nullptr;
     const at::Tensor* v_scale = int8_cache ? &v_scales[i] : nullptr;
-    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+    TORCH_CHECK(packed_blocks(k_cache) && packed_blocks(v_cache) &&
                 (int8_cache ? k_cache.scalar_type() == at::kChar
                             : k_cache.scalar_type() == hidden.scalar_type() ||
                                   k_cache.scalar_type() == at::kBFloat16) &&
-                (!int8_cache || (k_scale->is_contiguous() && v_scale->is_contiguous() &&
+                (!int8_cache || (packed_blocks(*k_scale) && packed_blocks(*v_scale) &&
                                  k_scale->scalar_type() == at::kFloat &&
                                  v_scale->scalar_type() == at::kFloat &&
-                                 k_scale->numel() * dim == k_cache.numel() &&
-                                 v_scale->numel() * dim == v_cache.numel())) &&
-                k_cache.size(2) * k_cache.size(3) == kv_width && v_cache.sizes() == k_cache.sizes());
+                                 k_scale->sizes() == k_cache.sizes().slice(0, 3) &&
+                                 v_scale->sizes() == v_cache.sizes().slice(0, 3))) &&
+                k_cache.size(2) * k_cache.size(3) == kv_width &&
+                v_cache.sizes() == k_cache.sizes());
     at::Tensor x = rms_norm(hidden, layer.input_norm, eps_, false);
     const at::Tensor qkv =
         adapted(project(x, layer.qkv, layer.qkv_types, layer.qkv_bias, 0), x, 0);

@@ -17,6 +17,13 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, bool scale_in_f
 at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor silu_and_mul(at::Tensor gate_up);
 
+// Whether a paged cache's layer [blocks, block_size, ...] has each block's slots packed; its
+// blocks may lie stride(0) elements apart (on the CPU every layer's block b lies together in
+// one mapping: attention.py's KVCache).
+inline bool packed_blocks(const at::Tensor& cache) {
+  return cache.dim() >= 2 && cache.narrow(0, 0, 1).is_contiguous();
+}
+
 // paged_attention.cpp
 // k_scales, v_scales: an int8 cache's float32 scale per slot and KV head; none for a cache in
 // q's dtype.

@@ -383,12 +383,13 @@ void all_heads_bf16(const void* in, const at::BFloat16* rows, int64_t row, int64
 #endif
 
 // T: the queries' and output's type; C: the cache's (T, bfloat16 under float queries, or int8_t
-// with `k_scale_ptr`, `v_scale_ptr` [blocks, block_size, kv_heads]; else those are null and
-// unread).
+// with `k_scale_ptr`, `v_scale_ptr` [blocks, block_size, kv_heads], blocks
+// `scale_block_stride` apart; else those are null and unread). Blocks k_cache.stride(0) apart.
 template <typename T, typename C>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
                    const at::Tensor& v_cache, const float* k_scale_ptr,
-                   const float* v_scale_ptr, const at::Tensor& block_tables,
+                   const float* v_scale_ptr, int64_t scale_block_stride,
+                   const at::Tensor& block_tables,
                    const at::Tensor& context_lens, double scale, int64_t window,
                    at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
@@ -396,6 +397,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
   const int64_t row = num_kv_heads * head_dim;  // one slot: every KV head's vector, contiguous
+  const int64_t block_stride = k_cache.stride(0);
   const T* q_ptr = q.data_ptr<T>();
   constexpr bool kInt8 = std::is_same_v<C, int8_t>;
   const C* k_ptr = k_cache.data_ptr<C>();
@@ -456,9 +458,10 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
 
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(num_heads * head_dim), scores(num_heads * SPAN), slot_row(row);
-    std::vector<int64_t> slot_of(PART);  // the cache slot of each of the task's positions
+    // Where each of the task's positions' row starts in the cache, and its scales (int8)
+    std::vector<int64_t> slot_of(PART), scale_of(kInt8 ? PART : 0);
 #if defined(__AVX2__)
-    std::vector<int64_t> copied(PART);   // the slots in keys and values, by position
+    std::vector<int64_t> copied(PART);   // the rows in keys and values, by position
     int64_t copied_count = 0;
     // The task's keys and values, contiguous; kept by the thread (not zeroed per call).
     thread_local std::vector<C> keys, values;
@@ -489,7 +492,9 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
       for (int64_t i = 0; i < num_heads * head_dim; ++i) query[i] = to_float(q_seq[i]) * fscale;
       for (int64_t pos = 0; pos < count; ++pos) {
         const int64_t abs_pos = first + p0 + pos;
-        slot_of[pos] = table[abs_pos / block_size] * block_size + abs_pos % block_size;
+        const int64_t block = table[abs_pos / block_size], offset = abs_pos % block_size;
+        slot_of[pos] = block * block_stride + offset * row;
+        if constexpr (kInt8) scale_of[pos] = block * scale_block_stride + offset * num_kv_heads;
       }
 #if defined(__AVX2__)
       if (vector_heads) {
@@ -501,10 +506,9 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
         copied_count = count;
         while (pos < count) {
           int64_t run = 1;  // positions in consecutive slots
-          while (pos + run < count && slot_of[pos + run] == slot_of[pos] + run) ++run;
-          std::memcpy(keys.data() + pos * row, k_ptr + slot_of[pos] * row, run * row * sizeof(C));
-          std::memcpy(values.data() + pos * row, v_ptr + slot_of[pos] * row,
-                      run * row * sizeof(C));
+          while (pos + run < count && slot_of[pos + run] == slot_of[pos] + run * row) ++run;
+          std::memcpy(keys.data() + pos * row, k_ptr + slot_of[pos], run * row * sizeof(C));
+          std::memcpy(values.data() + pos * row, v_ptr + slot_of[pos], run * row * sizeof(C));
           pos += run;
         }
 #if defined(__AVX512F__)
@@ -520,7 +524,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
         if constexpr (kInt8) {
           for (int64_t h = 0; h < num_heads; ++h) {
             for (int64_t pos = 0; pos < count; ++pos) {
-              scores[h * SPAN + pos] *= k_scale_ptr[slot_of[pos] * num_kv_heads + kv_head[h]];
+              scores[h * SPAN + pos] *= k_scale_ptr[scale_of[pos] + kv_head[h]];
             }
           }
         }
@@ -528,14 +532,13 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
 #endif
       {
         for (int64_t pos = 0; pos < count; ++pos) {
-          const int64_t slot = slot_of[pos];
-          const C* key = k_ptr + slot * row;
+          const C* key = k_ptr + slot_of[pos];
 #pragma omp simd
           for (int64_t i = 0; i < row; ++i) slot_row[i] = to_float(key[i]);
           for (int64_t h = 0; h < num_heads; ++h) {
             float score = dot(query.data() + h * head_dim, slot_row.data() + kv_offset[h],
                               head_dim);
-            if constexpr (kInt8) score *= k_scale_ptr[slot * num_kv_heads + kv_head[h]];
+            if constexpr (kInt8) score *= k_scale_ptr[scale_of[pos] + kv_head[h]];
             scores[h * SPAN + pos] = score;
           }
         }
@@ -557,7 +560,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
         if constexpr (kInt8) {  // the sums are taken: the weights take the values' scales
           for (int64_t h = 0; h < num_heads; ++h) {
             for (int64_t pos = 0; pos < count; ++pos) {
-              scores[h * SPAN + pos] *= v_scale_ptr[slot_of[pos] * num_kv_heads + kv_head[h]];
+              scores[h * SPAN + pos] *= v_scale_ptr[scale_of[pos] + kv_head[h]];
             }
           }
         }
@@ -576,13 +579,12 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
       }
 #endif
       for (int64_t pos = 0; pos < count; ++pos) {
-        const int64_t slot = slot_of[pos];
-        const C* value = v_ptr + slot * row;
+        const C* value = v_ptr + slot_of[pos];
 #pragma omp simd
         for (int64_t i = 0; i < row; ++i) slot_row[i] = to_float(value[i]);
         for (int64_t h = 0; h < num_heads; ++h) {
           float p = scores[h * SPAN + pos];
-          if constexpr (kInt8) p *= v_scale_ptr[slot * num_kv_heads + kv_head[h]];
+          if constexpr (kInt8) p *= v_scale_ptr[scale_of[pos] + kv_head[h]];
           const float* vh = slot_row.data() + kv_offset[h];
           float* a = acc + h * head_dim;
 #pragma omp simd
@@ -992,8 +994,9 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
 #endif
 }  // namespace
 
-// q [seqs, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim] in q's dtype or
-// bfloat16, or int8 with k_scales, v_scales [blocks, block_size, kv_heads] float32; block_tables
+// q [seqs, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim] (blocks packed
+// inside, any distance apart) in q's dtype or bfloat16, or int8 with k_scales, v_scales
+// [blocks, block_size, kv_heads] float32; block_tables
 // [seqs, max_blocks] int64; context_lens [seqs] int64 (each >= 1); window: attend to the last
 // `window` positions only (0: all). Returns [seqs, heads, head_dim].
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
@@ -1002,8 +1005,10 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
                                   c10::optional<at::Tensor> k_scales,
                                   c10::optional<at::Tensor> v_scales) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              v_cache.scalar_type() == k_cache.scalar_type());
+  TORCH_CHECK(packed_blocks(k_cache) && packed_blocks(v_cache) &&
+                  v_cache.stride(0) == k_cache.stride(0) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "caches: blocks packed inside, keys' and values' alike apart");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong);
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3));
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
@@ -1012,15 +1017,18 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   TORCH_CHECK(quantized == v_scales.has_value(), "scales for both keys and values, or neither");
   const float* k_scale_ptr = nullptr;
   const float* v_scale_ptr = nullptr;
+  int64_t scale_block_stride = 0;
   if (quantized) {
     TORCH_CHECK(k_cache.scalar_type() == at::kChar, "scales come with an int8 cache");
     for (const at::Tensor& scales : {*k_scales, *v_scales}) {
-      TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+      TORCH_CHECK(scales.scalar_type() == at::kFloat && packed_blocks(scales) &&
+                      scales.stride(0) == k_scales->stride(0) &&
                       scales.sizes() == k_cache.sizes().slice(0, 3),
-                  "scales: float32 [blocks, block_size, kv_heads], contiguous");
+                  "scales: float32 [blocks, block_size, kv_heads], blocks packed inside");
     }
     k_scale_ptr = k_scales->data_ptr<float>();
     v_scale_ptr = v_scales->data_ptr<float>();
+    scale_block_stride = k_scales->stride(0);
   } else {
     TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() || k_cache.scalar_type() == at::kBFloat16,
                 "a cache in q's dtype or bfloat16, or int8 with scales");
@@ -1032,18 +1040,20 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   if (quantized && bf16) {
     decode_kernel<at::BFloat16, int8_t>(q, k_cache, v_cache, k_scale_ptr, v_scale_ptr,
-                                        block_tables, context_lens, scale, window, out);
+                                        scale_block_stride, block_tables, context_lens, scale,
+                                        window, out);
   } else if (quantized) {
-    decode_kernel<float, int8_t>(q, k_cache, v_cache, k_scale_ptr, v_scale_ptr, block_tables,
-                                 context_lens, scale, window, out);
+    decode_kernel<float, int8_t>(q, k_cache, v_cache, k_scale_ptr, v_scale_ptr,
+                                 scale_block_stride, block_tables, context_lens, scale, window,
+                                 out);
   } else if (bf16) {
-    decode_kernel<at::BFloat16, at::BFloat16>(q, k_cache, v_cache, nullptr, nullptr,
+    decode_kernel<at::BFloat16, at::BFloat16>(q, k_cache, v_cache, nullptr, nullptr, 0,
                                               block_tables, context_lens, scale, window, out);
   } else if (k_cache.scalar_type() == at::kBFloat16) {
-    decode_kernel<float, at::BFloat16>(q, k_cache, v_cache, nullptr, nullptr, block_tables,
+    decode_kernel<float, at::BFloat16>(q, k_cache, v_cache, nullptr, nullptr, 0, block_tables,
                                        context_lens, scale, window, out);
   } else {
-    decode_kernel<float, float>(q, k_cache, v_cache, nullptr, nullptr, block_tables,
+    decode_kernel<float, float>(q, k_cache, v_cache, nullptr, nullptr, 0, block_tables,
                                 context_lens, scale, window, out);
   }
   return out;
