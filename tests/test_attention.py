@@ -29,17 +29,14 @@ def naive_attention(q, k_cache, v_cache, tables, lens, scale, window=None):
     return out
 
 
-def in_cache_layout(*caches: torch.Tensor) -> list[torch.Tensor]:
-    """Each [blocks, ...] tensor as layer 1 of 3 in KVCache's CPU layout ([blocks, layers, 2,
-    ...]: blocks apart, every layer's block b together), beside blocks that hold NaN (int8:
-    127), so a read that strays shows."""
-    views = []
-    for cache in caches:
-        fill = float("nan") if cache.is_floating_point() else 127
-        blocks = torch.full((cache.shape[0], 3, 2, *cache.shape[1:]), fill, dtype=cache.dtype)
-        blocks[:, 1, 0] = cache
-        views.append(blocks[:, 1, 0])
-    return views
+def in_cache_layout(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Keys and values [blocks, ...] as layer 1 of 3 in KVCache's CPU layout ([blocks, layers,
+    2, ...]: each block's keys beside its values, every layer's block b together), the other
+    layers' blocks holding NaN (int8: 127), so a read that strays shows."""
+    fill = float("nan") if keys.is_floating_point() else 127
+    blocks = torch.full((keys.shape[0], 3, 2, *keys.shape[1:]), fill, dtype=keys.dtype)
+    blocks[:, 1, 0], blocks[:, 1, 1] = keys, values
+    return blocks[:, 1, 0], blocks[:, 1, 1]
 
 
 @pytest.mark.parametrize("window", [None, 1, 3, 6, 40])
@@ -66,8 +63,7 @@ def test_decode_attention_matches_naive(dtype, cache_dtype, path, head_dim, wind
     block_size, num_blocks, num_kv_heads, heads = 4, 64, 3, 9
     k_cache, v_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim,
                                     generator=gen).to(cache_dtype) for _ in range(2))
-    if path != "triton":  # CUDA keeps a tensor a layer
-        k_cache, v_cache = in_cache_layout(k_cache, v_cache)
+    k_cache, v_cache = in_cache_layout(k_cache, v_cache)
     lens = torch.tensor([1, 4, 5, 17, 30])
     max_blocks = 8
     tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * max_blocks].view(-1, max_blocks)
@@ -183,8 +179,8 @@ def test_rows_over_one_sequence_s_blocks_keep_the_bits_they_get_alone(cache, win
                             for _ in range(2))
         k_scales, v_scales = (0.02 * torch.rand(shape[:3], generator=gen) for _ in range(2))
         k_float, v_float = k_cache * k_scales[..., None], v_cache * v_scales[..., None]
-        k_cache, v_cache, k_scales, v_scales = in_cache_layout(k_cache, v_cache, k_scales,
-                                                               v_scales)
+        k_cache, v_cache = in_cache_layout(k_cache, v_cache)
+        k_scales, v_scales = in_cache_layout(k_scales, v_scales)
     else:
         cache_dtype = torch.float32 if cache == "float32" else torch.bfloat16
         k_cache = k_float = torch.randn(shape, generator=gen).to(cache_dtype)

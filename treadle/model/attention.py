@@ -1,8 +1,10 @@
 """Paged attention over block tables, for decode tokens and prefill chunks in one flattened batch.
 
 The KV cache of a layer is two tensors [num_blocks, block_size, num_kv_heads, head_dim]; token
-slot s lives at block s // block_size, offset s % block_size. Each step writes the new keys and
-values into their slots, then every query attends over its own sequence's blocks.
+slot s lives at block s // block_size, offset s % block_size. On the CPU they are views into one
+mapping of every layer's blocks, each block's slots packed and blocks stride(0) apart (KVCache).
+Each step writes the new keys and values into their slots, then every query attends over its own
+sequence's blocks.
 
 Decode tokens (one query each) are attended in one batched call over block tables padded to the
 longest context; prefill chunks go one sequence at a time (few per step, many tokens each), causal
@@ -80,8 +82,9 @@ class KVCache:
     On the CPU every layer's keys and values of block b lie together in one mapping ([blocks,
     layers, 2, block_size, kv_heads, head_dim]); a layer's keys are a view whose blocks lie that
     record apart. The OS commits the mapping's pages as they are written, 2 MB at a time where
-    it grants huge pages: so the memory committed follows the blocks used, where one tensor a
-    layer would commit a page in each of them (60 for the default model) for the first token."""
+    it grants huge pages: so the memory committed follows the blocks used, where a keys and a
+    values tensor a layer would each commit a page at the first token (60 for the default
+    model)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | None = None) -> None:
@@ -161,15 +164,19 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def write_slots(cache: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor,
                 slots: torch.Tensor) -> None:
     """x [T, Hkv, D] into the cache's `slots`, in its dtype (quantized where it is int8)."""
-    # Blocks may lie apart (KVCache's CPU layout): a slot is a block and an offset in it.
-    block_size = cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
-    if scales is None:
-        cache[blocks, offsets] = x.to(cache.dtype)
+    if scales is not None:
+        x, x_scales = quantize_kv(x)
+        write_rows(scales, x_scales, slots)
+    write_rows(cache, x.to(cache.dtype), slots)
+
+
+def write_rows(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """rows [T, ...] into a cache [blocks, block_size, ...]'s `slots`: a tensor a layer (CUDA)
+    by one index_copy_, blocks lying apart (KVCache's CPU layout) by block and offset."""
+    if cache.is_contiguous():
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
         return
-    quantized, x_scales = quantize_kv(x)
-    cache[blocks, offsets] = quantized
-    scales[blocks, offsets] = x_scales
+    cache[slots // cache.shape[1], slots % cache.shape[1]] = rows  # the runner's: never < 0
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -21,7 +21,13 @@ at::Tensor silu_and_mul(at::Tensor gate_up);
 // blocks may lie stride(0) elements apart (on the CPU every layer's block b lies together in
 // one mapping: attention.py's KVCache).
 inline bool packed_blocks(const at::Tensor& cache) {
-  return cache.dim() >= 2 && cache.narrow(0, 0, 1).is_contiguous();
+  if (cache.dim() < 2) return false;
+  int64_t block = 1;  // elements in one block, packed
+  for (int64_t d = cache.dim() - 1; d >= 1; --d) {
+    if (cache.size(d) != 1 && cache.stride(d) != block) return false;
+    block *= cache.size(d);
+  }
+  return cache.stride(0) >= block;  // blocks never overlap
 }
 
 // paged_attention.cpp

@@ -996,9 +996,9 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
 
 // q [seqs, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim] (blocks packed
 // inside, any distance apart) in q's dtype or bfloat16, or int8 with k_scales, v_scales
-// [blocks, block_size, kv_heads] float32; block_tables
-// [seqs, max_blocks] int64; context_lens [seqs] int64 (each >= 1); window: attend to the last
-// `window` positions only (0: all). Returns [seqs, heads, head_dim].
+// [blocks, block_size, kv_heads] float32; block_tables [seqs, max_blocks] int64; context_lens
+// [seqs] int64 (each >= 1); window: attend to the last `window` positions only (0: all).
+// Returns [seqs, heads, head_dim].
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor context_lens,
                                   double scale, int64_t window,
