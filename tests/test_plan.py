@@ -114,7 +114,7 @@ def test_lazy_zeros_are_zeros_and_not_resident(dtype):
     assert int(untouched) < 16 << 20 and zeros == "True" and written == "True"
 
 
-# The default model's cache shape, 60 layer tensors: one block written in each.
+# The default model's cache shape: one block written in each of its 60 layer views.
 KV_RESIDENCY_CHECK = RESIDENT + """
 cache = KVCache(30, 4096, 16, 3, 64, torch.bfloat16)
 slots = torch.arange(16)

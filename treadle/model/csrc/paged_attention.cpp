@@ -458,8 +458,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
 
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(num_heads * head_dim), scores(num_heads * SPAN), slot_row(row);
-    // Where each of the task's positions' row starts in the cache, and its scales (int8)
-    std::vector<int64_t> slot_of(PART), scale_of(kInt8 ? PART : 0);
+    // Where each of the task's positions' row (and int8 scales) starts in the cache
+    std::vector<int64_t> row_at(PART), scales_at(kInt8 ? PART : 0);
 #if defined(__AVX2__)
     std::vector<int64_t> copied(PART);   // the rows in keys and values, by position
     int64_t copied_count = 0;
@@ -493,22 +493,22 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
       for (int64_t pos = 0; pos < count; ++pos) {
         const int64_t abs_pos = first + p0 + pos;
         const int64_t block = table[abs_pos / block_size], offset = abs_pos % block_size;
-        slot_of[pos] = block * block_stride + offset * row;
-        if constexpr (kInt8) scale_of[pos] = block * scale_block_stride + offset * num_kv_heads;
+        row_at[pos] = block * block_stride + offset * row;
+        if constexpr (kInt8) scales_at[pos] = block * scale_block_stride + offset * num_kv_heads;
       }
 #if defined(__AVX2__)
       if (vector_heads) {
         // Copied whole, runs of slots stream from memory (docs/decisions.md); the slots the
         // thread's last task copied to the same positions are there already.
         int64_t pos = 0;
-        while (pos < std::min(count, copied_count) && copied[pos] == slot_of[pos]) ++pos;
-        std::copy(slot_of.begin() + pos, slot_of.begin() + count, copied.begin() + pos);
+        while (pos < std::min(count, copied_count) && copied[pos] == row_at[pos]) ++pos;
+        std::copy(row_at.begin() + pos, row_at.begin() + count, copied.begin() + pos);
         copied_count = count;
         while (pos < count) {
           int64_t run = 1;  // positions in consecutive slots
-          while (pos + run < count && slot_of[pos + run] == slot_of[pos] + run * row) ++run;
-          std::memcpy(keys.data() + pos * row, k_ptr + slot_of[pos], run * row * sizeof(C));
-          std::memcpy(values.data() + pos * row, v_ptr + slot_of[pos], run * row * sizeof(C));
+          while (pos + run < count && row_at[pos + run] == row_at[pos] + run * row) ++run;
+          std::memcpy(keys.data() + pos * row, k_ptr + row_at[pos], run * row * sizeof(C));
+          std::memcpy(values.data() + pos * row, v_ptr + row_at[pos], run * row * sizeof(C));
           pos += run;
         }
 #if defined(__AVX512F__)
@@ -524,7 +524,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
         if constexpr (kInt8) {
           for (int64_t h = 0; h < num_heads; ++h) {
             for (int64_t pos = 0; pos < count; ++pos) {
-              scores[h * SPAN + pos] *= k_scale_ptr[scale_of[pos] + kv_head[h]];
+              scores[h * SPAN + pos] *= k_scale_ptr[scales_at[pos] + kv_head[h]];
             }
           }
         }
@@ -532,13 +532,13 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
 #endif
       {
         for (int64_t pos = 0; pos < count; ++pos) {
-          const C* key = k_ptr + slot_of[pos];
+          const C* key = k_ptr + row_at[pos];
 #pragma omp simd
           for (int64_t i = 0; i < row; ++i) slot_row[i] = to_float(key[i]);
           for (int64_t h = 0; h < num_heads; ++h) {
             float score = dot(query.data() + h * head_dim, slot_row.data() + kv_offset[h],
                               head_dim);
-            if constexpr (kInt8) score *= k_scale_ptr[scale_of[pos] + kv_head[h]];
+            if constexpr (kInt8) score *= k_scale_ptr[scales_at[pos] + kv_head[h]];
             scores[h * SPAN + pos] = score;
           }
         }
@@ -560,7 +560,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
         if constexpr (kInt8) {  // the sums are taken: the weights take the values' scales
           for (int64_t h = 0; h < num_heads; ++h) {
             for (int64_t pos = 0; pos < count; ++pos) {
-              scores[h * SPAN + pos] *= v_scale_ptr[scale_of[pos] + kv_head[h]];
+              scores[h * SPAN + pos] *= v_scale_ptr[scales_at[pos] + kv_head[h]];
             }
           }
         }
@@ -579,12 +579,12 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache,
       }
 #endif
       for (int64_t pos = 0; pos < count; ++pos) {
-        const C* value = v_ptr + slot_of[pos];
+        const C* value = v_ptr + row_at[pos];
 #pragma omp simd
         for (int64_t i = 0; i < row; ++i) slot_row[i] = to_float(value[i]);
         for (int64_t h = 0; h < num_heads; ++h) {
           float p = scores[h * SPAN + pos];
-          if constexpr (kInt8) p *= v_scale_ptr[scale_of[pos] + kv_head[h]];
+          if constexpr (kInt8) p *= v_scale_ptr[scales_at[pos] + kv_head[h]];
           const float* vh = slot_row.data() + kv_offset[h];
           float* a = acc + h * head_dim;
 #pragma omp simd
