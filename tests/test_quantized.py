@@ -264,10 +264,18 @@ VALUE_BYTES = {Q.Q4_0: slice(2, 18), Q.Q4_1: slice(4, 20), Q.Q5_0: slice(2, 22),
                Q.Q6_K: slice(0, 192)}
 
 
+# The K-quants' sub-block scales and the byte that gives each its largest magnitude: 63 for
+# Q4_K/Q5_K's 6-bit scales and mins, -128 for Q6_K's signed 8-bit scales.
+SCALE_BYTES = {Q.Q4_K: (slice(4, 16), 0xFF), Q.Q5_K: (slice(4, 16), 0xFF),
+               Q.Q6_K: (slice(192, 208), 0x80)}
+
+
 def check_largest_products(qtype: int, kernels) -> None:
-    """Every weight at its type's largest stored value (all bits set) against activations all
-    quantized to +127 or all to -127: the GEMM's integer sums at their extremes (AVX2 adds
-    several vectors' 16-bit pair sums before widening them) still equal the reference."""
+    """Every weight at its type's largest stored value (all bits set), a K-quant's sub-block
+    scales at their largest magnitude, against activations all quantized to +127 or all to
+    -127: the GEMM's integer sums at their extremes (AVX2 adds several vectors' 16-bit pair
+    sums before widening them, and sums a K-quant's super-block in int32 under its integer
+    scales) still equal the reference."""
     in_features = 512 if qtype in K_QUANTS else 256
     weight = random_blocks(qtype, out_features=24, in_features=in_features)
     blocks = weight.data.view(24, -1, BLOCK_BYTES[qtype]).clone()
@@ -275,6 +283,9 @@ def check_largest_products(qtype: int, kernels) -> None:
         blocks[..., VALUE_BYTES[qtype]] = 127
     else:
         blocks[..., VALUE_BYTES[qtype]] = 0xFF
+    if qtype in SCALE_BYTES:
+        where, value = SCALE_BYTES[qtype]
+        blocks[..., where] = value
     weight = QuantizedWeight(qtype, blocks.view(24, -1), in_features)
     for sign in (1.0, -1.0):
         x = torch.full((8, in_features), sign)

@@ -6,9 +6,11 @@
 // the panel with one dot-product instruction per 4 weights of PANEL rows (VNNI's dpbusd; AVX2's
 // maddubs, its 16-bit sums widened by one madd per several vectors) into a vector of the rows'
 // sums, so that a block's float work (convert, scale, offset) is shared by PANEL outputs instead
-// of repeated per output as in the row-by-row kernels. Activations are the row kernels'
-// (quant_linear.cpp's per-32 blocks, quant_kblocks.cpp's Q8_K per 256); the 32-wide types'
-// outputs are the row kernels' bits, the K-quants' differ from theirs in float rounding.
+// of repeated per output as in the row-by-row kernels. On AVX2 the K-quants' panels keep
+// integer scales instead and a super-block's sums stay in integers (k_tile). Activations are
+// the row kernels' (quant_linear.cpp's per-32 blocks, quant_kblocks.cpp's Q8_K per 256); the
+// 32-wide types' outputs are the row kernels' bits, the K-quants' differ from theirs in float
+// rounding.
 #include "quant_blocks.h"
 
 #include <ATen/Parallel.h>
@@ -52,6 +54,7 @@ template <int MAX_Q> constexpr int partial_words() { return 8; }
 #else
 constexpr int PANEL = 8;
 constexpr int TILE_ROWS = 3;
+constexpr int K_TILE_ROWS = 4;
 using VecI = __m256i;
 using VecF = __m256;
 inline VecI zero_i() { return _mm256_setzero_si256(); }
@@ -66,8 +69,14 @@ inline void store_f(float* p, VecF v) { _mm256_storeu_ps(p, v); }
 // AVX2: maddubs's 16-bit pair sums added in 16 bits, one madd widening several vectors' worth:
 // half the multiplier-port instructions of a madd per maddubs. A pair sum is at most
 // 2 x MAX_Q x 128 (an activation is -128 at worst), so partial_words of them stay below 2^15.
+// An empty asm keeps a tile's integer adds a chain: GCC reassociates them into a tree whose
+// products, all live at once, spill the tile's registers to the stack.
+inline VecI in_order(VecI sum) {
+  asm("" : "+x"(sum));
+  return sum;
+}
 inline VecI add_products(VecI partial, VecI u8, VecI s8) {
-  return _mm256_add_epi16(partial, _mm256_maddubs_epi16(u8, s8));
+  return in_order(_mm256_add_epi16(partial, _mm256_maddubs_epi16(u8, s8)));
 }
 inline VecI widen(VecI acc, VecI partial) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(partial, _mm256_set1_epi16(1)));
@@ -290,6 +299,32 @@ template <> struct Layout<Q4_K> { using type = KNibbles<Q4_K>; };
 template <> struct Layout<Q5_K> { using type = KNibbles<Q5_K>; };
 template <> struct Layout<Q6_K> { using type = Q6Chunks; };
 
+// The weights of blocks [blk0, blk0 + L::BLOCKS) of the `count` (<= PANEL; the others zero)
+// weight rows at w as unsigned bytes, unit j's at first + j unit_stride: 8 vectors of 4
+// weights of the panel's rows (vector g holds weights 4g..4g+3 of each row).
+template <int64_t QTYPE, typename L>
+void pack_values(const uint8_t* w, int64_t row_bytes, int count, int64_t blk0, uint8_t* first,
+                 int64_t unit_stride) {
+  const int64_t bb = block_bytes(QTYPE);
+  for (int half = 0; half < PANEL / 8; ++half) {  // rows 8 half .. 8 half + 7
+    __m256i t[8 * L::CHUNKS];
+    for (int c = 0; c < L::CHUNKS; ++c) {
+      __m256i raw[8];
+      for (int r = 0; r < 8; ++r) {
+        const int i = 8 * half + r;
+        raw[r] = i < count ? L::chunk(w + i * row_bytes + blk0 * bb, c) : _mm256_setzero_si256();
+      }
+      transpose8(raw, t + 8 * c);
+    }
+    for (int j = 0; j < L::BLOCKS * Unit<QTYPE>::UNITS; ++j) {
+      uint8_t* dst = first + j * unit_stride + 32 * half;
+      for (int g = 0; g < 8; ++g) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + g * VEC_BYTES), L::word(t, j, g));
+      }
+    }
+  }
+}
+
 // The units of blocks [blk0, blk0 + L::BLOCKS) of the `count` (<= PANEL; the others zero)
 // weight rows at w, packed: per unit, the 8 vectors of 4 weights of the panel's rows (vector g
 // holds weights 4g..4g+3 of each row), then per slot the rows' scales and offsets.
@@ -347,29 +382,25 @@ void pack_group(const uint8_t* w, int64_t row_bytes, int count, int64_t blk0, ui
       }
     }
   }
-  for (int half = 0; half < PANEL / 8; ++half) {  // rows 8 half .. 8 half + 7
-    __m256i t[8 * L::CHUNKS];
-    for (int c = 0; c < L::CHUNKS; ++c) {
-      __m256i raw[8];
-      for (int r = 0; r < 8; ++r) {
-        const int i = 8 * half + r;
-        raw[r] = i < count ? L::chunk(w + i * row_bytes + blk0 * bb, c) : _mm256_setzero_si256();
-      }
-      transpose8(raw, t + 8 * c);
-    }
-    for (int j = 0; j < L::BLOCKS * U::UNITS; ++j) {
-      uint8_t* dst = panel + (blk0 * U::UNITS + j) * bytes + 32 * half;
-      for (int g = 0; g < 8; ++g) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + g * VEC_BYTES), L::word(t, j, g));
-      }
+  pack_values<QTYPE, L>(w, row_bytes, count, blk0, panel + blk0 * U::UNITS * bytes, bytes);
+}
+
+// Bytes [begin, end) of each of the `count` rows at `rows` prefetched into L2: a panel reads 8
+// or 16 rows at once, which the hardware prefetcher alone left waiting on memory
+// (docs/decisions.md), so packing a panel fetches the thread's next one meanwhile.
+inline void prefetch_rows(const uint8_t* rows, int64_t row_bytes, int count, int64_t begin,
+                          int64_t end) {
+  for (int i = 0; i < count; ++i) {
+    const auto first = reinterpret_cast<uintptr_t>(rows + i * row_bytes + begin);
+    const uintptr_t last = first + (end - begin);
+    for (uintptr_t line = first & ~uintptr_t{63}; line < last; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
     }
   }
 }
 
-// The `count` weight rows at w, every unit packed (pack_group). Each group's bytes in the
-// `next_count` rows that follow (the thread's next panel) are prefetched into L2 meanwhile: a
-// panel reads 8 or 16 rows at once, which the hardware prefetcher alone left waiting on memory
-// (docs/decisions.md).
+// The `count` weight rows at w, every unit packed (pack_group), the `next_count` rows that
+// follow prefetched.
 template <int64_t QTYPE>
 void pack_panel(const uint8_t* w, int64_t row_bytes, int count, int64_t units, uint8_t* panel,
                 int next_count) {
@@ -377,22 +408,13 @@ void pack_panel(const uint8_t* w, int64_t row_bytes, int count, int64_t units, u
   const int64_t blocks = units / Unit<QTYPE>::UNITS, bb = block_bytes(QTYPE);
   const uint8_t* next = w + PANEL * row_bytes;
   int64_t blk = 0;
-  auto prefetch_next = [&](int64_t begin, int64_t end) {  // bytes [begin, end) of each row
-    for (int i = 0; i < next_count; ++i) {
-      const auto first = reinterpret_cast<uintptr_t>(next + i * row_bytes + begin);
-      const uintptr_t last = first + (end - begin);
-      for (uintptr_t line = first & ~uintptr_t{63}; line < last; line += 64) {  // the lines
-        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
-      }
-    }
-  };
   for (; blk + L::BLOCKS <= blocks; blk += L::BLOCKS) {
-    prefetch_next(blk * bb, (blk + L::BLOCKS) * bb);
+    prefetch_rows(next, row_bytes, next_count, blk * bb, (blk + L::BLOCKS) * bb);
     pack_group<QTYPE, L>(w, row_bytes, count, blk, panel);
   }
   if constexpr (L::BLOCKS > 1) {  // an odd block left of a pair layout
     for (; blk < blocks; ++blk) {
-      prefetch_next(blk * bb, (blk + 1) * bb);
+      prefetch_rows(next, row_bytes, next_count, blk * bb, (blk + 1) * bb);
       pack_group<QTYPE, PerUnit<QTYPE>>(w, row_bytes, count, blk, panel);
     }
   }
@@ -473,29 +495,215 @@ void panel_rows(const uint8_t* panel, int64_t units, const PanelRows& a, int64_t
   panel_tile<SLOTS, UNITS_PER_GROUP, PARTIAL, R>(panel, units, a, r0, out, ldo, count);
 }
 
+// Threads split the n weight rows into panels; a thread packs each of its panels into a buffer
+// of its own (pack(p, count, next_count, buffer): panel p's `count` rows, the next panel's
+// `next_count`), then runs the tiles of every activation row over it (tiles(p, count, buffer)).
+template <typename Pack, typename Tiles>
+void for_each_panel(int64_t n, int64_t panel_bytes, const Pack& pack, const Tiles& tiles) {
+  at::parallel_for(0, (n + PANEL - 1) / PANEL, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint8_t> panel;
+    panel.resize(panel_bytes);
+    for (int64_t p = begin; p < end; ++p) {
+      const int count = static_cast<int>(std::min<int64_t>(PANEL, n - p * PANEL));
+      const int next_count =
+          p + 1 < end ? static_cast<int>(std::min<int64_t>(PANEL, n - (p + 1) * PANEL)) : 0;
+      pack(p, count, next_count, panel.data());
+      tiles(p, count, panel.data());
+    }
+  });
+}
+
 template <int64_t QTYPE, int UNITS_PER_GROUP, typename Out>
 void gemm(const uint8_t* w, int64_t n, const PanelRows& a, int64_t rows, Out* out,
           int64_t ldo) {
   constexpr int SLOTS = Unit<QTYPE>::SLOTS;
   constexpr int PARTIAL = std::min(8 / SLOTS, partial_words<Unit<QTYPE>::MAX_Q>());
   const int64_t units = a.k / QK, row_bytes = a.k / block_weights(QTYPE) * block_bytes(QTYPE);
-  at::parallel_for(0, (n + PANEL - 1) / PANEL, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<uint8_t> panel;
-    panel.resize(units * unit_bytes<SLOTS>());
-    for (int64_t p = begin; p < end; ++p) {
-      const int count = static_cast<int>(std::min<int64_t>(PANEL, n - p * PANEL));
-      const int next_count =
-          p + 1 < end ? static_cast<int>(std::min<int64_t>(PANEL, n - (p + 1) * PANEL)) : 0;
-      pack_panel<QTYPE>(w + p * PANEL * row_bytes, row_bytes, count, units, panel.data(),
-                        next_count);
-      for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {
-        panel_rows<SLOTS, UNITS_PER_GROUP, PARTIAL>(panel.data(), units, a, r0,
-                                           std::min<int64_t>(TILE_ROWS, rows - r0),
-                                           out + r0 * ldo + p * PANEL, ldo, count);
+  for_each_panel(
+      n, units * unit_bytes<SLOTS>(),
+      [&](int64_t p, int count, int next_count, uint8_t* panel) {
+        pack_panel<QTYPE>(w + p * PANEL * row_bytes, row_bytes, count, units, panel, next_count);
+      },
+      [&](int64_t p, int count, const uint8_t* panel) {
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {
+          panel_rows<SLOTS, UNITS_PER_GROUP, PARTIAL>(panel, units, a, r0,
+                                                      std::min<int64_t>(TILE_ROWS, rows - r0),
+                                                      out + r0 * ldo + p * PANEL, ldo, count);
+        }
+      });
+}
+
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+// AVX2's K-quant tiles keep a super-block's dot product in integers: maddubs's 16-bit partial
+// sums are widened by a madd with each weight row's sub-block scale (6 or 8 bits) instead of
+// with ones, and the offsets (Q4_K/Q5_K mins, Q6_K's -32) come from a madd of the rows' pairs
+// of offset multipliers with the activation's pairs of sub-block sums; so the float work is a
+// super-block's instead of each sub-block's, and a tile's accumulators fit the 16 registers.
+// A K-quant super-block's integer scales and offset multipliers as 16 int16 (pair p of slots in
+// word p), and the float factors d and m of their sums:
+// w . x = d x.d (sum_s scale_s dot_s) + m x.d (sum_s offset_s sum_s), a slot being 32 values
+// (Q4_K/Q5_K: 8 scales, then 8 offsets) or 16 (Q6_K: 16 scales, which are its offsets too).
+template <int64_t QTYPE> struct KScales;
+
+template <int64_t QTYPE> struct KScales45 {  // w = d scale_j q - dmin min_j
+  static constexpr int SCALES = 8;
+  using Block = std::conditional_t<QTYPE == Q4_K, BlockQ4_K, BlockQ5_K>;
+  static __m256i words(const uint8_t* blk, float* d, float* m) {
+    const auto* b = reinterpret_cast<const Block*>(blk);
+    alignas(16) uint8_t sm[16];
+    k4_scales_mins(b->scales, sm);
+    *d = half_to_float(b->d);
+    *m = -half_to_float(b->dmin);
+    return _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(sm)));
+  }
+};
+template <> struct KScales<Q4_K> : KScales45<Q4_K> {};
+template <> struct KScales<Q5_K> : KScales45<Q5_K> {};
+
+template <> struct KScales<Q6_K> {  // w = d scale_s (q - 32), a scale per 16
+  static constexpr int SCALES = 16;
+  static __m256i words(const uint8_t* blk, float* d, float* m) {
+    const auto* b = reinterpret_cast<const BlockQ6_K*>(blk);
+    *d = half_to_float(b->d);
+    *m = -32.f * *d;
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)));
+  }
+};
+
+// A super-block's record in a K panel: its 8 units' value vectors (pack_values), a vector per
+// scale slot of the rows' scales (each in both 16-bit halves of its row's lane), a vector per
+// pair of slots of the rows' offset multipliers (the pair's in the two halves), d and m.
+template <int64_t QTYPE> constexpr int64_t k_record_bytes() {
+  constexpr int SCALES = KScales<QTYPE>::SCALES;
+  return 64 * VEC_BYTES + (SCALES + SCALES / 2) * VEC_BYTES + 2 * PANEL * sizeof(float);
+}
+
+template <int64_t QTYPE>
+void pack_k_panel(const uint8_t* w, int64_t row_bytes, int count, int64_t nsb, uint8_t* panel,
+                  int next_count) {
+  constexpr int SCALES = KScales<QTYPE>::SCALES;
+  const int64_t bb = block_bytes(QTYPE);
+  const __m256i low = _mm256_set1_epi32(0xFFFF), high = _mm256_set1_epi32(-0x10000);
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    prefetch_rows(w + PANEL * row_bytes, row_bytes, next_count, sb * bb, (sb + 1) * bb);
+    uint8_t* record = panel + sb * k_record_bytes<QTYPE>();
+    pack_values<QTYPE, typename Layout<QTYPE>::type>(w, row_bytes, count, sb, record,
+                                                     8 * VEC_BYTES);
+    auto* scales = reinterpret_cast<__m256i*>(record + 64 * VEC_BYTES);  // [SCALES]
+    __m256i* pairs = scales + SCALES;                                    // [SCALES / 2]
+    auto* d = reinterpret_cast<float*>(pairs + SCALES / 2);              // [PANEL], then m
+    __m256i words[8], lanes[8];  // 8 rows' words, then word p of each row
+    for (int i = 0; i < PANEL; ++i) {
+      d[i] = d[PANEL + i] = 0.f;
+      words[i] = i < count ? KScales<QTYPE>::words(w + i * row_bytes + sb * bb, d + i,
+                                                   d + PANEL + i)
+                           : _mm256_setzero_si256();
+    }
+    transpose8(words, lanes);
+    for (int p = 0; p < SCALES / 2; ++p) {  // scale pair p: slots 2p and 2p + 1
+      _mm256_storeu_si256(scales + 2 * p, _mm256_or_si256(_mm256_and_si256(lanes[p], low),
+                                                           _mm256_slli_epi32(lanes[p], 16)));
+      _mm256_storeu_si256(scales + 2 * p + 1,
+                          _mm256_or_si256(_mm256_and_si256(lanes[p], high),
+                                          _mm256_srli_epi32(lanes[p], 16)));
+      _mm256_storeu_si256(pairs + p, lanes[SCALES == 8 ? 4 + p : p]);
+    }
+  }
+}
+
+// Q8_K activation rows as a K tile reads them: values, a scale a super-block, and each scale
+// slot's sum of values (int16: 32 or 16 values of at most 128).
+struct KRows {
+  const int8_t* q;
+  int64_t k, nsb;
+  const float* d;       // [rows, nsb]
+  const int16_t* sums;  // [rows, nsb, SCALES]
+};
+
+template <int64_t QTYPE, int R, typename Out>
+void k_tile(const uint8_t* panel, const KRows& a, int64_t r0, Out* out, int64_t ldo,
+            int count) {
+  constexpr int SCALES = KScales<QTYPE>::SCALES, SLOTS = SCALES / 8, WORDS = 8 / SLOTS;
+  constexpr int PARTIAL = std::min(WORDS, partial_words<Unit<QTYPE>::MAX_Q>());
+  VecF acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = zero_f();
+  for (int64_t sb = 0; sb < a.nsb; ++sb) {
+    const uint8_t* record = panel + sb * k_record_bytes<QTYPE>();
+    const uint8_t* scales = record + 64 * VEC_BYTES;
+    VecI dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = zero_i();
+    for (int j = 0; j < 8; ++j) {
+      const int8_t* x = a.q + 256 * sb + 32 * j;
+#pragma GCC unroll 2
+      for (int slot = 0; slot < SLOTS; ++slot) {
+        const VecI scale = load_i(scales + (SLOTS * j + slot) * VEC_BYTES);
+#pragma GCC unroll 8
+        for (int g0 = slot * WORDS; g0 < (slot + 1) * WORDS; g0 += PARTIAL) {
+          VecI partial[R];
+          for (int r = 0; r < R; ++r) partial[r] = zero_i();
+#pragma GCC unroll 8
+          for (int g = g0; g < g0 + PARTIAL; ++g) {
+            const VecI wv = load_i(record + (8 * j + g) * VEC_BYTES);
+            for (int r = 0; r < R; ++r) {
+              int32_t four;
+              std::memcpy(&four, x + (r0 + r) * a.k + 4 * g, sizeof(four));
+              partial[r] = add_products(partial[r], wv, splat_i(four));
+            }
+          }
+          for (int r = 0; r < R; ++r) {
+            dot[r] = in_order(_mm256_add_epi32(dot[r], _mm256_madd_epi16(partial[r], scale)));
+          }
+        }
       }
     }
-  });
+    const uint8_t* pairs = scales + SCALES * VEC_BYTES;
+    VecI offset[R];
+    for (int r = 0; r < R; ++r) offset[r] = zero_i();
+    for (int p = 0; p < SCALES / 2; ++p) {
+      const VecI multipliers = load_i(pairs + p * VEC_BYTES);
+      for (int r = 0; r < R; ++r) {
+        int32_t sums;
+        std::memcpy(&sums, a.sums + ((r0 + r) * a.nsb + sb) * SCALES + 2 * p, sizeof(sums));
+        offset[r] = in_order(
+            _mm256_add_epi32(offset[r], _mm256_madd_epi16(multipliers, splat_i(sums))));
+      }
+    }
+    const float* dm = reinterpret_cast<const float*>(pairs + SCALES / 2 * VEC_BYTES);
+    const VecF d = load_f(dm), m = load_f(dm + PANEL);
+    for (int r = 0; r < R; ++r) {
+      const VecF sum = fma(to_float(offset[r]), m, _mm256_mul_ps(to_float(dot[r]), d));
+      acc[r] = fma(sum, splat_f(a.d[(r0 + r) * a.nsb + sb]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store_out(out + r * ldo, acc[r], count);
 }
+
+template <int64_t QTYPE, typename Out, int R = K_TILE_ROWS>
+void k_rows(const uint8_t* panel, const KRows& a, int64_t r0, int64_t rows, Out* out,
+            int64_t ldo, int count) {
+  if constexpr (R > 1) {
+    if (rows < R) return k_rows<QTYPE, Out, R - 1>(panel, a, r0, rows, out, ldo, count);
+  }
+  k_tile<QTYPE, R>(panel, a, r0, out, ldo, count);
+}
+
+template <int64_t QTYPE, typename Out>
+void k_gemm(const uint8_t* w, int64_t n, const KRows& a, int64_t rows, Out* out, int64_t ldo) {
+  const int64_t row_bytes = a.nsb * block_bytes(QTYPE);
+  for_each_panel(
+      n, a.nsb * k_record_bytes<QTYPE>(),
+      [&](int64_t p, int count, int next_count, uint8_t* panel) {
+        pack_k_panel<QTYPE>(w + p * PANEL * row_bytes, row_bytes, count, a.nsb, panel,
+                            next_count);
+      },
+      [&](int64_t p, int count, const uint8_t* panel) {
+        for (int64_t r0 = 0; r0 < rows; r0 += K_TILE_ROWS) {
+          k_rows<QTYPE>(panel, a, r0, std::min<int64_t>(K_TILE_ROWS, rows - r0),
+                        out + r0 * ldo + p * PANEL, ldo, count);
+        }
+      });
+}
+#endif
 
 }  // namespace
 
@@ -525,6 +733,22 @@ void panel_gemm(int64_t qtype, const uint8_t* w, int64_t n, const QuantizedRows&
 template <typename Out>
 void panel_gemm(int64_t qtype, const uint8_t* w, int64_t n, const Q8KRows& xq, int64_t rows,
                 Out* out, int64_t ldo) {
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+  std::vector<int16_t> sums32;  // Q4_K/Q5_K's slots are 32 values, two of Q8_K's sums
+  if (qtype != Q6_K) {
+    sums32.resize(xq.bsums.size() / 2);
+    for (size_t i = 0; i < sums32.size(); ++i) {
+      sums32[i] = static_cast<int16_t>(xq.bsums[2 * i] + xq.bsums[2 * i + 1]);
+    }
+  }
+  const KRows a{xq.q.data(), xq.k, xq.nsb, xq.d.data(),
+                qtype == Q6_K ? xq.bsums.data() : sums32.data()};
+  switch (qtype) {
+    case Q4_K: return k_gemm<Q4_K>(w, n, a, rows, out, ldo);
+    case Q5_K: return k_gemm<Q5_K>(w, n, a, rows, out, ldo);
+    case Q6_K: return k_gemm<Q6_K>(w, n, a, rows, out, ldo);
+  }
+#else
   const int64_t per_block = qtype == Q6_K ? 16 : 8;  // slots a super-block: per 16 or per 32
   PanelRows a{xq.q.data(), xq.k, xq.d.data(), xq.nsb,
               std::vector<float>(rows * xq.nsb * per_block), xq.nsb * per_block};
@@ -536,6 +760,7 @@ void panel_gemm(int64_t qtype, const uint8_t* w, int64_t n, const Q8KRows& xq, i
     case Q5_K: return gemm<Q5_K, 8>(w, n, a, rows, out, ldo);
     case Q6_K: return gemm<Q6_K, 8>(w, n, a, rows, out, ldo);
   }
+#endif
   TORCH_CHECK(false, "no integer GEMM for quantized type ", qtype);
 }
 #else
