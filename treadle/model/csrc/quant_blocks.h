@@ -50,6 +50,13 @@ inline float half_to_float(uint16_t bits) {
 }
 
 #if defined(__AVX2__)
+// An empty asm keeps a kernel's integer adds a chain: GCC reassociates them into a tree whose
+// products, all live at once, spill a tile's registers to the stack.
+inline __m256i in_order(__m256i sum) {
+  asm("" : "+x"(sum));
+  return sum;
+}
+
 // A 32-wide block's 16 bytes of 4-bit weights as 32 bytes in GGUF's order: the low nibbles are
 // weights 0-15, the high nibbles 16-31.
 inline __m256i unpack_nibbles(const uint8_t* qs) {

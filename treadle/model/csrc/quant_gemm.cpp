@@ -69,12 +69,7 @@ inline void store_f(float* p, VecF v) { _mm256_storeu_ps(p, v); }
 // AVX2: maddubs's 16-bit pair sums added in 16 bits, one madd widening several vectors' worth:
 // half the multiplier-port instructions of a madd per maddubs. A pair sum is at most
 // 2 x MAX_Q x 128 (an activation is -128 at worst), so partial_words of them stay below 2^15.
-// An empty asm keeps a tile's integer adds a chain: GCC reassociates them into a tree whose
-// products, all live at once, spill the tile's registers to the stack.
-inline VecI in_order(VecI sum) {
-  asm("" : "+x"(sum));
-  return sum;
-}
+// The adds stay a chain (in_order).
 inline VecI add_products(VecI partial, VecI u8, VecI s8) {
   return in_order(_mm256_add_epi16(partial, _mm256_maddubs_epi16(u8, s8)));
 }

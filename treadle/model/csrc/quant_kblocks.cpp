@@ -38,7 +38,7 @@ inline __m256i dot_scaled(__m256i acc, __m256i q, __m256i a, __m256i scale) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpwssd_epi32(acc, pairs, scale);
 #else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scale));
+  return in_order(_mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scale)));
 #endif
 }
 
