@@ -231,11 +231,16 @@ def test_rows_do_not_depend_on_the_batch(qtype, kernels):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_integer_gemm_matches_its_reference(qtype, dtype, kernels):
     """The GEMM of many rows (panels of 8 or 16 weight rows repacked per call, tiles of 3 or 6
-    activation rows) computes the row kernel's scheme: 37 outputs leave a partial panel, 1-14
-    rows every partial tile, 288 and 768 weights odd counts of blocks. A type the build serves
-    only row by row (Q8_0 without VNNI: q + 128 overflows maddubs' 16-bit pairs) is refused."""
+    activation rows, 4 for AVX2's K-quants) computes the row kernel's scheme: 37 outputs leave
+    a partial panel, 1-14 rows every partial tile, 288 and 768 weights odd counts of blocks. A
+    type the build serves only row by row (Q8_0 without VNNI: q + 128 overflows maddubs' 16-bit
+    pairs) is refused."""
     if not kernels.quant_gemm_types():
         pytest.skip("this build has no integer GEMM (not x86-64 with AVX2)")
+    check_gemm_against_reference(qtype, dtype, kernels)
+
+
+def check_gemm_against_reference(qtype: int, dtype: torch.dtype, kernels) -> None:
     in_features = 768 if qtype in K_QUANTS else 288
     weight = random_blocks(qtype, out_features=37, in_features=in_features, seed=in_features)
     x = torch.randn(14, in_features, generator=torch.Generator().manual_seed(9)).to(dtype)
@@ -310,14 +315,19 @@ AVX2_LARGEST = ("import sys\n"
                 "assert kernels.this_build().variant == 'avx2', kernels.this_build()\n"
                 "module = kernels.quant_linear_kernels()\n"
                 "from test_quantized import check_largest_products\n"
+                "from test_quantized import check_gemm_against_reference\n"
+                "import torch\n"
                 "for qtype in module.quant_gemm_types():\n"
                 "    check_largest_products(qtype, module)\n"
+                "    for dtype in (torch.float32, torch.bfloat16):\n"
+                "        check_gemm_against_reference(qtype, dtype, module)\n"
                 "print('ok')\n")
 
 
 def test_the_avx2_variant_sums_the_largest_products_exactly(kernels):
-    """The AVX2 build's 16-bit partial sums: on an AVX-512 machine, whose own build never runs
-    them, in a child process forced to the AVX2 variant; elsewhere in this one."""
+    """The AVX2 build's 16-bit partial sums and its K-quants' integer tiles: on an AVX-512
+    machine, whose own build never runs them, in a child process forced to the AVX2 variant
+    (against the reference too); elsewhere in this one."""
     if this_build().variant != "avx512":
         for qtype in kernels.quant_gemm_types():
             check_largest_products(qtype, kernels)

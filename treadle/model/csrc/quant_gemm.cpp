@@ -7,7 +7,7 @@
 // maddubs, its 16-bit sums widened by one madd per several vectors) into a vector of the rows'
 // sums, so that a block's float work (convert, scale, offset) is shared by PANEL outputs instead
 // of repeated per output as in the row-by-row kernels. On AVX2 the K-quants' panels keep
-// integer scales instead and a super-block's sums stay in integers (k_tile). Activations are
+// integer scales instead and a super-block's sums stay in integers (pack_k_panel, k_tile). Activations are
 // the row kernels' (quant_linear.cpp's per-32 blocks, quant_kblocks.cpp's Q8_K per 256); the
 // 32-wide types' outputs are the row kernels' bits, the K-quants' differ from theirs in float
 // rounding.
@@ -54,6 +54,8 @@ template <int MAX_Q> constexpr int partial_words() { return 8; }
 #else
 constexpr int PANEL = 8;
 constexpr int TILE_ROWS = 3;
+// A K tile's 4 rows of accumulators, int32 sums and 16-bit partials (12 vectors) with the
+// weights, a scale and a broadcast fit the 16 registers.
 constexpr int K_TILE_ROWS = 4;
 using VecI = __m256i;
 using VecF = __m256;
@@ -113,7 +115,8 @@ inline void store_out(at::BFloat16* out, VecF v, int count) {
 // What packing needs of a block type: its UNITS units of 32 weights (one block, or a K-quant's
 // 8 sub-blocks) and the scale and offset of each of a unit's SLOTS scale slots (w = scale q +
 // offset): a 32-wide type's for 8 rows at once (scale_rows), a K-quant's a block at a time as
-// vectors of 8, entry j SLOTS + slot (scale_vectors). A 32-wide type also gives a block's
+// vectors of 8, entry j SLOTS + slot (scale_vectors: AVX-512's tiles; AVX2's K panels take
+// KScales' integer scales instead). A 32-wide type also gives a block's
 // weights as unsigned bytes q (values); the K-quants' come from their chunk layouts below.
 template <int64_t QTYPE> struct Unit;
 
@@ -534,10 +537,12 @@ void gemm(const uint8_t* w, int64_t n, const PanelRows& a, int64_t rows, Out* ou
 // with ones, and the offsets (Q4_K/Q5_K mins, Q6_K's -32) come from a madd of the rows' pairs
 // of offset multipliers with the activation's pairs of sub-block sums; so the float work is a
 // super-block's instead of each sub-block's, and a tile's accumulators fit the 16 registers.
-// A K-quant super-block's integer scales and offset multipliers as 16 int16 (pair p of slots in
-// word p), and the float factors d and m of their sums:
+
+// A K-quant super-block's integer scales and offset multipliers as 16 int16 in 8 words (Q4_K /
+// Q5_K: scale pairs in words 0-3, min pairs in 4-7; Q6_K: its 16 scales, which are its offset
+// multipliers too), and the float factors d and m of their sums:
 // w . x = d x.d (sum_s scale_s dot_s) + m x.d (sum_s offset_s sum_s), a slot being 32 values
-// (Q4_K/Q5_K: 8 scales, then 8 offsets) or 16 (Q6_K: 16 scales, which are its offsets too).
+// (Q4_K/Q5_K) or 16 (Q6_K).
 template <int64_t QTYPE> struct KScales;
 
 template <int64_t QTYPE> struct KScales45 {  // w = d scale_j q - dmin min_j
@@ -573,9 +578,12 @@ template <int64_t QTYPE> constexpr int64_t k_record_bytes() {
   return 64 * VEC_BYTES + (SCALES + SCALES / 2) * VEC_BYTES + 2 * PANEL * sizeof(float);
 }
 
+// The `count` weight rows at w, a record a super-block (k_record_bytes), the `next_count` rows
+// that follow prefetched.
 template <int64_t QTYPE>
 void pack_k_panel(const uint8_t* w, int64_t row_bytes, int count, int64_t nsb, uint8_t* panel,
                   int next_count) {
+  static_assert(PANEL == 8, "a panel's rows are one transpose8 of their scale words");
   constexpr int SCALES = KScales<QTYPE>::SCALES;
   const int64_t bb = block_bytes(QTYPE);
   const __m256i low = _mm256_set1_epi32(0xFFFF), high = _mm256_set1_epi32(-0x10000);
@@ -586,12 +594,12 @@ void pack_k_panel(const uint8_t* w, int64_t row_bytes, int count, int64_t nsb, u
                                                      8 * VEC_BYTES);
     auto* scales = reinterpret_cast<__m256i*>(record + 64 * VEC_BYTES);  // [SCALES]
     __m256i* pairs = scales + SCALES;                                    // [SCALES / 2]
-    auto* d = reinterpret_cast<float*>(pairs + SCALES / 2);              // [PANEL], then m
+    auto* dm = reinterpret_cast<float*>(pairs + SCALES / 2);             // [PANEL] d, then m
     __m256i words[8], lanes[8];  // 8 rows' words, then word p of each row
     for (int i = 0; i < PANEL; ++i) {
-      d[i] = d[PANEL + i] = 0.f;
-      words[i] = i < count ? KScales<QTYPE>::words(w + i * row_bytes + sb * bb, d + i,
-                                                   d + PANEL + i)
+      dm[i] = dm[PANEL + i] = 0.f;
+      words[i] = i < count ? KScales<QTYPE>::words(w + i * row_bytes + sb * bb, dm + i,
+                                                   dm + PANEL + i)
                            : _mm256_setzero_si256();
     }
     transpose8(words, lanes);
@@ -601,6 +609,7 @@ void pack_k_panel(const uint8_t* w, int64_t row_bytes, int count, int64_t nsb, u
       _mm256_storeu_si256(scales + 2 * p + 1,
                           _mm256_or_si256(_mm256_and_si256(lanes[p], high),
                                           _mm256_srli_epi32(lanes[p], 16)));
+      // Q4_K/Q5_K's offsets are the mins in words 4-7; Q6_K's are its scales.
       _mm256_storeu_si256(pairs + p, lanes[SCALES == 8 ? 4 + p : p]);
     }
   }
@@ -615,6 +624,8 @@ struct KRows {
   const int16_t* sums;  // [rows, nsb, SCALES]
 };
 
+// out[r * ldo + i] for R activation rows from r0 and the K panel's rows: a super-block's sums in
+// int32, its float work once.
 template <int64_t QTYPE, int R, typename Out>
 void k_tile(const uint8_t* panel, const KRows& a, int64_t r0, Out* out, int64_t ldo,
             int count) {
