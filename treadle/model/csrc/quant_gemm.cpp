@@ -429,6 +429,23 @@ struct PanelRows {
   int64_t slots;              // slots a row
 };
 
+// Partial sums of R activation rows (row r's unit of values at x + r k) over 4-weight words
+// [g0, g0 + PARTIAL) of the unit whose weight vectors start at `unit`.
+template <int R, int PARTIAL>
+inline void unit_partials(const uint8_t* unit, const int8_t* x, int64_t k, int g0,
+                          VecI* partial) {
+  for (int r = 0; r < R; ++r) partial[r] = zero_i();
+#pragma GCC unroll 8
+  for (int g = g0; g < g0 + PARTIAL; ++g) {
+    const VecI wv = load_i(unit + g * VEC_BYTES);
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, x + r * k + 4 * g, sizeof(four));
+      partial[r] = add_products(partial[r], wv, splat_i(four));
+    }
+  }
+}
+
 // out[r * ldo + i] for R activation rows from r0 and the panel's PANEL rows; UNITS_PER_GROUP units
 // (32 values each) share an activation scale.
 template <int SLOTS, int UNITS_PER_GROUP, int PARTIAL, int R, typename Out>
@@ -452,16 +469,7 @@ void panel_tile(const uint8_t* panel, int64_t units, const PanelRows& a, int64_t
 #pragma GCC unroll 8
         for (int g0 = slot * WORDS; g0 < (slot + 1) * WORDS; g0 += PARTIAL) {
           VecI partial[R];
-          for (int r = 0; r < R; ++r) partial[r] = zero_i();
-#pragma GCC unroll 8
-          for (int g = g0; g < g0 + PARTIAL; ++g) {
-            const VecI wv = load_i(unit + g * VEC_BYTES);
-            for (int r = 0; r < R; ++r) {
-              int32_t four;
-              std::memcpy(&four, a.q + (r0 + r) * a.k + 32 * u + 4 * g, sizeof(four));
-              partial[r] = add_products(partial[r], wv, splat_i(four));
-            }
-          }
+          unit_partials<R, PARTIAL>(unit, a.q + r0 * a.k + 32 * u, a.k, g0, partial);
           for (int r = 0; r < R; ++r) dot[r] = widen(dot[r], partial[r]);
         }
         const VecF scale = load_f(scales + slot * 2 * PANEL);
@@ -639,23 +647,14 @@ void k_tile(const uint8_t* panel, const KRows& a, int64_t r0, Out* out, int64_t 
     VecI dot[R];
     for (int r = 0; r < R; ++r) dot[r] = zero_i();
     for (int j = 0; j < 8; ++j) {
-      const int8_t* x = a.q + 256 * sb + 32 * j;
+      const int8_t* x = a.q + r0 * a.k + 256 * sb + 32 * j;
 #pragma GCC unroll 2
       for (int slot = 0; slot < SLOTS; ++slot) {
         const VecI scale = load_i(scales + (SLOTS * j + slot) * VEC_BYTES);
 #pragma GCC unroll 8
         for (int g0 = slot * WORDS; g0 < (slot + 1) * WORDS; g0 += PARTIAL) {
           VecI partial[R];
-          for (int r = 0; r < R; ++r) partial[r] = zero_i();
-#pragma GCC unroll 8
-          for (int g = g0; g < g0 + PARTIAL; ++g) {
-            const VecI wv = load_i(record + (8 * j + g) * VEC_BYTES);
-            for (int r = 0; r < R; ++r) {
-              int32_t four;
-              std::memcpy(&four, x + (r0 + r) * a.k + 4 * g, sizeof(four));
-              partial[r] = add_products(partial[r], wv, splat_i(four));
-            }
-          }
+          unit_partials<R, PARTIAL>(record + 8 * j * VEC_BYTES, x, a.k, g0, partial);
           for (int r = 0; r < R; ++r) {
             dot[r] = in_order(_mm256_add_epi32(dot[r], _mm256_madd_epi16(partial[r], scale)));
           }
